@@ -1,0 +1,40 @@
+# kvpersist: every target needs only Go (and the module proxy for the first
+# download of dependencies).
+GO      ?= go
+PKGS    := ./...
+# Fuzz time per target for `make fuzz`.
+FUZZTIME ?= 60s
+
+.PHONY: test vet race demo bench soak fuzz fmt clean
+
+## test: vet, then every test with the race detector (short soak, crash and
+## fuzz-seed runs included). CI runs this.
+test: vet
+	$(GO) test -race -timeout 9m -count=1 $(PKGS)
+
+vet:
+	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
+	  if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
+	$(GO) vet $(PKGS)
+
+## demo: the main job (same as the README's first command).
+demo:
+	$(GO) run ./cmd/kvpersist demo
+
+## bench: the benchmark suite against the machine's limits (see README).
+bench:
+	./bench/run.sh
+
+## soak: long concurrency soak and crash (SIGKILL) runs.
+soak:
+	KVPERSIST_SOAK=long $(GO) test -race -timeout 60m -count=1 -run 'Soak|Crash|TwoProcess' ./...
+
+## fuzz: every fuzz target for FUZZTIME each.
+fuzz:
+	./bench/fuzz.sh $(FUZZTIME)
+
+fmt:
+	gofmt -w $$(git ls-files '*.go')
+
+clean:
+	$(GO) clean -testcache

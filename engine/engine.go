@@ -1,0 +1,469 @@
+// Package engine is kvpersist's public API: an Engine saves KV caches to a
+// store on local disk and restores them into caller-owned buffers, running
+// write, read and collect jobs asynchronously on a bounded pool.
+//
+// A caller submits a job and receives its ack channel. The engine touches a
+// caller's buffers (the views of a write, the destinations of a read) only
+// between submission and the ack: once the ack has arrived the buffers are
+// the caller's again, whatever happened (success, error, cancellation, a
+// recovered panic, Close). See ARCHITECTURE.md for the ordering rules.
+//
+// The store: <Root>/<namespace>/<name> is a snapshot file (single-file
+// layout) or a manifest (block layout) whose blocks live in
+// <Root>/<namespace>/blocks/. Namespaces and names are plain file names
+// (layout.ValidName).
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/panjf2000/ants/v2"
+)
+
+// Sentinel errors of the engine, usable with errors.Is.
+var (
+	// ErrClosed: the engine is closed (or closing) and accepts no jobs; also
+	// the cause of jobs cancelled because Close's context ended.
+	ErrClosed = errors.New("engine closed")
+	// ErrBusy: TrySubmit found the mailbox full.
+	ErrBusy = errors.New("engine mailbox full")
+	// ErrConfig: a Config field is out of range.
+	ErrConfig = errors.New("invalid engine config")
+	// ErrPath: a snapshot path would leave the store root (a symlinked
+	// namespace directory) or a name is invalid (wraps layout.ErrBadName).
+	ErrPath = errors.New("invalid snapshot path")
+)
+
+// Config configures an Engine. Zero values take the documented defaults.
+type Config struct {
+	// Root is the store's root directory (created if missing).
+	Root string
+	// Workers bounds the goroutines that run jobs and their tasks; default
+	// runtime.GOMAXPROCS(0).
+	Workers int
+	// Mailbox is how many submitted jobs may wait before Submit blocks (and
+	// TrySubmit returns ErrBusy); default 256.
+	Mailbox int
+	// BlockBytes is the default block size of block-layout writes, in bytes;
+	// default 1 MiB (jobs.DefaultBlockBytes). See jobs.CheckBlockBytes.
+	BlockBytes int
+	// NoSync turns every fsync off. Only for tests and tmpfs.
+	NoSync bool
+	// TempGrace and BlockGrace are collect's grace periods (see
+	// jobs.CollectSpec); zero TempGrace means jobs.DefaultTempGrace.
+	TempGrace, BlockGrace time.Duration
+	// FS is the file system seam; nil means the real one (vfs.Default).
+	FS vfs.FS
+	// Logger receives job events at debug level and failures at warn;
+	// nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// Engine runs jobs against one store. It is safe for concurrent use.
+type Engine struct {
+	cfg     Config
+	jcfg    jobs.Config
+	log     *slog.Logger
+	pool    *ants.Pool
+	mailbox chan *job
+	done    chan *job     // completions, to the dispatcher
+	kickCh  chan struct{} // wake the dispatcher (a cancel, a freed worker)
+	closing chan struct{} // closed when Close starts
+	stopped chan struct{} // closed when the dispatcher has exited
+	abort   chan struct{} // closed when Close's ctx ends: cancel everything
+
+	mu     sync.RWMutex // guards closed against in-flight Submit sends
+	closed bool
+
+	waiting atomic.Bool // a job is eligible but no worker is free
+	nextID  atomic.Uint64
+	stats   stats
+	abortMu sync.Once
+}
+
+type stats struct {
+	queued, running, completed, failed   atomic.Int64
+	bytesWritten, bytesReused, bytesRead atomic.Int64
+}
+
+// Stats is a snapshot of the engine's counters. Bytes are bytes.
+type Stats struct {
+	Queued       int64 // accepted, not started
+	Running      int64
+	Completed    int64 // acked, including failures
+	Failed       int64 // acked with an error
+	BytesWritten int64 // WrittenBytes summed over writes
+	BytesReused  int64 // ReusedBytes summed over writes (dedup)
+	BytesRead    int64 // ReadBytes summed over reads
+}
+
+// New opens an engine on cfg.Root and starts its dispatcher. Close it.
+func New(cfg Config) (*Engine, error) {
+	if cfg.Root == "" {
+		return nil, fmt.Errorf("%w: Root is empty", ErrConfig)
+	}
+	if cfg.Workers == 0 {
+		cfg.Workers = runtime.GOMAXPROCS(0)
+	}
+	if cfg.Workers < 1 || cfg.Workers > 4096 {
+		return nil, fmt.Errorf("%w: Workers %d (want 1 to 4096)", ErrConfig, cfg.Workers)
+	}
+	if cfg.Mailbox == 0 {
+		cfg.Mailbox = 256
+	}
+	if cfg.Mailbox < 1 {
+		return nil, fmt.Errorf("%w: Mailbox %d (want >= 1)", ErrConfig, cfg.Mailbox)
+	}
+	if cfg.BlockBytes == 0 {
+		cfg.BlockBytes = jobs.DefaultBlockBytes
+	}
+	if err := jobs.CheckBlockBytes(cfg.BlockBytes); err != nil {
+		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	if cfg.FS == nil {
+		cfg.FS = vfs.Default
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if err := cfg.FS.MkdirAll(cfg.Root, layout.DirPerm); err != nil {
+		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
+	}
+	e := &Engine{
+		cfg:     cfg,
+		log:     cfg.Logger,
+		mailbox: make(chan *job, cfg.Mailbox),
+		done:    make(chan *job, cfg.Workers),
+		kickCh:  make(chan struct{}, 1),
+		closing: make(chan struct{}),
+		stopped: make(chan struct{}),
+		abort:   make(chan struct{}),
+	}
+	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
+		ants.WithPanicHandler(func(r any) { e.log.Error("kvpersist: panic escaped a pool task", "panic", r) }))
+	if err != nil {
+		return nil, fmt.Errorf("engine: pool: %w", err)
+	}
+	e.pool = pool
+	e.jcfg = jobs.Config{
+		FS:      cfg.FS,
+		NoSync:  cfg.NoSync,
+		Helpers: cfg.Workers - 1,
+		Logger:  cfg.Logger,
+		Spawn: func(fn func()) bool {
+			return e.pool.Submit(func() { defer e.kick(); fn() }) == nil
+		},
+		Yield: e.waiting.Load,
+	}
+	d := newDispatcher(e)
+	go d.run()
+	return e, nil
+}
+
+// Root returns the store's root directory.
+func (e *Engine) Root() string { return e.cfg.Root }
+
+// Stats returns the engine's counters.
+func (e *Engine) Stats() Stats {
+	s := &e.stats
+	return Stats{
+		Queued: s.queued.Load(), Running: s.running.Load(),
+		Completed: s.completed.Load(), Failed: s.failed.Load(),
+		BytesWritten: s.bytesWritten.Load(), BytesReused: s.bytesReused.Load(), BytesRead: s.bytesRead.Load(),
+	}
+}
+
+// Ref names a snapshot: <Root>/<Namespace>/<Name>.
+type Ref struct {
+	Namespace string
+	Name      string
+}
+
+func (r Ref) String() string { return r.Namespace + "/" + r.Name }
+
+// Path resolves ref to its file path under the root. It fails with ErrPath
+// (wrapping layout.ErrBadName) for invalid names, and when the namespace
+// directory is a symlink, which could lead outside the root.
+func (e *Engine) Path(ref Ref) (string, error) {
+	p, err := layout.SnapshotPath(e.cfg.Root, ref.Namespace, ref.Name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
+	}
+	if st, err := e.cfg.FS.Lstat(filepath.Dir(p)); err == nil && (st.Mode()&os.ModeSymlink != 0 || !st.IsDir()) {
+		return "", fmt.Errorf("%w: namespace %s is a symlink or not a directory", ErrPath, filepath.Dir(p))
+	}
+	return p, nil
+}
+
+// Stat decodes and validates a snapshot's header (dtypes, shapes, bytes per
+// tensor, caller metadata) without reading tensor data, so a caller can
+// allocate destination buffers before submitting a read. It runs on the
+// calling goroutine and sees what is published now: to read after a write,
+// wait for the write's ack first. Errors wrap layout's decoding sentinels
+// (layout.ErrHeaderHash, ...) or fs.ErrNotExist.
+func (e *Engine) Stat(ref Ref) (*layout.Snapshot, error) {
+	p, err := e.Path(ref)
+	if err != nil {
+		return nil, err
+	}
+	return layout.Load(e.cfg.FS, p)
+}
+
+// Result is a job's ack: sent exactly once, after the engine's last touch of
+// the job's buffers.
+type Result struct {
+	ID   uint64 // the Job's ID
+	Kind Kind
+	Ref  Ref // the snapshot (zero for collect)
+	// Header is, for a write, the header as published (offsets, hashes,
+	// block lists); for a read, the header that was read. nil on error.
+	Header  *layout.Header
+	Metrics jobs.Metrics
+	Err     error
+}
+
+// Kind is a job's kind.
+type Kind int
+
+// Job kinds.
+const (
+	KindWrite Kind = iota + 1
+	KindRead
+	KindCollect
+)
+
+func (k Kind) String() string {
+	switch k {
+	case KindWrite:
+		return "write"
+	case KindRead:
+		return "read"
+	case KindCollect:
+		return "collect"
+	}
+	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+// Job is an accepted job.
+type Job struct {
+	ID uint64
+	// Ack receives the job's Result exactly once (buffered: it never blocks
+	// the engine). nil when the request named its own Ack channel.
+	Ack <-chan Result
+}
+
+// Request is a *WriteRequest, *ReadRequest or *CollectRequest.
+type Request interface{ request() }
+
+// WriteRequest saves a KV cache. The views' memory must stay valid and
+// unchanged until the ack.
+type WriteRequest struct {
+	Ref
+	Layout      layout.Layout // layout.Single or layout.Blocks
+	Meta        layout.Meta   // top-level caller metadata
+	Caches      []jobs.EntrySpec
+	Attachments []jobs.EntrySpec
+	BlockBytes  int  // 0 means Config.BlockBytes
+	Packed      bool // see jobs.WriteSpec.Packed
+	// Ack, when non-nil, receives the Result instead of a channel made by
+	// the engine (to multiplex many jobs on one channel, by Result.ID). The
+	// engine sends on it from a job goroutine and waits for room: give it a
+	// buffer, or keep receiving.
+	Ack chan<- Result
+}
+
+// ReadRequest restores a snapshot into Dest (one buffer per tensor slot, of
+// exactly the slot's bytes: see Stat). Dest must stay valid until the ack.
+type ReadRequest struct {
+	Ref
+	Dest   [][]byte
+	Verify bool
+	// Expect, when non-nil, is the header the caller allocated for (from
+	// Stat): a differing dtype or shape fails with jobs.ErrMismatch.
+	Expect *layout.Header
+	Ack    chan<- Result // see WriteRequest.Ack
+}
+
+// CollectRequest garbage-collects unreferenced blocks.
+type CollectRequest struct {
+	// Namespaces to collect; nil means every namespace of the root. A
+	// collect runs alone in its namespaces (all of them when nil).
+	Namespaces []string
+	DryRun     bool
+	Ack        chan<- Result // see WriteRequest.Ack
+}
+
+func (*WriteRequest) request()   {}
+func (*ReadRequest) request()    {}
+func (*CollectRequest) request() {}
+
+// job is the engine's record of an accepted request.
+type job struct {
+	id      uint64
+	seq     uint64 // submission order (dispatcher-assigned)
+	kind    Kind
+	ref     Ref
+	path    string   // snapshot path (write, read)
+	ns      []string // namespaces touched; nil for a collect of all
+	req     Request
+	ctx     context.Context
+	cancel  context.CancelCauseFunc
+	stopAft func() bool
+	ack     chan<- Result
+	ownAck  bool
+	started bool
+	res     Result
+}
+
+// Submit hands a job to the engine. While the mailbox is full it blocks until
+// ctx is done (returning ctx's error; the buffers were never touched). ctx
+// also governs the job: cancelled before it starts, the job is acked with
+// ctx's error; while running, the job stops between tensors and blocks,
+// removes its temp files and is acked with ctx's error (the snapshot's
+// previous version stays readable). Errors: ErrClosed, ErrPath,
+// ctx.Err(), or a request validation error; on error no ack will come.
+func (e *Engine) Submit(ctx context.Context, req Request) (*Job, error) {
+	return e.submit(ctx, req, true)
+}
+
+// TrySubmit is Submit without waiting: a full mailbox returns ErrBusy.
+func (e *Engine) TrySubmit(ctx context.Context, req Request) (*Job, error) {
+	return e.submit(ctx, req, false)
+}
+
+func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, error) {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	j := &job{id: e.nextID.Add(1), req: req}
+	var ack chan<- Result
+	switch r := req.(type) {
+	case *WriteRequest:
+		j.kind, j.ref, ack = KindWrite, r.Ref, r.Ack
+	case *ReadRequest:
+		j.kind, j.ref, ack = KindRead, r.Ref, r.Ack
+	case *CollectRequest:
+		j.kind, ack = KindCollect, r.Ack
+		for _, ns := range r.Namespaces {
+			if err := layout.ValidName("namespace", ns); err != nil {
+				return nil, fmt.Errorf("%w: %w", ErrPath, err)
+			}
+		}
+		if r.Namespaces != nil {
+			j.ns = append([]string(nil), r.Namespaces...)
+			if len(j.ns) == 0 {
+				j.ns = []string{} // nothing to collect; still ordered
+			}
+		}
+	default:
+		return nil, fmt.Errorf("engine: unknown request type %T", req)
+	}
+	if j.kind != KindCollect {
+		p, err := e.Path(j.ref)
+		if err != nil {
+			return nil, err
+		}
+		j.path, j.ns = p, []string{j.ref.Namespace}
+	}
+	out := &Job{ID: j.id}
+	if ack == nil {
+		ch := make(chan Result, 1)
+		ack, j.ownAck, out.Ack = ch, true, ch
+	}
+	j.ack = ack
+	j.ctx, j.cancel = context.WithCancelCause(ctx)
+
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		j.cancel(ErrClosed)
+		return nil, ErrClosed
+	}
+	e.stats.queued.Add(1)
+	if wait {
+		select {
+		case e.mailbox <- j:
+		case <-ctx.Done():
+			e.stats.queued.Add(-1)
+			j.cancel(nil)
+			return nil, ctx.Err()
+		case <-e.closing:
+			e.stats.queued.Add(-1)
+			j.cancel(ErrClosed)
+			return nil, ErrClosed
+		}
+	} else {
+		select {
+		case e.mailbox <- j:
+		default:
+			e.stats.queued.Add(-1)
+			j.cancel(nil)
+			return nil, ErrBusy
+		}
+	}
+	// Wake the dispatcher when the job's context ends while it waits.
+	j.stopAft = context.AfterFunc(j.ctx, e.kick)
+	return out, nil
+}
+
+func (e *Engine) kick() {
+	select {
+	case e.kickCh <- struct{}{}:
+	default:
+	}
+}
+
+// Close stops accepting jobs (Submit returns ErrClosed), lets every accepted
+// job run and be acked, releases the pool and returns when no goroutine of
+// the engine is left. If ctx ends first, the remaining jobs are cancelled
+// (acked with an error wrapping ErrClosed as cause) and Close still waits for
+// their acks, then returns ctx's error. Every accepted job is acked exactly
+// once. Close is idempotent.
+func (e *Engine) Close(ctx context.Context) error {
+	e.mu.Lock()
+	if !e.closed {
+		e.closed = true
+		close(e.closing)
+		close(e.mailbox) // no sender is mid-send: they hold mu.RLock
+	}
+	e.mu.Unlock()
+	var err error
+	select {
+	case <-e.stopped:
+	case <-ctx.Done():
+		err = ctx.Err()
+		e.abortMu.Do(func() { close(e.abort) })
+		e.kick()
+		<-e.stopped
+	}
+	if perr := e.pool.ReleaseTimeout(10 * time.Second); perr != nil && !errors.Is(perr, ants.ErrPoolClosed) {
+		err = errors.Join(err, fmt.Errorf("engine: releasing pool: %w", perr))
+	}
+	return err
+}
+
+// Do submits req (waiting while the mailbox is full) and waits for its ack.
+// Even when ctx ends first it waits for the ack (the cancelled job acks
+// promptly), so the caller's buffers are free when Do returns.
+func (e *Engine) Do(ctx context.Context, req Request) Result {
+	j, err := e.Submit(ctx, req)
+	if err != nil {
+		return Result{Err: err}
+	}
+	if j.Ack == nil {
+		return Result{ID: j.ID, Err: fmt.Errorf("engine: Do needs the engine's own ack channel (request had Ack set)")}
+	}
+	return <-j.Ack
+}

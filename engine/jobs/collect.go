@@ -1,0 +1,329 @@
+package jobs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// DefaultTempGrace is how old a temp file must be before collect removes it:
+// younger ones may belong to a writer that is still running (in this or
+// another process).
+const DefaultTempGrace = 10 * time.Minute
+
+// ErrRoot: the collect root does not exist, is not a directory, or is a
+// namespace directory rather than the root above namespaces.
+var ErrRoot = errors.New("invalid store root")
+
+// CollectSpec describes a garbage collection.
+type CollectSpec struct {
+	// Root is the store root: each directory directly under it is a
+	// namespace (holding snapshot files, manifests and a blocks/ directory).
+	// Passing a namespace directory itself is an ErrRoot error.
+	Root string
+	// Namespaces limits the collection to these; nil means every one.
+	Namespaces []string
+	// DryRun deletes nothing; Deleted then lists what would be deleted.
+	DryRun bool
+	// TempGrace: temp files younger than this are kept. 0 means
+	// DefaultTempGrace; a negative value removes every temp file (only when
+	// no writer can be running).
+	TempGrace time.Duration
+	// BlockGrace: unreferenced blocks younger than this are kept (a second
+	// line of defence, as git prune's, for writers that do not take the
+	// namespace lock). 0 keeps none back.
+	BlockGrace time.Duration
+	// Now is the clock for the grace periods; zero means time.Now().
+	Now time.Time
+}
+
+// CollectMetrics reports what a collect found and did.
+type CollectMetrics struct {
+	Namespaces       int
+	ManifestsScanned int   // snapshot files and manifests decoded
+	BlocksKept       int64 // referenced (or within BlockGrace) block files
+	BlocksDeleted    int64 // unreferenced block files deleted (or to delete)
+	BytesFreed       int64 // their bytes
+	TempRemoved      int64 // stale temp files removed (or to remove)
+	// Unreadable lists files in a namespace that did not decode as a
+	// snapshot or manifest (with the reason). Their blocks cannot be known,
+	// so that namespace's blocks are not swept at all: an operator can still
+	// repair or remove the file (kvpersist verify names it). Other
+	// manifests and namespaces are collected as usual.
+	Unreadable []string
+	// UnsweptNamespaces lists namespaces whose sweep was skipped.
+	UnsweptNamespaces []string
+	// Skipped lists entries whose names kvpersist does not recognise; they
+	// are never deleted.
+	Skipped []string
+	// Deleted lists every path deleted (or, with DryRun, to delete).
+	Deleted []string
+}
+
+// Collect marks, for each namespace under spec.Root, every block named by a
+// decodable manifest, and sweeps the block files no manifest names. It holds
+// the namespace's lock exclusively while it works (writers and readers hold
+// it shared), so a block of a snapshot being written is never swept.
+func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, error) {
+	start := time.Now()
+	cm := &CollectMetrics{}
+	m := Metrics{Collect: cm}
+	fsys := cfg.fs()
+	st, err := fsys.Lstat(spec.Root)
+	if err != nil {
+		return m, fmt.Errorf("%w: %s: %v", ErrRoot, spec.Root, err)
+	}
+	if !st.IsDir() {
+		return m, fmt.Errorf("%w: %s is not a directory", ErrRoot, spec.Root)
+	}
+	if bst, err := fsys.Lstat(layout.BlocksDir(spec.Root)); err == nil && bst.IsDir() {
+		return m, fmt.Errorf("%w: %s holds a blocks/ directory: it is a namespace; pass the directory above it", ErrRoot, spec.Root)
+	}
+	names := spec.Namespaces
+	if names == nil {
+		ents, err := fsys.ReadDir(spec.Root)
+		if err != nil {
+			return m, fmt.Errorf("jobs: collect: %w", err)
+		}
+		for _, e := range ents {
+			switch {
+			case e.IsDir() && layout.ValidName("namespace", e.Name()) == nil:
+				names = append(names, e.Name())
+			default:
+				cm.Skipped = append(cm.Skipped, filepath.Join(spec.Root, e.Name()))
+			}
+		}
+	}
+	now := spec.Now
+	if now.IsZero() {
+		now = time.Now()
+	}
+	c := &collector{cfg: cfg, spec: spec, cm: cm, now: now}
+	for _, ns := range names {
+		if err := ctx.Err(); err != nil {
+			return m, err
+		}
+		if err := layout.ValidName("namespace", ns); err != nil {
+			return m, err
+		}
+		if err := c.namespace(ctx, filepath.Join(spec.Root, ns)); err != nil {
+			return m, err
+		}
+		cm.Namespaces++
+	}
+	m.Elapsed = time.Since(start)
+	return m, nil
+}
+
+type collector struct {
+	cfg  *Config
+	spec *CollectSpec
+	cm   *CollectMetrics
+	now  time.Time
+}
+
+func (c *collector) tempGrace() time.Duration {
+	switch {
+	case c.spec.TempGrace == 0:
+		return DefaultTempGrace
+	case c.spec.TempGrace < 0:
+		return 0
+	}
+	return c.spec.TempGrace
+}
+
+type victim struct {
+	path  string
+	bytes int64
+	block bool
+}
+
+func (c *collector) namespace(ctx context.Context, nsDir string) error {
+	fsys := c.cfg.fs()
+	st, err := fsys.Lstat(nsDir)
+	if err != nil || !st.IsDir() {
+		c.cm.Skipped = append(c.cm.Skipped, nsDir)
+		return nil
+	}
+	unlock, err := lockNamespace(c.cfg, nsDir, true, true)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	ents, err := fsys.ReadDir(nsDir)
+	if err != nil {
+		return fmt.Errorf("jobs: collect %s: %w", nsDir, err)
+	}
+	live := map[string]struct{}{}
+	unreadable := false
+	var victims []victim
+	hasBlocks := false
+	for _, e := range ents {
+		name, path := e.Name(), filepath.Join(nsDir, e.Name())
+		switch {
+		case name == layout.LockName:
+		case layout.IsTemp(name):
+			if v, ok := c.staleTemp(path, e); ok {
+				victims = append(victims, v)
+			}
+		case name == layout.BlocksDirName && e.IsDir():
+			hasBlocks = true
+		case e.Type().IsRegular() && layout.ValidName("snapshot", name) == nil:
+			snap, err := layout.Load(fsys, path)
+			if err != nil {
+				c.cm.Unreadable = append(c.cm.Unreadable, err.Error())
+				unreadable = true
+				continue
+			}
+			c.cm.ManifestsScanned++
+			for _, t := range snap.Header.Slots() {
+				for _, b := range t.Blocks {
+					live[b.Hash] = struct{}{}
+				}
+			}
+		default:
+			c.cm.Skipped = append(c.cm.Skipped, path)
+		}
+	}
+	if hasBlocks {
+		bv, err := c.sweepList(nsDir, live)
+		if err != nil {
+			return err
+		}
+		if unreadable {
+			c.cm.UnsweptNamespaces = append(c.cm.UnsweptNamespaces, nsDir)
+			// Keep every block; still clear stale temp files.
+			for _, v := range bv {
+				if !v.block {
+					victims = append(victims, v)
+				} else {
+					c.cm.BlocksKept++
+				}
+			}
+		} else {
+			victims = append(victims, bv...)
+		}
+	}
+	return c.remove(ctx, victims)
+}
+
+func (c *collector) staleTemp(path string, e os.DirEntry) (victim, bool) {
+	info, err := e.Info()
+	if err != nil || !info.Mode().IsRegular() {
+		c.cm.Skipped = append(c.cm.Skipped, path)
+		return victim{}, false
+	}
+	if c.now.Sub(info.ModTime()) < c.tempGrace() {
+		return victim{}, false
+	}
+	return victim{path: path, bytes: info.Size()}, true
+}
+
+// sweepList lists block files to delete: unreferenced and older than
+// BlockGrace. Blocks live in blocks/<2 hex>/<64 hex> (and, for stores of
+// the Bun worker, blocks/<64 hex>).
+func (c *collector) sweepList(nsDir string, live map[string]struct{}) ([]victim, error) {
+	fsys := c.cfg.fs()
+	blocksDir := layout.BlocksDir(nsDir)
+	var out []victim
+	consider := func(dir string, e os.DirEntry) {
+		name, path := e.Name(), filepath.Join(dir, e.Name())
+		if layout.IsTemp(name) {
+			if v, ok := c.staleTemp(path, e); ok {
+				out = append(out, v)
+			}
+			return
+		}
+		if !layout.ValidBlockHash(name) || !e.Type().IsRegular() {
+			c.cm.Skipped = append(c.cm.Skipped, path)
+			return
+		}
+		if _, ok := live[name]; ok {
+			c.cm.BlocksKept++
+			return
+		}
+		info, err := e.Info()
+		if err != nil {
+			c.cm.Skipped = append(c.cm.Skipped, path)
+			return
+		}
+		if c.spec.BlockGrace > 0 && c.now.Sub(info.ModTime()) < c.spec.BlockGrace {
+			c.cm.BlocksKept++
+			return
+		}
+		out = append(out, victim{path: path, bytes: info.Size(), block: true})
+	}
+	ents, err := fsys.ReadDir(blocksDir)
+	if err != nil {
+		return nil, fmt.Errorf("jobs: collect %s: %w", blocksDir, err)
+	}
+	for _, e := range ents {
+		name := e.Name()
+		if e.IsDir() && isFanout(name) {
+			dir := filepath.Join(blocksDir, name)
+			sub, err := fsys.ReadDir(dir)
+			if err != nil {
+				return nil, fmt.Errorf("jobs: collect %s: %w", dir, err)
+			}
+			for _, s := range sub {
+				if layout.ValidBlockHash(s.Name()) && s.Name()[:2] != name {
+					c.cm.Skipped = append(c.cm.Skipped, filepath.Join(dir, s.Name()))
+					continue
+				}
+				consider(dir, s)
+			}
+			continue
+		}
+		consider(blocksDir, e)
+	}
+	return out, nil
+}
+
+func (c *collector) remove(ctx context.Context, victims []victim) error {
+	sort.Slice(victims, func(i, j int) bool { return victims[i].path < victims[j].path })
+	for _, v := range victims {
+		c.cm.Deleted = append(c.cm.Deleted, v.path)
+		if v.block {
+			c.cm.BlocksDeleted++
+			c.cm.BytesFreed += v.bytes
+		} else {
+			c.cm.TempRemoved++
+		}
+	}
+	if c.spec.DryRun {
+		return nil
+	}
+	fsys := c.cfg.fs()
+	var mu sync.Mutex
+	var errs []error
+	err := parallel(ctx, c.cfg, len(victims), 0, func(i int, _ []byte) error {
+		if err := fsys.Remove(victims[i].path); err != nil && !vfs.IsNotExist(err) {
+			mu.Lock()
+			errs = append(errs, err)
+			mu.Unlock()
+		}
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	if len(errs) > 0 {
+		return fmt.Errorf("jobs: collect: %d deletions failed: %w", len(errs), errors.Join(errs...))
+	}
+	return nil
+}
+
+// isFanout reports whether name is a fan-out directory: 2 lowercase hex digits.
+func isFanout(name string) bool {
+	return len(name) == 2 && isLowerHex(name[0]) && isLowerHex(name[1])
+}
+
+func isLowerHex(c byte) bool { return c >= '0' && c <= '9' || c >= 'a' && c <= 'f' }

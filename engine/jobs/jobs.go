@@ -1,0 +1,267 @@
+// Package jobs holds kvpersist's three jobs as plain synchronous functions:
+// Write (single-file or block layout), Read (verified, into caller-owned
+// buffers) and Collect (garbage collection of unreferenced blocks). They
+// never start goroutines of their own: a job that can use more cores hands
+// tasks to Config.Spawn (the engine's bounded pool) and does the rest itself,
+// so a job makes progress even when the pool is full. The engine (package
+// engine) schedules them; tools and tests may call them directly.
+package jobs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"runtime/debug"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// Spawn runs fn on another goroutine if one is free now and reports whether
+// it did; it must never block waiting for one. nil means no helpers.
+type Spawn func(fn func()) bool
+
+// Config is what every job needs from its caller.
+type Config struct {
+	// FS is the file system; nil means vfs.Default.
+	FS vfs.FS
+	// NoSync turns off every fsync (file and directory). Only for tests
+	// and tmpfs: a published snapshot may then vanish in a power cut.
+	NoSync bool
+	// NoLock turns off the per-namespace advisory lock (flock) that keeps a
+	// collect in another process away from this job's blocks.
+	NoLock bool
+	// Spawn lends the job more goroutines (bounded by the pool); nil = none.
+	Spawn Spawn
+	// Helpers caps how many extra goroutines one job asks Spawn for; 0
+	// means 1 (so two goroutines work on a job).
+	Helpers int
+	// Yield, when non-nil, is asked by helper goroutines between tasks;
+	// true makes a helper hand its goroutine back (the job's own goroutine
+	// carries on), so a waiting job can start, e.g. a read behind a big write.
+	Yield func() bool
+	// Logger receives debug events; nil means slog.Default().
+	Logger *slog.Logger
+}
+
+func (c *Config) fs() vfs.FS {
+	if c.FS == nil {
+		return vfs.Default
+	}
+	return c.FS
+}
+
+func (c *Config) helpers() int {
+	if c.Helpers <= 0 {
+		return 1
+	}
+	return c.Helpers
+}
+
+// Metrics of one job. Bytes are always bytes; counts are counts. Fields not
+// meaningful for a job's kind stay zero. The first four carry the original
+// worker's meanings.
+type Metrics struct {
+	// WrittenBytes: tensor or block bytes newly written, plus the header or
+	// manifest bytes written.
+	WrittenBytes int64
+	// ReusedBytes: bytes of blocks that were already stored (dedup).
+	ReusedBytes int64
+	// CopiedBytes: bytes that had to be gathered into scratch because they
+	// were not one contiguous run of the caller's view.
+	CopiedBytes int64
+	// ScratchPeak: the largest scratch buffer one task used, in bytes.
+	ScratchPeak int64
+	// Elapsed is the job's wall time.
+	Elapsed time.Duration
+
+	// LogicalBytes: the snapshot's tensor bytes (sum of every slot's bytes).
+	LogicalBytes int64
+	// ReadBytes: bytes read from disk into destinations (reads).
+	ReadBytes int64
+	// BlocksWritten / BlocksReused count blocks (block layout).
+	BlocksWritten, BlocksReused int64
+
+	Collect *CollectMetrics // collect only
+}
+
+// Sentinel errors of the jobs, usable with errors.Is. Returned errors wrap
+// one of them (or a layout/gather/vfs error) and name the path and tensor.
+var (
+	// ErrInvalidRequest: a write or read request is malformed (no tensors,
+	// a bad view, a dtype whose itemsize disagrees with the view's, ...).
+	ErrInvalidRequest = errors.New("invalid request")
+	// ErrBlockBytes: blockBytes is not a power of two in [MinBlockBytes, MaxBlockBytes].
+	ErrBlockBytes = errors.New("invalid block size")
+	// ErrDestination: the destinations do not match the snapshot: wrong
+	// count, or a buffer whose length differs from its tensor's bytes.
+	ErrDestination = errors.New("destination does not match snapshot")
+	// ErrMismatch: the snapshot's dtype or shape differs from what the
+	// caller expected (see ReadSpec.Expect).
+	ErrMismatch = errors.New("snapshot differs from expected")
+	// ErrCorrupt: a tensor or block failed verification.
+	ErrCorrupt = errors.New("data failed verification")
+	// ErrMissingBlock: a block named by a manifest does not exist.
+	ErrMissingBlock = errors.New("missing block")
+	// ErrBlockSize: a block file's size differs from its manifest entry
+	// (truncated, or with trailing bytes).
+	ErrBlockSize = errors.New("block file size mismatch")
+	// ErrPanic: a job panicked; the panic was recovered.
+	ErrPanic = errors.New("job panicked")
+)
+
+// Block size bounds, in bytes.
+const (
+	MinBlockBytes     = 4 << 10
+	MaxBlockBytes     = 64 << 20
+	DefaultBlockBytes = 1 << 20 // as the original
+	// ChunkBytes is the unit, in bytes, in which single-file writes and reads
+	// stream a tensor: gather, hash and pwrite (or pread and hash) a chunk at
+	// a time, so that scratch stays bounded and data is hot in cache.
+	ChunkBytes = 4 << 20
+)
+
+// CheckBlockBytes validates a block size: a power of two between
+// MinBlockBytes (4 KiB) and MaxBlockBytes (64 MiB). The original accepted 0
+// and then made one file per element.
+func CheckBlockBytes(n int) error {
+	if n < MinBlockBytes || n > MaxBlockBytes || n&(n-1) != 0 {
+		return fmt.Errorf("%w: %d bytes (want a power of two from %d to %d)", ErrBlockBytes, n, MinBlockBytes, MaxBlockBytes)
+	}
+	return nil
+}
+
+// scratchPools hands out reusable byte buffers by power-of-two size class,
+// so scratch is bounded by (participating goroutines × class size) and is
+// reused across jobs instead of growing to the largest tensor ever seen.
+var scratchPools [40]sync.Pool
+
+func getScratch(n int) *[]byte {
+	class := 0
+	for 1<<class < n {
+		class++
+	}
+	if b, ok := scratchPools[class].Get().(*[]byte); ok {
+		return b
+	}
+	b := make([]byte, 1<<class)
+	return &b
+}
+
+func putScratch(b *[]byte) {
+	class := 0
+	for 1<<class < len(*b) {
+		class++
+	}
+	scratchPools[class].Put(b)
+}
+
+// parallel runs fn(i) for i in [0, n): the calling goroutine works through
+// the indices itself, helped by up to cfg.helpers() goroutines that Spawn
+// grants right now. It returns when every started goroutine has finished
+// (so no goroutine touches caller memory afterwards), with the first error.
+// It stops taking new indices after an error or when ctx is done. A panic in
+// a helper is recovered and returned as ErrPanic. Each goroutine gets its own
+// scratch of scratchBytes (nil when 0).
+func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i int, scratch []byte) error) error {
+	if n == 0 {
+		return nil
+	}
+	var (
+		next   atomic.Int64
+		failed atomic.Bool
+		mu     sync.Mutex
+		first  error
+		wg     sync.WaitGroup
+	)
+	record := func(err error) {
+		mu.Lock()
+		if first == nil {
+			first = err
+		}
+		mu.Unlock()
+		failed.Store(true)
+	}
+	work := func(helper bool) {
+		var scratch []byte
+		if scratchBytes > 0 {
+			b := getScratch(scratchBytes)
+			defer putScratch(b)
+			scratch = *b
+		}
+		for !failed.Load() {
+			if helper && cfg.Yield != nil && cfg.Yield() {
+				return
+			}
+			i := int(next.Add(1) - 1)
+			if i >= n {
+				return
+			}
+			if err := ctx.Err(); err != nil {
+				record(err)
+				return
+			}
+			if err := fn(i, scratch); err != nil {
+				record(err)
+				return
+			}
+		}
+	}
+	if cfg.Spawn != nil {
+		for h := 0; h < min(cfg.helpers(), n-1); h++ {
+			wg.Add(1)
+			ok := cfg.Spawn(func() {
+				defer wg.Done()
+				defer func() {
+					if r := recover(); r != nil {
+						record(fmt.Errorf("%w: in a helper task: %v\n%s", ErrPanic, r, debug.Stack()))
+					}
+				}()
+				work(true)
+			})
+			if !ok {
+				wg.Done()
+				break
+			}
+		}
+	}
+	func() {
+		defer func() {
+			if r := recover(); r != nil {
+				record(fmt.Errorf("%w: %v\n%s", ErrPanic, r, debug.Stack()))
+			}
+		}()
+		work(false)
+	}()
+	wg.Wait()
+	return first
+}
+
+// lockNamespace takes the namespace's advisory lock: shared for writers and
+// readers, exclusive for collect. create=false skips a missing lock file
+// (reads of a store no writer has touched, e.g. a read-only source).
+func lockNamespace(cfg *Config, nsDir string, exclusive, create bool) (func(), error) {
+	if cfg.NoLock {
+		return func() {}, nil
+	}
+	unlock, err := cfg.fs().Lock(nsDir+"/.lock", exclusive, create)
+	if err != nil {
+		if !create && vfs.IsNotExist(err) {
+			return func() {}, nil
+		}
+		return nil, fmt.Errorf("jobs: lock namespace %s: %w", nsDir, err)
+	}
+	return func() { _ = unlock() }, nil
+}
+
+func maxInt64(a *atomic.Int64, v int64) {
+	for {
+		old := a.Load()
+		if v <= old || a.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}

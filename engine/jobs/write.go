@@ -1,0 +1,421 @@
+package jobs
+
+import (
+	"context"
+	"encoding/hex"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/minio/sha256-simd"
+	"github.com/zeebo/xxh3"
+)
+
+// TensorSpec is one tensor to save: its dtype name (see layout.ItemSize) and
+// a strided view of caller memory whose ItemSize equals the dtype's.
+type TensorSpec struct {
+	DType string
+	View  gather.View
+}
+
+// EntrySpec is one cache entry (e.g. a layer's K and V) or attachment.
+type EntrySpec struct {
+	Meta    layout.Meta // caller metadata, round-trips unchanged
+	Tensors []TensorSpec
+}
+
+// WriteSpec describes a snapshot to write.
+type WriteSpec struct {
+	// Path of the snapshot file: <root>/<namespace>/<name>. Blocks go to
+	// <root>/<namespace>/blocks/.
+	Path        string
+	Layout      layout.Layout
+	Meta        layout.Meta // top-level caller metadata
+	Caches      []EntrySpec
+	Attachments []EntrySpec
+	// BlockBytes is the block size for the block layout (0 means
+	// DefaultBlockBytes); see CheckBlockBytes.
+	BlockBytes int
+	// Packed gathers each whole tensor into scratch before cutting blocks
+	// (the original's segmented:false); the blocks are identical, only the
+	// copying differs. Default is segmented: blocks straight from the view.
+	Packed bool
+}
+
+type slotIn struct {
+	t    *TensorSpec
+	out  *layout.Tensor
+	name string
+}
+
+// buildHeader validates every view and returns the header skeleton (hash
+// placeholders) and the slots in file order.
+func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error) {
+	h := &layout.Header{FormatVersion: version, Meta: spec.Meta}
+	build := func(in []EntrySpec) []layout.Entry {
+		out := make([]layout.Entry, len(in))
+		for i, e := range in {
+			out[i] = layout.Entry{Meta: e.Meta, Tensors: make([]layout.Tensor, len(e.Tensors))}
+		}
+		return out
+	}
+	h.Caches = build(spec.Caches)
+	if spec.Attachments != nil {
+		h.Attachments = build(spec.Attachments)
+	}
+	var slots []slotIn
+	for gi, group := range [][]EntrySpec{spec.Caches, spec.Attachments} {
+		entries := h.Caches
+		if gi == 1 {
+			entries = h.Attachments
+		}
+		for i := range group {
+			for j := range group[i].Tensors {
+				t := &group[i].Tensors[j]
+				slots = append(slots, slotIn{t: t, out: &entries[i].Tensors[j]})
+			}
+		}
+	}
+	if len(slots) == 0 {
+		return nil, nil, fmt.Errorf("%w: %s: no tensors", ErrInvalidRequest, spec.Path)
+	}
+	for i := range slots {
+		s := &slots[i]
+		s.name = h.SlotName(i)
+		size, err := layout.ItemSize(s.t.DType)
+		if err != nil {
+			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+		}
+		if s.t.View.ItemSize != size {
+			return nil, nil, fmt.Errorf("%w: %s %s: view itemsize %d bytes, dtype %s has %d", ErrInvalidRequest, spec.Path, s.name, s.t.View.ItemSize, s.t.DType, size)
+		}
+		if err := s.t.View.Validate(); err != nil {
+			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+		}
+		shape := make([]int64, len(s.t.View.Shape))
+		for k, d := range s.t.View.Shape {
+			shape[k] = int64(d)
+		}
+		*s.out = layout.Tensor{Bytes: int64(s.t.View.Bytes()), DType: s.t.DType, Shape: shape}
+	}
+	return h, slots, nil
+}
+
+// Write saves a snapshot and returns its header as published (offsets,
+// hashes, block lists). The previous snapshot at spec.Path, if any, stays
+// intact and readable until the new one is durably renamed over it; on any
+// error (including ctx's) nothing is published and no temp file is left.
+// The caller's views are not touched after Write returns.
+func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, Metrics, error) {
+	start := time.Now()
+	var m Metrics
+	var h *layout.Header
+	var err error
+	nsDir := filepath.Dir(spec.Path)
+	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
+		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
+	}
+	unlock, err := lockNamespace(cfg, nsDir, false, true)
+	if err != nil {
+		return nil, m, err
+	}
+	defer unlock()
+	switch spec.Layout {
+	case layout.Single:
+		h, err = writeSingle(ctx, cfg, spec, &m)
+	case layout.Blocks:
+		h, err = writeBlocks(ctx, cfg, spec, &m)
+	default:
+		err = fmt.Errorf("%w: %s: unknown layout %v", ErrInvalidRequest, spec.Path, spec.Layout)
+	}
+	m.Elapsed = time.Since(start)
+	if err != nil {
+		return nil, m, err
+	}
+	return h, m, nil
+}
+
+var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
+
+func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) (*layout.Header, error) {
+	h, slots, err := buildHeader(spec, layout.FormatSingle)
+	if err != nil {
+		return nil, err
+	}
+	var end int64
+	for _, s := range slots {
+		s.out.Off = end
+		s.out.Hash = "0000000000000000" // same length as every real hash
+		end = layout.AlignUp(end+s.out.Bytes, layout.TensorAlign)
+		m.LogicalBytes += s.out.Bytes
+	}
+	js, err := h.Encode()
+	if err != nil {
+		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+	}
+	if len(js) > layout.MaxHeaderLen {
+		return nil, fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
+	}
+	dataStart := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
+	var copied, peak atomic.Int64
+	err = layout.Publish(cfg.fs(), spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true, Size: dataStart + end},
+		func(f vfs.File) error {
+			err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
+				s := slots[i]
+				hs := hasherPool.Get().(*xxh3.Hasher)
+				defer hasherPool.Put(hs)
+				hs.Reset()
+				v := s.t.View
+				n := v.Elements()
+				chunk := max(1, ChunkBytes/v.ItemSize)
+				run := v.RunElements()
+				for e := 0; e < n; {
+					if e > 0 {
+						if err := ctx.Err(); err != nil {
+							return err
+						}
+					}
+					count := min(chunk, n-e)
+					// Stop at the end of a long contiguous run so the chunk
+					// is a zero-copy slice of the caller's memory.
+					if run*v.ItemSize >= 64<<10 {
+						count = min(count, (e/run+1)*run-e)
+					}
+					b, wasCopied, err := v.GatherRange(e, count, scratch)
+					if err != nil {
+						return fmt.Errorf("jobs: %s %s: %w", spec.Path, s.name, err)
+					}
+					if wasCopied {
+						copied.Add(int64(len(b)))
+						maxInt64(&peak, int64(len(b)))
+					}
+					hs.Write(b)
+					if err := layout.WriteFull(f, b, dataStart+s.out.Off+int64(e)*int64(v.ItemSize)); err != nil {
+						return err
+					}
+					e += count
+				}
+				s.out.Hash = layout.TensorHash(hs.Sum64())
+				return nil
+			})
+			if err != nil {
+				return err
+			}
+			js2, err := h.Encode()
+			if err != nil {
+				return err
+			}
+			if len(js2) != len(js) {
+				return fmt.Errorf("jobs: %s: header length changed from %d to %d bytes while hashing", spec.Path, len(js), len(js2))
+			}
+			return layout.WriteFull(f, layout.EncodePrefix(js2, uint32(dataStart)), 0)
+		})
+	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
+	if err != nil {
+		return nil, err
+	}
+	m.WrittenBytes = dataStart + end
+	return h, nil
+}
+
+// blockTask locates one block: the slot and the block's index in its plan.
+type blockSlot struct {
+	view  gather.View
+	plan  gather.Plan
+	refs  []layout.BlockRef
+	first int // global index of the slot's first block
+}
+
+func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) (*layout.Header, error) {
+	bb := spec.BlockBytes
+	if bb == 0 {
+		bb = DefaultBlockBytes
+	}
+	if err := CheckBlockBytes(bb); err != nil {
+		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+	}
+	h, slots, err := buildHeader(spec, layout.FormatBlocks)
+	if err != nil {
+		return nil, err
+	}
+	fsys := cfg.fs()
+	nsDir := filepath.Dir(spec.Path)
+	blocksDir := layout.BlocksDir(nsDir)
+	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
+		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+	}
+	w := &blockWriter{cfg: cfg, spec: spec, blocksDir: blocksDir, nsDir: nsDir}
+	bs := make([]blockSlot, len(slots))
+	var off int64
+	total := 0
+	for i, s := range slots {
+		p, err := gather.NewPlan(s.t.View.Shape, s.t.View.ItemSize, bb)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+		}
+		bs[i] = blockSlot{view: s.t.View, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
+		total += p.Len()
+		s.out.Off = off
+		off += s.out.Bytes
+		m.LogicalBytes += s.out.Bytes
+	}
+	if spec.Packed {
+		for i := range bs {
+			if err := w.packed(ctx, &bs[i], slots[i].name); err != nil {
+				return nil, err
+			}
+		}
+	} else if err := w.run(ctx, bs, total); err != nil {
+		return nil, err
+	}
+	// Every block this manifest names must be durable before the manifest:
+	// sync each fan-out directory holding one (written here or reused: a
+	// reused block may have been renamed into place by a writer that has not
+	// synced yet), then the blocks directory itself.
+	if !cfg.NoSync {
+		var dirs []string
+		for d := range w.dirs.Range {
+			dirs = append(dirs, d.(string))
+		}
+		sort.Strings(dirs)
+		if err := parallel(ctx, cfg, len(dirs), 0, func(i int, _ []byte) error {
+			if err := fsys.SyncDir(dirs[i]); err != nil {
+				return fmt.Errorf("jobs: %s: fsync directory %s: %w", spec.Path, dirs[i], err)
+			}
+			return nil
+		}); err != nil {
+			return nil, err
+		}
+		if err := fsys.SyncDir(blocksDir); err != nil {
+			return nil, fmt.Errorf("jobs: %s: fsync directory %s: %w", spec.Path, blocksDir, err)
+		}
+	}
+	for i, s := range slots {
+		s.out.Blocks = bs[i].refs
+	}
+	js, err := h.Encode()
+	if err != nil {
+		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+	}
+	if len(js) > layout.MaxHeaderLen {
+		return nil, fmt.Errorf("%w: %s: manifest of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
+	}
+	buf := layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js)))
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if err := layout.Publish(fsys, spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true},
+		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
+		return nil, err
+	}
+	m.WrittenBytes = w.written.Load() + int64(len(buf))
+	m.ReusedBytes = w.reused.Load()
+	m.BlocksWritten, m.BlocksReused = w.nWritten.Load(), w.nReused.Load()
+	m.CopiedBytes = w.copied.Load()
+	m.ScratchPeak = w.peak.Load()
+	return h, nil
+}
+
+type blockWriter struct {
+	cfg               *Config
+	spec              *WriteSpec
+	nsDir, blocksDir  string
+	dirs              sync.Map // fan-out dir -> *sync.Once result (error)
+	written, reused   atomic.Int64
+	nWritten, nReused atomic.Int64
+	copied, peak      atomic.Int64
+}
+
+type dirOnce struct {
+	once sync.Once
+	err  error
+}
+
+// ensureDir creates a fan-out directory once per save.
+func (w *blockWriter) ensureDir(dir string) error {
+	v, _ := w.dirs.LoadOrStore(dir, &dirOnce{})
+	d := v.(*dirOnce)
+	d.once.Do(func() {
+		d.err = layout.MkdirAllSynced(w.cfg.fs(), dir, w.blocksDir, false) // synced with the others before the manifest
+	})
+	return d.err
+}
+
+func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error {
+	maxBlock := 0
+	for _, b := range bs {
+		maxBlock = max(maxBlock, b.plan.MaxBlockBytes())
+	}
+	return parallel(ctx, w.cfg, total, maxBlock, func(g int, scratch []byte) error {
+		i := sort.Search(len(bs), func(i int) bool { return bs[i].first+bs[i].plan.Len() > g })
+		s := &bs[i]
+		data, copied, err := s.view.Block(s.plan, g-s.first, scratch)
+		if err != nil {
+			return fmt.Errorf("jobs: %s: block %d of slot %d: %w", w.spec.Path, g-s.first, i, err)
+		}
+		if copied {
+			w.copied.Add(int64(len(data)))
+			maxInt64(&w.peak, int64(len(data)))
+		}
+		ref, err := w.put(data)
+		s.refs[g-s.first] = ref
+		return err
+	})
+}
+
+// packed gathers a whole non-contiguous tensor into pooled scratch (released
+// when the tensor is done), then stores its blocks from that copy.
+func (w *blockWriter) packed(ctx context.Context, s *blockSlot, name string) error {
+	v := s.view
+	if !v.IsContiguous() && v.Bytes() > 0 {
+		buf := getScratch(v.Bytes())
+		defer putScratch(buf)
+		out, _, err := v.Gather(*buf)
+		if err != nil {
+			return fmt.Errorf("jobs: %s %s: %w", w.spec.Path, name, err)
+		}
+		w.copied.Add(int64(len(out)))
+		maxInt64(&w.peak, int64(len(*buf)))
+		v = gather.View{Base: out, Shape: v.Shape, Strides: gather.RowMajor(v.Shape), ItemSize: v.ItemSize}
+	}
+	one := []blockSlot{{view: v, plan: s.plan, refs: s.refs}}
+	return w.run(ctx, one, s.plan.Len())
+}
+
+// put stores one block unless a block file of that name and size exists.
+// A file of that name but another size (torn, or foreign) is rewritten.
+func (w *blockWriter) put(data []byte) (layout.BlockRef, error) {
+	sum := sha256.Sum256(data)
+	name := hex.EncodeToString(sum[:])
+	ref := layout.BlockRef{Hash: name, Bytes: int64(len(data))}
+	path := layout.BlockPath(w.nsDir, name)
+	dir := filepath.Dir(path)
+	if err := w.ensureDir(dir); err != nil {
+		return ref, fmt.Errorf("jobs: %s: block directory %s: %w", w.spec.Path, dir, err)
+	}
+	fsys := w.cfg.fs()
+	if st, err := fsys.Lstat(path); err == nil && st.Mode().IsRegular() && st.Size() == int64(len(data)) {
+		w.reused.Add(int64(len(data)))
+		w.nReused.Add(1)
+		return ref, nil
+	} else if err != nil && !vfs.IsNotExist(err) {
+		return ref, fmt.Errorf("jobs: %s: stat block %s: %w", w.spec.Path, path, err)
+	} else if err == nil && st.Mode()&os.ModeDir != 0 {
+		return ref, fmt.Errorf("jobs: %s: block path %s is a directory", w.spec.Path, path)
+	}
+	err := layout.Publish(fsys, path, layout.PublishOptions{Sync: !w.cfg.NoSync, Size: int64(len(data))},
+		func(f vfs.File) error { return layout.WriteFull(f, data, 0) })
+	if err != nil {
+		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
+	}
+	w.written.Add(int64(len(data)))
+	w.nWritten.Add(1)
+	return ref, nil
+}

@@ -1,0 +1,99 @@
+package layout
+
+import (
+	"errors"
+	"fmt"
+	"io"
+
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// Snapshot is a decoded, validated snapshot file or block manifest.
+type Snapshot struct {
+	Path   string
+	Prefix        // magic kind, header length, data start, stored hash
+	Layout Layout // Single or Blocks
+	Size   int64  // file size in bytes
+	Header *Header
+	JSON   []byte // the header JSON as stored
+}
+
+// Decode reads and validates the prefix and header of an open file, before
+// any tensor data is read: magic, header length (capped at MaxHeaderLen),
+// header hash, format version, and every tensor's extent (see Validate). The
+// errors wrap ErrBadMagic, ErrTruncated, ErrHeaderTooLarge, ErrHeaderHash,
+// ErrFormatVersion or ErrInvalidHeader and name the path.
+func Decode(f vfs.File, path string) (*Snapshot, error) {
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("layout: %s: %w: not a regular file", path, ErrInvalidHeader)
+	}
+	size := st.Size()
+	var pb [PrefixLen]byte
+	if size < PrefixLen {
+		return nil, fmt.Errorf("layout: %s: %w: %d bytes, the prefix needs %d", path, ErrTruncated, size, PrefixLen)
+	}
+	if err := readFull(f, pb[:], 0); err != nil {
+		return nil, fmt.Errorf("layout: %s: reading prefix: %w", path, err)
+	}
+	p, err := ParsePrefix(pb[:])
+	if err != nil {
+		return nil, fmt.Errorf("layout: %s: %w", path, err)
+	}
+	if int64(PrefixLen)+int64(p.HeaderLen) > size {
+		return nil, fmt.Errorf("layout: %s: %w: header of %d bytes ends past the file's %d bytes", path, ErrTruncated, p.HeaderLen, size)
+	}
+	js := make([]byte, p.HeaderLen) // bounded: HeaderLen <= MaxHeaderLen and <= size
+	if err := readFull(f, js, PrefixLen); err != nil {
+		return nil, fmt.Errorf("layout: %s: reading header: %w", path, err)
+	}
+	if err := p.CheckHeaderHash(js); err != nil {
+		return nil, fmt.Errorf("layout: %s: %w", path, err)
+	}
+	h, err := parseHeader(js)
+	if err != nil {
+		return nil, fmt.Errorf("layout: %s: %w", path, err)
+	}
+	lay, err := Validate(p, h, size)
+	if err != nil {
+		return nil, fmt.Errorf("layout: %s: %w", path, err)
+	}
+	return &Snapshot{Path: path, Prefix: p, Layout: lay, Size: size, Header: h, JSON: js}, nil
+}
+
+// Load opens path (not following a final symlink), decodes it and closes it.
+func Load(fsys vfs.FS, path string) (*Snapshot, error) {
+	f, err := fsys.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return Decode(f, path)
+}
+
+// readFull reads len(b) bytes at off or fails with ErrTruncated.
+func readFull(f vfs.File, b []byte, off int64) error {
+	for len(b) > 0 {
+		n, err := f.ReadAt(b, off)
+		b, off = b[n:], off+int64(n)
+		if len(b) == 0 {
+			return nil
+		}
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return fmt.Errorf("%w: unexpected end of file at byte %d", ErrTruncated, off)
+			}
+			return err
+		}
+		if n == 0 {
+			return fmt.Errorf("%w: no progress at byte %d", ErrTruncated, off)
+		}
+	}
+	return nil
+}
+
+// ReadFull reads exactly len(b) bytes at off; a short file is ErrTruncated.
+func ReadFull(f vfs.File, b []byte, off int64) error { return readFull(f, b, off) }

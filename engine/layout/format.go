@@ -1,0 +1,304 @@
+// Package layout owns kvpersist's on-disk formats: the single-file snapshot,
+// the block manifest with its content-addressed blocks, the files written by
+// the original Bun worker (read only), path rules, and the atomic durable
+// publish every writer uses. ARCHITECTURE.md ("On-disk format") is the
+// specification; this package is its reference implementation.
+package layout
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"math/bits"
+	"regexp"
+	"sort"
+
+	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/zeebo/xxh3"
+)
+
+// Magic begins every file kvpersist writes (10 bytes).
+const Magic = "KVPERSIST\n"
+
+// LegacyMagic begins files written by the original Bun worker.
+const LegacyMagic = "MLXBUNKV2\n"
+
+const (
+	// PrefixLen is the fixed prefix: magic (10), u32 LE header length,
+	// u32 LE data start, u64 LE header hash.
+	PrefixLen = 26
+	// DataAlign is the alignment of a single-file snapshot's data start,
+	// in bytes (16 KiB, as the original).
+	DataAlign = 16384
+	// TensorAlign is the alignment of each tensor's Off in a single-file
+	// snapshot, in bytes: a multiple of every direct-I/O alignment seen on
+	// Linux file systems (512 or 4096), so tensors can be written with O_DIRECT.
+	TensorAlign = 4096
+	// MaxHeaderLen caps the header JSON, in bytes, so that a corrupt length
+	// cannot make a reader allocate gigabytes.
+	MaxHeaderLen = 64 << 20
+	// MaxRank caps the number of axes of a tensor.
+	MaxRank = 16
+)
+
+// Format versions carried in the header's "formatVersion".
+const (
+	FormatSingle = 4 // kvpersist single-file snapshot
+	FormatBlocks = 5 // block manifest (the original's number)
+)
+
+// Layout says how a snapshot stores its tensor bytes.
+type Layout int
+
+const (
+	// Single is one file holding the header and every tensor's bytes.
+	Single Layout = iota + 1
+	// Blocks is a manifest naming content-addressed block files.
+	Blocks
+)
+
+func (l Layout) String() string {
+	switch l {
+	case Single:
+		return "single"
+	case Blocks:
+		return "blocks"
+	}
+	return fmt.Sprintf("Layout(%d)", int(l))
+}
+
+// ParseLayout parses "single" or "blocks".
+func ParseLayout(s string) (Layout, error) {
+	switch s {
+	case "single":
+		return Single, nil
+	case "blocks":
+		return Blocks, nil
+	}
+	return 0, fmt.Errorf("layout: unknown layout %q (want single or blocks)", s)
+}
+
+// Sentinel errors of decoding, usable with errors.Is. Returned errors wrap
+// one of them and name the file and field at fault.
+var (
+	ErrBadMagic       = errors.New("not a kvpersist file (bad magic)")
+	ErrTruncated      = errors.New("file is truncated")
+	ErrHeaderTooLarge = errors.New("header length exceeds the limit")
+	ErrHeaderHash     = errors.New("header hash mismatch")
+	ErrFormatVersion  = errors.New("unsupported format version")
+	ErrInvalidHeader  = errors.New("invalid header")
+	ErrUnknownDType   = errors.New("unknown dtype")
+)
+
+// dtypeSizes maps dtype names (mlx / numpy spellings) to itemsize in bytes.
+var dtypeSizes = map[string]int{
+	"bool": 1, "int8": 1, "uint8": 1,
+	"int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+	"int32": 4, "uint32": 4, "float32": 4,
+	"int64": 8, "uint64": 8, "float64": 8, "complex64": 8,
+}
+
+// ItemSize returns the itemsize in bytes of a known dtype, or ErrUnknownDType.
+func ItemSize(dtype string) (int, error) {
+	if n, ok := dtypeSizes[dtype]; ok {
+		return n, nil
+	}
+	return 0, fmt.Errorf("%w: %q", ErrUnknownDType, dtype)
+}
+
+var blockHashRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
+var tensorHashRE = regexp.MustCompile(`^[0-9a-f]{16}$`)
+
+// ValidBlockHash reports whether s is exactly 64 lowercase hex digits, the
+// only block names kvpersist reads, writes or deletes.
+func ValidBlockHash(s string) bool { return blockHashRE.MatchString(s) }
+
+// HeaderHash is the header hash of kvpersist's files: xxh3-64 (seed 0) of
+// the 8 bytes u32 LE headerLen ‖ u32 LE dataStart followed by the JSON.
+func HeaderHash(headerLen, dataStart uint32, js []byte) uint64 {
+	h := xxh3.New()
+	var b [8]byte
+	binary.LittleEndian.PutUint32(b[0:], headerLen)
+	binary.LittleEndian.PutUint32(b[4:], dataStart)
+	h.Write(b[:])
+	h.Write(js)
+	return h.Sum64()
+}
+
+// TensorHash formats a tensor hash: xxh3-64 (seed 0) of the logical bytes
+// as 16 lowercase hex digits of the u64 (most significant digit first).
+func TensorHash(sum uint64) string { return fmt.Sprintf("%016x", sum) }
+
+// EncodePrefix builds the 26-byte prefix plus JSON for kvpersist's format,
+// returning a buffer of at least PrefixLen+len(js) bytes (padded with zeros
+// up to dataStart when dataStart is larger).
+func EncodePrefix(js []byte, dataStart uint32) []byte {
+	n := max(int(dataStart), PrefixLen+len(js))
+	buf := make([]byte, n)
+	copy(buf, Magic)
+	binary.LittleEndian.PutUint32(buf[10:], uint32(len(js)))
+	binary.LittleEndian.PutUint32(buf[14:], dataStart)
+	binary.LittleEndian.PutUint64(buf[18:], HeaderHash(uint32(len(js)), dataStart, js))
+	copy(buf[PrefixLen:], js)
+	return buf
+}
+
+// AlignUp rounds n up to a multiple of a (a power of two).
+func AlignUp(n, a int64) int64 { return (n + a - 1) &^ (a - 1) }
+
+// Prefix is a decoded file prefix.
+type Prefix struct {
+	Legacy     bool // written by the Bun worker (LegacyMagic, Bun.hash)
+	HeaderLen  uint32
+	DataStart  uint32
+	HeaderHash uint64 // as stored
+}
+
+// ParsePrefix decodes the first PrefixLen bytes of a file.
+func ParsePrefix(b []byte) (Prefix, error) {
+	if len(b) < PrefixLen {
+		return Prefix{}, fmt.Errorf("%w: %d bytes, the prefix needs %d", ErrTruncated, len(b), PrefixLen)
+	}
+	var p Prefix
+	switch string(b[:10]) {
+	case Magic:
+	case LegacyMagic:
+		p.Legacy = true
+	default:
+		return p, fmt.Errorf("%w: starts with %q", ErrBadMagic, b[:10])
+	}
+	p.HeaderLen = binary.LittleEndian.Uint32(b[10:])
+	p.DataStart = binary.LittleEndian.Uint32(b[14:])
+	p.HeaderHash = binary.LittleEndian.Uint64(b[18:])
+	if p.HeaderLen > MaxHeaderLen {
+		return p, fmt.Errorf("%w: %d bytes (limit %d)", ErrHeaderTooLarge, p.HeaderLen, MaxHeaderLen)
+	}
+	if uint64(p.DataStart) < uint64(PrefixLen)+uint64(p.HeaderLen) {
+		return p, fmt.Errorf("%w: dataStart %d is inside the header (prefix %d + header %d)", ErrInvalidHeader, p.DataStart, PrefixLen, p.HeaderLen)
+	}
+	return p, nil
+}
+
+// CheckHeaderHash verifies the stored header hash against the JSON: the
+// kvpersist rule (covers headerLen and dataStart) or, for legacy files, the
+// Bun worker's (Bun.hash of the JSON alone).
+func (p Prefix) CheckHeaderHash(js []byte) error {
+	var got uint64
+	if p.Legacy {
+		got = bunhash.Sum(js)
+	} else {
+		got = HeaderHash(p.HeaderLen, p.DataStart, js)
+	}
+	if got != p.HeaderHash {
+		return fmt.Errorf("%w: stored %016x, computed %016x", ErrHeaderHash, p.HeaderHash, got)
+	}
+	return nil
+}
+
+// Validate checks a parsed header against the prefix and the file size
+// (bytes), before any tensor data is touched. It returns the layout.
+func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
+	var lay Layout
+	switch {
+	case h.FormatVersion == FormatBlocks:
+		lay = Blocks
+	case h.FormatVersion == FormatSingle && !p.Legacy:
+		lay = Single
+	case h.FormatVersion == 0 && p.Legacy:
+		lay = Single
+	default:
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d and %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocks)
+	}
+	if lay == Single && !p.Legacy && p.DataStart%DataAlign != 0 {
+		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)
+	}
+	if int64(p.DataStart) > fileSize {
+		return 0, fmt.Errorf("%w: dataStart %d beyond the file's %d bytes", ErrTruncated, p.DataStart, fileSize)
+	}
+	type span struct {
+		lo, hi int64
+		slot   int
+	}
+	var spans []span
+	for i, t := range h.Slots() {
+		name := h.SlotName(i)
+		if len(t.Shape) > MaxRank {
+			return 0, fmt.Errorf("%w: %s has %d axes (limit %d)", ErrInvalidHeader, name, len(t.Shape), MaxRank)
+		}
+		elems := int64(1)
+		for ax, d := range t.Shape {
+			if d < 0 {
+				return 0, fmt.Errorf("%w: %s shape[%d] = %d is negative", ErrInvalidHeader, name, ax, d)
+			}
+			hi, lo := bits.Mul64(uint64(elems), uint64(d))
+			if hi != 0 || lo > math.MaxInt64 {
+				return 0, fmt.Errorf("%w: %s shape %v overflows", ErrInvalidHeader, name, t.Shape)
+			}
+			elems = int64(lo)
+		}
+		if t.Bytes < 0 {
+			return 0, fmt.Errorf("%w: %s bytes %d is negative", ErrInvalidHeader, name, t.Bytes)
+		}
+		if size, err := ItemSize(t.DType); err == nil {
+			hi, lo := bits.Mul64(uint64(elems), uint64(size))
+			if hi != 0 || lo != uint64(t.Bytes) {
+				return 0, fmt.Errorf("%w: %s bytes %d != product(shape %v) × itemsize %d of %s", ErrInvalidHeader, name, t.Bytes, t.Shape, size, t.DType)
+			}
+		} else if !p.Legacy || t.DType == "" {
+			return 0, fmt.Errorf("%w: %s: %w", ErrInvalidHeader, name, err)
+		}
+		switch lay {
+		case Single:
+			if t.Off < 0 {
+				return 0, fmt.Errorf("%w: %s off %d is negative", ErrInvalidHeader, name, t.Off)
+			}
+			if !p.Legacy && t.Off%TensorAlign != 0 {
+				return 0, fmt.Errorf("%w: %s off %d is not a multiple of %d", ErrInvalidHeader, name, t.Off, TensorAlign)
+			}
+			end, carry := bits.Add64(uint64(p.DataStart)+uint64(t.Off), uint64(t.Bytes), 0)
+			if carry != 0 || end > uint64(fileSize) {
+				return 0, fmt.Errorf("%w: %s spans bytes up to %d of a %d-byte file", ErrTruncated, name, end, fileSize)
+			}
+			if !tensorHashRE.MatchString(t.Hash) {
+				return 0, fmt.Errorf("%w: %s hash %q is not 16 lowercase hex digits", ErrInvalidHeader, name, t.Hash)
+			}
+			if t.Blocks != nil {
+				return 0, fmt.Errorf("%w: %s has blocks in a single-file snapshot", ErrInvalidHeader, name)
+			}
+			if t.Bytes > 0 {
+				spans = append(spans, span{t.Off, t.Off + t.Bytes, i})
+			}
+		case Blocks:
+			var sum int64
+			for b, ref := range t.Blocks {
+				if !ValidBlockHash(ref.Hash) {
+					return 0, fmt.Errorf("%w: %s block %d name %q is not 64 lowercase hex digits", ErrInvalidHeader, name, b, ref.Hash)
+				}
+				if ref.Bytes <= 0 {
+					return 0, fmt.Errorf("%w: %s block %d has %d bytes", ErrInvalidHeader, name, b, ref.Bytes)
+				}
+				var carry uint64
+				var s uint64
+				s, carry = bits.Add64(uint64(sum), uint64(ref.Bytes), 0)
+				if carry != 0 || s > uint64(t.Bytes) {
+					return 0, fmt.Errorf("%w: %s blocks sum past its %d bytes", ErrInvalidHeader, name, t.Bytes)
+				}
+				sum = int64(s)
+			}
+			if sum != t.Bytes {
+				return 0, fmt.Errorf("%w: %s blocks sum to %d bytes, the tensor has %d", ErrInvalidHeader, name, sum, t.Bytes)
+			}
+		}
+	}
+	// No two tensors of a single file may overlap: sorted by start, each
+	// must end before the next begins.
+	sort.Slice(spans, func(i, j int) bool { return spans[i].lo < spans[j].lo })
+	for i := 1; i < len(spans); i++ {
+		a, b := spans[i-1], spans[i]
+		if b.lo < a.hi {
+			return 0, fmt.Errorf("%w: %s and %s overlap", ErrInvalidHeader, h.SlotName(a.slot), h.SlotName(b.slot))
+		}
+	}
+	return lay, nil
+}

@@ -1,0 +1,401 @@
+package layout
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"sort"
+)
+
+// Meta is caller metadata: JSON values by key, kept byte-for-byte as given
+// (model id, token ids, offsets, cache type, anything). Keys that kvpersist
+// itself owns at that level ("formatVersion", "caches", "attachments",
+// "tensors", "off", "bytes", "hash", "dtype", "shape", "blocks") are not
+// allowed in Meta.
+type Meta map[string]json.RawMessage
+
+// MetaOf marshals each value of m with encoding/json into a Meta.
+func MetaOf(m map[string]any) (Meta, error) {
+	out := make(Meta, len(m))
+	for k, v := range m {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return nil, fmt.Errorf("layout: metadata %q: %w", k, err)
+		}
+		out[k] = b
+	}
+	return out, nil
+}
+
+// Header is the JSON header of a snapshot file or block manifest. Its tensor
+// slots, in file order, are every tensor of Caches (in order), then every
+// tensor of Attachments. See ARCHITECTURE.md, "On-disk format".
+type Header struct {
+	// FormatVersion is FormatSingle (4) or FormatBlocks (5). Files written by
+	// the Bun worker carry no version for the single-file layout (read as 0).
+	FormatVersion int
+	Caches        []Entry
+	Attachments   []Entry
+	Meta          Meta // caller metadata at the top level
+}
+
+// Entry is one cache (a layer's K and V) or one attachment (token ids ...).
+type Entry struct {
+	Tensors []Tensor
+	Meta    Meta // e.g. "type":"KVCache","offset":T or "name":"tokens"
+}
+
+// Tensor is one tensor slot.
+type Tensor struct {
+	// Off is the byte offset of the tensor's bytes from the file's data start
+	// (single-file layout; a multiple of TensorAlign in kvpersist's files).
+	// In a block manifest it is the running sum of Bytes, informational only.
+	Off int64
+	// Bytes is the tensor's logical size in bytes: product(Shape) × itemsize.
+	Bytes int64
+	// Hash is xxh3-64 of the logical bytes as 16 lowercase hex digits of the
+	// big-endian u64 (fmt "%016x"), single-file layout only; "" in manifests.
+	Hash  string
+	DType string
+	// Shape is in elements, row-major.
+	Shape  []int64
+	Blocks []BlockRef // block layout only, in order
+	Meta   Meta       // unknown per-tensor keys, preserved
+}
+
+// BlockRef names one block of a tensor in a block manifest.
+type BlockRef struct {
+	Hash  string // SHA-256 of the block's bytes, 64 lowercase hex digits
+	Bytes int64  // block length in bytes, > 0
+}
+
+// Slots returns every tensor slot in file order: caches first, then
+// attachments. The returned pointers alias h.
+func (h *Header) Slots() []*Tensor {
+	var out []*Tensor
+	for _, group := range [][]Entry{h.Caches, h.Attachments} {
+		for i := range group {
+			for j := range group[i].Tensors {
+				out = append(out, &group[i].Tensors[j])
+			}
+		}
+	}
+	return out
+}
+
+// SlotName describes slot i for error messages: "cache 3 tensor 1 (slot 7)".
+func (h *Header) SlotName(i int) string {
+	n := i
+	for ci, e := range h.Caches {
+		if n < len(e.Tensors) {
+			return fmt.Sprintf("cache %d tensor %d (slot %d)", ci, n, i)
+		}
+		n -= len(e.Tensors)
+	}
+	for ai, e := range h.Attachments {
+		if n < len(e.Tensors) {
+			return fmt.Sprintf("attachment %d tensor %d (slot %d)", ai, n, i)
+		}
+		n -= len(e.Tensors)
+	}
+	return fmt.Sprintf("slot %d", i)
+}
+
+// Clone returns a deep copy of h (Meta values are shared: they are immutable).
+func (h *Header) Clone() *Header {
+	c := *h
+	c.Caches = cloneEntries(h.Caches)
+	c.Attachments = cloneEntries(h.Attachments)
+	return &c
+}
+
+func cloneEntries(es []Entry) []Entry {
+	if es == nil {
+		return nil
+	}
+	out := make([]Entry, len(es))
+	for i, e := range es {
+		out[i] = Entry{Meta: e.Meta, Tensors: make([]Tensor, len(e.Tensors))}
+		for j, t := range e.Tensors {
+			t.Shape = append([]int64(nil), t.Shape...)
+			t.Blocks = append([]BlockRef(nil), t.Blocks...)
+			out[i].Tensors[j] = t
+		}
+	}
+	return out
+}
+
+var reservedTop = []string{"formatVersion", "caches", "attachments"}
+var reservedEntry = []string{"tensors"}
+var reservedTensor = []string{"off", "bytes", "hash", "dtype", "shape", "blocks"}
+
+func checkMeta(m Meta, reserved []string, where string) error {
+	for _, k := range reserved {
+		if _, ok := m[k]; ok {
+			return fmt.Errorf("%w: %s metadata uses the reserved key %q", ErrInvalidHeader, where, k)
+		}
+	}
+	for k, v := range m {
+		if !json.Valid(v) {
+			return fmt.Errorf("%w: %s metadata %q is not valid JSON", ErrInvalidHeader, where, k)
+		}
+	}
+	return nil
+}
+
+// jsonWriter builds compact JSON objects with known keys first, then
+// metadata keys in sorted order, so that the encoding is deterministic.
+type jsonWriter struct{ bytes.Buffer }
+
+func (w *jsonWriter) key(first *bool, k string) {
+	if !*first {
+		w.WriteByte(',')
+	}
+	*first = false
+	kb, _ := json.Marshal(k)
+	w.Write(kb)
+	w.WriteByte(':')
+}
+
+func (w *jsonWriter) meta(first *bool, m Meta) {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	for _, k := range keys {
+		w.key(first, k)
+		// Compact so that the bytes are stable; valid JSON was checked.
+		var c bytes.Buffer
+		if err := json.Compact(&c, m[k]); err != nil {
+			w.Write(m[k])
+		} else {
+			w.Write(c.Bytes())
+		}
+	}
+}
+
+func (w *jsonWriter) int(v int64) { fmt.Fprintf(&w.Buffer, "%d", v) }
+
+func (w *jsonWriter) str(s string) {
+	b, _ := json.Marshal(s)
+	w.Write(b)
+}
+
+// Encode returns the header's compact JSON. Cache entries' metadata comes
+// first in each entry object, then "tensors"; tensor keys are written in the
+// order off, bytes, hash, dtype, shape, blocks (blocks only when non-nil).
+// It fails with ErrInvalidHeader when metadata uses a reserved key or is not
+// valid JSON.
+func (h *Header) Encode() ([]byte, error) {
+	if err := checkMeta(h.Meta, reservedTop, "header"); err != nil {
+		return nil, err
+	}
+	var w jsonWriter
+	first := true
+	w.WriteByte('{')
+	w.meta(&first, h.Meta)
+	for _, g := range []struct {
+		name    string
+		entries []Entry
+	}{{"caches", h.Caches}, {"attachments", h.Attachments}} {
+		if g.name == "attachments" && g.entries == nil {
+			continue
+		}
+		w.key(&first, g.name)
+		w.WriteByte('[')
+		for i, e := range g.entries {
+			if err := checkMeta(e.Meta, reservedEntry, fmt.Sprintf("%s[%d]", g.name, i)); err != nil {
+				return nil, err
+			}
+			if i > 0 {
+				w.WriteByte(',')
+			}
+			ef := true
+			w.WriteByte('{')
+			w.meta(&ef, e.Meta)
+			w.key(&ef, "tensors")
+			w.WriteByte('[')
+			for j, t := range e.Tensors {
+				if err := checkMeta(t.Meta, reservedTensor, fmt.Sprintf("%s[%d].tensors[%d]", g.name, i, j)); err != nil {
+					return nil, err
+				}
+				if j > 0 {
+					w.WriteByte(',')
+				}
+				tf := true
+				w.WriteByte('{')
+				w.key(&tf, "off")
+				w.int(t.Off)
+				w.key(&tf, "bytes")
+				w.int(t.Bytes)
+				w.key(&tf, "hash")
+				w.str(t.Hash)
+				w.key(&tf, "dtype")
+				w.str(t.DType)
+				w.key(&tf, "shape")
+				w.WriteByte('[')
+				for k, d := range t.Shape {
+					if k > 0 {
+						w.WriteByte(',')
+					}
+					w.int(d)
+				}
+				w.WriteByte(']')
+				if t.Blocks != nil {
+					w.key(&tf, "blocks")
+					w.WriteByte('[')
+					for k, b := range t.Blocks {
+						if k > 0 {
+							w.WriteByte(',')
+						}
+						w.WriteString(`{"hash":`)
+						w.str(b.Hash)
+						w.WriteString(`,"bytes":`)
+						w.int(b.Bytes)
+						w.WriteByte('}')
+					}
+					w.WriteByte(']')
+				}
+				w.meta(&tf, t.Meta)
+				w.WriteByte('}')
+			}
+			w.WriteString("]}")
+		}
+		w.WriteByte(']')
+	}
+	if h.FormatVersion != 0 {
+		w.key(&first, "formatVersion")
+		w.int(int64(h.FormatVersion))
+	}
+	w.WriteByte('}')
+	return w.Bytes(), nil
+}
+
+// parseHeader decodes header JSON strictly: every known field must have its
+// JSON type; unknown keys become Meta. Semantic checks are in validate.
+func parseHeader(js []byte) (*Header, error) {
+	var top map[string]json.RawMessage
+	if err := json.Unmarshal(js, &top); err != nil {
+		return nil, fmt.Errorf("%w: header JSON: %v", ErrInvalidHeader, err)
+	}
+	h := &Header{Meta: Meta{}}
+	if v, ok := top["formatVersion"]; ok {
+		if err := json.Unmarshal(v, &h.FormatVersion); err != nil {
+			return nil, fmt.Errorf("%w: formatVersion: %v", ErrInvalidHeader, err)
+		}
+	}
+	var err error
+	if h.Caches, err = parseEntries(top["caches"], "caches", true); err != nil {
+		return nil, err
+	}
+	if v, ok := top["attachments"]; ok {
+		if h.Attachments, err = parseEntries(v, "attachments", false); err != nil {
+			return nil, err
+		}
+	}
+	for k, v := range top {
+		switch k {
+		case "formatVersion", "caches", "attachments":
+		default:
+			h.Meta[k] = v
+		}
+	}
+	return h, nil
+}
+
+func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, error) {
+	if raw == nil {
+		if required {
+			return nil, fmt.Errorf("%w: %q is missing", ErrInvalidHeader, name)
+		}
+		return nil, nil
+	}
+	var list []map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &list); err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrInvalidHeader, name, err)
+	}
+	if list == nil {
+		list = []map[string]json.RawMessage{}
+	}
+	out := make([]Entry, len(list))
+	for i, obj := range list {
+		where := fmt.Sprintf("%s[%d]", name, i)
+		if obj == nil {
+			return nil, fmt.Errorf("%w: %s is not an object", ErrInvalidHeader, where)
+		}
+		var ts []map[string]json.RawMessage
+		if err := json.Unmarshal(obj["tensors"], &ts); err != nil || obj["tensors"] == nil {
+			return nil, fmt.Errorf("%w: %s.tensors: missing or not a list", ErrInvalidHeader, where)
+		}
+		e := Entry{Meta: Meta{}, Tensors: make([]Tensor, len(ts))}
+		for k, v := range obj {
+			if k != "tensors" {
+				e.Meta[k] = v
+			}
+		}
+		for j, t := range ts {
+			tw := fmt.Sprintf("%s.tensors[%d]", where, j)
+			if t == nil {
+				return nil, fmt.Errorf("%w: %s is not an object", ErrInvalidHeader, tw)
+			}
+			var err error
+			if e.Tensors[j], err = parseTensor(t, tw); err != nil {
+				return nil, err
+			}
+		}
+		out[i] = e
+	}
+	return out, nil
+}
+
+func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
+	var x Tensor
+	field := func(k string, dst any, required bool) error {
+		v, ok := t[k]
+		if !ok {
+			if required {
+				return fmt.Errorf("%w: %s.%s is missing", ErrInvalidHeader, where, k)
+			}
+			return nil
+		}
+		if err := json.Unmarshal(v, dst); err != nil {
+			return fmt.Errorf("%w: %s.%s: %v", ErrInvalidHeader, where, k, err)
+		}
+		return nil
+	}
+	var blocks []struct {
+		Hash  *string `json:"hash"`
+		Bytes *int64  `json:"bytes"`
+	}
+	for _, f := range []struct {
+		k        string
+		dst      any
+		required bool
+	}{
+		{"off", &x.Off, false}, {"bytes", &x.Bytes, true}, {"hash", &x.Hash, false},
+		{"dtype", &x.DType, true}, {"shape", &x.Shape, true}, {"blocks", &blocks, false},
+	} {
+		if err := field(f.k, f.dst, f.required); err != nil {
+			return x, err
+		}
+	}
+	if _, ok := t["blocks"]; ok {
+		x.Blocks = make([]BlockRef, len(blocks))
+		for i, b := range blocks {
+			if b.Hash == nil || b.Bytes == nil {
+				return x, fmt.Errorf("%w: %s.blocks[%d] needs hash and bytes", ErrInvalidHeader, where, i)
+			}
+			x.Blocks[i] = BlockRef{Hash: *b.Hash, Bytes: *b.Bytes}
+		}
+	}
+	x.Meta = Meta{}
+	for k, v := range t {
+		switch k {
+		case "off", "bytes", "hash", "dtype", "shape", "blocks":
+		default:
+			x.Meta[k] = v
+		}
+	}
+	return x, nil
+}

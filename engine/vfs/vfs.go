@@ -1,0 +1,175 @@
+// Package vfs is the file-system seam of kvpersist: every file operation of
+// engine/layout and engine/jobs goes through an FS, so that tests can inject
+// faults (ENOSPC, EIO, short writes, failed fsyncs) at any point, the way
+// cockroachdb/pebble's vfs.FS does. Default is the real operating system.
+package vfs
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// File is an open file. Offsets and lengths are in bytes.
+type File interface {
+	// ReadAt reads len(p) bytes at off (pread). It follows io.ReaderAt.
+	ReadAt(p []byte, off int64) (int, error)
+	// WriteAt writes len(p) bytes at off (pwrite). It follows io.WriterAt: a
+	// short write returns a non-nil error.
+	WriteAt(p []byte, off int64) (int, error)
+	// Sync flushes the file's data and size to stable storage (fdatasync).
+	// A failed Sync must never be retried on the same file: Linux marks the
+	// failed pages clean, so a second Sync can succeed with the data lost.
+	Sync() error
+	// Allocate reserves size bytes from offset 0 (fallocate, keeping the
+	// file size unchanged when unsupported is not an error).
+	Allocate(size int64) error
+	// Stat describes the open file.
+	Stat() (os.FileInfo, error)
+	// Name is the path the file was opened with.
+	Name() string
+	Close() error
+}
+
+// FS is the set of file-system operations kvpersist uses. Paths are OS paths.
+// Errors are *os.PathError / *os.LinkError (or wrap them), so errors.Is works
+// with fs.ErrNotExist, fs.ErrExist and syscall errnos such as syscall.ENOSPC.
+type FS interface {
+	// Create makes a new file exclusively (O_CREAT|O_EXCL|O_WRONLY,
+	// O_NOFOLLOW) with the given permission bits.
+	Create(name string, perm os.FileMode) (File, error)
+	// Open opens an existing file read-only without following a symlink
+	// in its last element (O_NOFOLLOW).
+	Open(name string) (File, error)
+	Rename(oldname, newname string) error
+	Remove(name string) error
+	MkdirAll(name string, perm os.FileMode) error
+	ReadDir(name string) ([]os.DirEntry, error)
+	// Lstat describes a path without following a final symlink.
+	Lstat(name string) (os.FileInfo, error)
+	// SyncDir makes a directory's entries (creates, renames, removes)
+	// durable: open it and fsync it.
+	SyncDir(name string) error
+	// Lock takes an advisory lock (flock) on the file name: shared when
+	// exclusive is false. It creates the file when create is true; otherwise
+	// a missing file is an fs.ErrNotExist error. It blocks until granted.
+	// The returned unlock releases it.
+	Lock(name string, exclusive, create bool) (unlock func() error, err error)
+}
+
+// Default is the real operating system.
+var Default FS = osFS{}
+
+type osFS struct{}
+
+type osFile struct{ *os.File }
+
+func (f osFile) control(fn func(fd int) error) error {
+	rc, err := f.File.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var inner error
+	if err := rc.Control(func(fd uintptr) { inner = fn(int(fd)) }); err != nil {
+		return err
+	}
+	return inner
+}
+
+func (f osFile) Sync() error {
+	err := f.control(func(fd int) error {
+		for {
+			err := unix.Fdatasync(fd)
+			if err != syscall.EINTR {
+				return err
+			}
+		}
+	})
+	if err != nil {
+		return &os.PathError{Op: "fdatasync", Path: f.Name(), Err: err}
+	}
+	return nil
+}
+
+func (f osFile) Allocate(size int64) error {
+	if size <= 0 {
+		return nil
+	}
+	err := f.control(func(fd int) error { return unix.Fallocate(fd, 0, 0, size) })
+	if errors.Is(err, syscall.EOPNOTSUPP) || errors.Is(err, syscall.ENOSYS) {
+		return nil // a hint only: tmpfs and some file systems lack it
+	}
+	if err != nil {
+		return &os.PathError{Op: "fallocate", Path: f.Name(), Err: err}
+	}
+	return nil
+}
+
+func (osFS) Create(name string, perm os.FileMode) (File, error) {
+	f, err := os.OpenFile(name, os.O_CREATE|os.O_EXCL|os.O_WRONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, perm)
+	if err != nil {
+		return nil, err
+	}
+	return osFile{f}, nil
+}
+
+func (osFS) Open(name string) (File, error) {
+	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	if err != nil {
+		if errors.Is(err, syscall.ELOOP) {
+			return nil, &os.PathError{Op: "open", Path: name, Err: fmt.Errorf("refusing to follow a symlink: %w", syscall.ELOOP)}
+		}
+		return nil, err
+	}
+	return osFile{f}, nil
+}
+
+func (osFS) Rename(oldname, newname string) error         { return os.Rename(oldname, newname) }
+func (osFS) Remove(name string) error                     { return os.Remove(name) }
+func (osFS) MkdirAll(name string, perm os.FileMode) error { return os.MkdirAll(name, perm) }
+func (osFS) ReadDir(name string) ([]os.DirEntry, error)   { return os.ReadDir(name) }
+func (osFS) Lstat(name string) (os.FileInfo, error)       { return os.Lstat(name) }
+func (osFS) SyncDir(name string) error {
+	d, err := os.Open(name)
+	if err != nil {
+		return err
+	}
+	err = d.Sync()
+	if cerr := d.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+func (osFS) Lock(name string, exclusive, create bool) (func() error, error) {
+	flag := os.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
+	if create {
+		flag |= os.O_CREATE
+	}
+	f, err := os.OpenFile(name, flag, 0o640)
+	if err != nil {
+		return nil, err
+	}
+	how := unix.LOCK_SH
+	if exclusive {
+		how = unix.LOCK_EX
+	}
+	for {
+		err = unix.Flock(int(f.Fd()), how)
+		if err != syscall.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return nil, &os.PathError{Op: "flock", Path: name, Err: err}
+	}
+	return func() error { return f.Close() }, nil // closing drops the flock
+}
+
+// IsNotExist reports whether err says a file does not exist.
+func IsNotExist(err error) bool { return errors.Is(err, fs.ErrNotExist) }

@@ -1,0 +1,19 @@
+module github.com/kvpersist/kvpersist
+
+go 1.26.0
+
+require (
+	github.com/minio/sha256-simd v1.0.1
+	github.com/panjf2000/ants/v2 v2.12.1
+	github.com/schollz/progressbar/v3 v3.19.1
+	github.com/zeebo/xxh3 v1.1.0
+	golang.org/x/sys v0.50.0
+	golang.org/x/term v0.48.0
+)
+
+require (
+	github.com/klauspost/cpuid/v2 v2.2.10 // indirect
+	github.com/mitchellh/colorstring v0.0.0-20190213212951-d06e56a500db // indirect
+	github.com/rivo/uniseg v0.4.7 // indirect
+	golang.org/x/sync v0.11.0 // indirect
+)
