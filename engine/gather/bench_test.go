@@ -126,6 +126,36 @@ func BenchmarkGatherBlocks1MiBTokenMajor(b *testing.B) {
 	benchGather(b, v, blocksOp(b, v, 1<<20))
 }
 
+// Blocks packed into one reused scratch of MaxBlockBytes, as a writer that
+// hashes and writes each block before the next would do.
+func BenchmarkGatherBlocks1MiBReusedScratch(b *testing.B) {
+	v := tokenMajor(benchCap)
+	p, err := NewPlan(v.Shape, v.ItemSize, 1<<20)
+	if err != nil {
+		b.Fatal(err)
+	}
+	scratch := make([]byte, p.MaxBlockBytes())
+	benchGather(b, v, func([]byte) int {
+		total := 0
+		for i := range p.Len() {
+			out, _, err := v.Block(p, i, scratch)
+			if err != nil {
+				b.Fatal(err)
+			}
+			total += len(out)
+		}
+		return total
+	})
+}
+
+// Cache-resident (512 KiB) token-major gather: loop overhead rather than
+// DRAM bandwidth.
+func BenchmarkGatherTokenMajorInCache(b *testing.B) {
+	v := tokenMajor(256)
+	v.Shape = []int{1, benchHeads, 256, benchDim}
+	benchGather(b, v, gatherOp(b, v))
+}
+
 func BenchmarkGatherBlocks64KiBTokenMajor(b *testing.B) {
 	v := tokenMajor(benchCap)
 	benchGather(b, v, blocksOp(b, v, 64<<10))

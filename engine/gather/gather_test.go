@@ -48,10 +48,28 @@ func checkRange(t *testing.T, v View, offs []int, ref []byte, run, start, count 
 }
 
 func TestGatherMatchesReference(t *testing.T) {
-	rng := rand.New(rand.NewPCG(1, 2))
-	iters := 4000
+	defer func(old int) { reorderMinRunBytes = old }(reorderMinRunBytes)
+	for _, c := range []struct {
+		name    string
+		reorder int
+		seed    uint64
+		iters   int
+	}{
+		{"default", reorderMinRunBytes, 1, 4000},
+		{"always-source-order", 0, 2, 1500},
+		{"never-source-order", math.MaxInt, 3, 1500},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			reorderMinRunBytes = c.reorder
+			checkRandomViews(t, c.seed, c.iters)
+		})
+	}
+}
+
+func checkRandomViews(t *testing.T, seed uint64, iters int) {
+	rng := rand.New(rand.NewPCG(seed, 2))
 	if testing.Short() {
-		iters = 500
+		iters = min(iters, 500)
 	}
 	var zeroCopies, copies int
 	for it := 0; it < iters; it++ {

@@ -167,6 +167,28 @@ func putScratch(b *[]byte) {
 // a helper is recovered and returned as ErrPanic. Each goroutine gets its own
 // scratch of scratchBytes (nil when 0).
 func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i int, scratch []byte) error) error {
+	return parallelWith(ctx, cfg, n,
+		func() []byte {
+			if scratchBytes == 0 {
+				return nil
+			}
+			return *getScratch(scratchBytes)
+		},
+		fn,
+		func(scratch []byte, _ bool) error {
+			if scratch != nil {
+				putScratch(&scratch)
+			}
+			return nil
+		})
+}
+
+// parallelWith is parallel with per-goroutine state: each participating
+// goroutine makes its state with newW, runs fn for the indices it takes, and
+// calls done(w, failed) once at the end (also after a panic of fn), where
+// failed says whether the whole run has failed (then done should discard
+// rather than finish its work). done's error counts as the run's.
+func parallelWith[W any](ctx context.Context, cfg *Config, n int, newW func() W, fn func(i int, w W) error, done func(w W, failed bool) error) error {
 	if n == 0 {
 		return nil
 	}
@@ -186,12 +208,15 @@ func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i i
 		failed.Store(true)
 	}
 	work := func(helper bool) {
-		var scratch []byte
-		if scratchBytes > 0 {
-			b := getScratch(scratchBytes)
-			defer putScratch(b)
-			scratch = *b
-		}
+		w := newW()
+		defer func() {
+			if r := recover(); r != nil {
+				record(fmt.Errorf("%w: %v\n%s", ErrPanic, r, debug.Stack()))
+			}
+			if err := done(w, failed.Load()); err != nil {
+				record(err)
+			}
+		}()
 		for !failed.Load() {
 			if helper && cfg.Yield != nil && cfg.Yield() {
 				return
@@ -204,7 +229,7 @@ func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i i
 				record(err)
 				return
 			}
-			if err := fn(i, scratch); err != nil {
+			if err := fn(i, w); err != nil {
 				record(err)
 				return
 			}
@@ -216,7 +241,7 @@ func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i i
 			ok := cfg.Spawn(func() {
 				defer wg.Done()
 				defer func() {
-					if r := recover(); r != nil {
+					if r := recover(); r != nil { // a panic in done itself
 						record(fmt.Errorf("%w: in a helper task: %v\n%s", ErrPanic, r, debug.Stack()))
 					}
 				}()

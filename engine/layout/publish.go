@@ -34,47 +34,78 @@ type PublishOptions struct {
 // error before the rename the temp file is removed and target is untouched;
 // a failed fsync is never retried. An error after the rename (the directory
 // sync) is returned: target then holds the new content but may not survive a
-// power cut.
-func Publish(fsys vfs.FS, target string, opt PublishOptions, write func(f vfs.File) error) (err error) {
+// power cut. Publish is Stage, write, Commit.
+func Publish(fsys vfs.FS, target string, opt PublishOptions, write func(f vfs.File) error) error {
+	st, err := Stage(fsys, target, opt.Size)
+	if err != nil {
+		return err
+	}
+	if err := write(st.File); err != nil {
+		st.Abort()
+		return err
+	}
+	return st.Commit(opt)
+}
+
+// Staged is a temp file being written, not yet published. Exactly one of
+// Commit or Abort must be called.
+type Staged struct {
+	File   vfs.File
+	Tmp    string // the temp file's path (TempPath(Target))
+	Target string
+	fsys   vfs.FS
+}
+
+// Stage creates the temp file for target (exclusively, mode FilePerm, not
+// following symlinks) and preallocates size bytes when size > 0.
+func Stage(fsys vfs.FS, target string, size int64) (*Staged, error) {
 	tmp := TempPath(target)
 	f, err := fsys.Create(tmp, FilePerm)
 	if err != nil {
-		return fmt.Errorf("layout: create %s: %w", tmp, err)
+		return nil, fmt.Errorf("layout: create %s: %w", tmp, err)
 	}
-	closed := false
-	defer func() {
-		if err != nil {
-			if !closed {
-				f.Close()
-			}
-			if rerr := fsys.Remove(tmp); rerr != nil && !vfs.IsNotExist(rerr) {
-				err = errors.Join(err, fmt.Errorf("layout: removing temp file: %w", rerr))
-			}
-		}
-	}()
-	if opt.Size > 0 {
-		if err = f.Allocate(opt.Size); err != nil {
-			return fmt.Errorf("layout: preallocate %s: %w", tmp, err)
+	st := &Staged{File: f, Tmp: tmp, Target: target, fsys: fsys}
+	if size > 0 {
+		if err := f.Allocate(size); err != nil {
+			st.Abort()
+			return nil, fmt.Errorf("layout: preallocate %s: %w", tmp, err)
 		}
 	}
-	if err = write(f); err != nil {
-		return err
+	return st, nil
+}
+
+// Abort closes and removes the temp file, returning the removal's error.
+func (s *Staged) Abort() error {
+	s.File.Close()
+	if err := s.fsys.Remove(s.Tmp); err != nil && !vfs.IsNotExist(err) {
+		return fmt.Errorf("layout: removing temp file: %w", err)
 	}
+	return nil
+}
+
+// Commit makes the temp file durable (opt.Sync: fdatasync), closes it and
+// renames it over Target, then (opt.Sync && opt.SyncDir) fsyncs Target's
+// directory. A failure before the rename aborts: the temp file is removed
+// and Target is untouched. A failed fsync is not retried.
+func (s *Staged) Commit(opt PublishOptions) (err error) {
 	if opt.Sync {
-		if err = f.Sync(); err != nil {
-			return fmt.Errorf("layout: fsync %s: %w", tmp, err)
+		if err = s.File.Sync(); err != nil {
+			return errors.Join(fmt.Errorf("layout: fsync %s: %w", s.Tmp, err), s.Abort())
 		}
 	}
-	closed = true
-	if err = f.Close(); err != nil {
-		return fmt.Errorf("layout: close %s: %w", tmp, err)
+	if err = s.File.Close(); err != nil {
+		_ = s.fsys.Remove(s.Tmp)
+		return fmt.Errorf("layout: close %s: %w", s.Tmp, err)
 	}
-	if err = fsys.Rename(tmp, target); err != nil {
-		return fmt.Errorf("layout: rename %s: %w", target, err)
+	if err = s.fsys.Rename(s.Tmp, s.Target); err != nil {
+		if rerr := s.fsys.Remove(s.Tmp); rerr != nil && !vfs.IsNotExist(rerr) {
+			err = errors.Join(err, rerr)
+		}
+		return fmt.Errorf("layout: rename %s: %w", s.Target, err)
 	}
 	if opt.Sync && opt.SyncDir {
-		if derr := fsys.SyncDir(filepath.Dir(target)); derr != nil {
-			return fmt.Errorf("layout: fsync directory of %s: %w", target, derr)
+		if derr := s.fsys.SyncDir(filepath.Dir(s.Target)); derr != nil {
+			return fmt.Errorf("layout: fsync directory of %s: %w", s.Target, derr)
 		}
 	}
 	return nil

@@ -25,9 +25,14 @@ type File interface {
 	// A failed Sync must never be retried on the same file: Linux marks the
 	// failed pages clean, so a second Sync can succeed with the data lost.
 	Sync() error
-	// Allocate reserves size bytes from offset 0 (fallocate, keeping the
-	// file size unchanged when unsupported is not an error).
+	// Allocate reserves size bytes from offset 0 (fallocate); a file system
+	// without fallocate is not an error (it is a hint).
 	Allocate(size int64) error
+	// StartWriteback asks the kernel to start writing the byte range
+	// [off, off+n) to disk without waiting (sync_file_range
+	// SYNC_FILE_RANGE_WRITE; n = 0 means to the end of the file). It makes no
+	// durability promise: only Sync does. Unsupported is not an error.
+	StartWriteback(off, n int64) error
 	// Stat describes the open file.
 	Stat() (os.FileInfo, error)
 	// Name is the path the file was opened with.
@@ -105,6 +110,17 @@ func (f osFile) Allocate(size int64) error {
 	}
 	if err != nil {
 		return &os.PathError{Op: "fallocate", Path: f.Name(), Err: err}
+	}
+	return nil
+}
+
+func (f osFile) StartWriteback(off, n int64) error {
+	err := f.control(func(fd int) error { return unix.SyncFileRange(fd, off, n, unix.SYNC_FILE_RANGE_WRITE) })
+	if errors.Is(err, syscall.ENOSYS) || errors.Is(err, syscall.EINVAL) || errors.Is(err, syscall.ESPIPE) {
+		return nil
+	}
+	if err != nil {
+		return &os.PathError{Op: "sync_file_range", Path: f.Name(), Err: err}
 	}
 	return nil
 }
