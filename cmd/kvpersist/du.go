@@ -1,0 +1,191 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"text/tabwriter"
+
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+func init() {
+	register(&command{
+		name: "du", args: "ROOT",
+		summary: "disk usage per namespace: snapshots, logical and physical bytes, dedup ratio, what gc would free",
+		example: "kvpersist du /var/lib/kvcache\n  kvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'",
+		run:     runDu,
+	})
+}
+
+// duRow is one namespace's usage. Bytes are bytes.
+type duRow struct {
+	Namespace  string `json:"namespace"`
+	Snapshots  int    `json:"snapshots"`  // readable snapshot files and manifests
+	Unreadable int    `json:"unreadable"` // files that did not decode
+	// LogicalBytes: the sum over readable snapshots of their tensor bytes
+	// (what restoring every snapshot would fill).
+	LogicalBytes int64 `json:"logicalBytes"`
+	// PhysicalBytes = SnapshotFileBytes + BlockFileBytes.
+	PhysicalBytes int64 `json:"physicalBytes"`
+	// SnapshotFileBytes: sizes of every snapshot file and manifest
+	// (readable or not), headers and alignment padding included.
+	SnapshotFileBytes int64 `json:"snapshotFileBytes"`
+	// BlockFiles / BlockFileBytes: every block file under blocks/, counted
+	// once however many manifests name it, referenced or not.
+	BlockFiles     int   `json:"blockFiles"`
+	BlockFileBytes int64 `json:"blockFileBytes"`
+	// ReclaimableBytes: block files gc would delete now (no readable
+	// manifest names them; 0 when the namespace holds an unreadable file,
+	// which gc does not sweep), with --block-grace 0.
+	ReclaimableBytes int64 `json:"reclaimableBytes"`
+	// TempFiles / TempBytes: temp files of writes in progress or
+	// interrupted; not part of PhysicalBytes.
+	TempFiles int   `json:"tempFiles"`
+	TempBytes int64 `json:"tempBytes"`
+	// DedupRatio = LogicalBytes / PhysicalBytes (0 when PhysicalBytes is 0).
+	DedupRatio float64 `json:"dedupRatio"`
+}
+
+type duReport struct {
+	Root       string   `json:"root"`
+	Namespaces []duRow  `json:"namespaces"`
+	Total      duRow    `json:"total"` // namespace "TOTAL"
+	Skipped    []string `json:"skipped"`
+}
+
+func (r *duRow) add(o duRow) {
+	r.Snapshots += o.Snapshots
+	r.Unreadable += o.Unreadable
+	r.LogicalBytes += o.LogicalBytes
+	r.PhysicalBytes += o.PhysicalBytes
+	r.SnapshotFileBytes += o.SnapshotFileBytes
+	r.BlockFiles += o.BlockFiles
+	r.BlockFileBytes += o.BlockFileBytes
+	r.ReclaimableBytes += o.ReclaimableBytes
+	r.TempFiles += o.TempFiles
+	r.TempBytes += o.TempBytes
+}
+
+func (r *duRow) ratio() {
+	r.DedupRatio = 0
+	if r.PhysicalBytes > 0 {
+		r.DedupRatio = float64(r.LogicalBytes) / float64(r.PhysicalBytes)
+	}
+}
+
+// duNamespace measures one scanned namespace.
+func duNamespace(ns *scanNS) duRow {
+	r := duRow{Namespace: ns.Name}
+	live := map[string]bool{}
+	for _, s := range ns.Snaps {
+		r.SnapshotFileBytes += s.Size
+		if s.Err != nil {
+			r.Unreadable++
+			continue
+		}
+		r.Snapshots++
+		r.LogicalBytes += logicalBytes(s.Snap.Header)
+		for _, t := range s.Snap.Header.Slots() {
+			for _, b := range t.Blocks {
+				live[b.Hash] = true
+			}
+		}
+	}
+	for _, b := range ns.Blocks {
+		r.BlockFiles++
+		r.BlockFileBytes += b.Size
+		if !live[b.Hash] && r.Unreadable == 0 {
+			r.ReclaimableBytes += b.Size
+		}
+	}
+	for _, t := range ns.Temps {
+		r.TempFiles++
+		r.TempBytes += t.Size
+	}
+	r.PhysicalBytes = r.SnapshotFileBytes + r.BlockFileBytes
+	r.ratio()
+	return r
+}
+
+func runDu(ctx context.Context, c *cli, args []string) int {
+	cmd := commands["du"]
+	fs := c.docFlags(cmd, `Per namespace of ROOT (sizes are file sizes, st_size, as 'du -b' counts them,
+not allocated disk blocks):
+
+  SNAPSHOTS    readable snapshot files and manifests (unreadable ones are
+               counted apart and add no logical bytes)
+  LOGICAL      sum over readable snapshots of their tensors' bytes: what
+               restoring every snapshot would fill
+  PHYSICAL     the bytes the namespace's data takes on disk: the sizes of
+               every snapshot file and manifest (headers and alignment
+               padding included) plus every block file under blocks/,
+               each counted once however many manifests name it, named or
+               not. The .lock file, temp files (listed apart) and
+               unrecognised entries are not counted.
+  DEDUP        LOGICAL / PHYSICAL (above 1 when manifests share blocks)
+  BLOCK FILES  block files under blocks/
+  RECLAIMABLE  block bytes 'gc' would free now: blocks no readable manifest
+               names (0 when the namespace holds an unreadable file: gc does
+               not sweep it)
+  TEMP         bytes of temp files (writes in progress or interrupted)
+  UNREADABLE   snapshot files and manifests that did not decode
+
+Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`)
+	asJSON := fs.Bool("json", false, "print a JSON report: {root, namespaces: [row], total: row, skipped}, byte counts exact")
+	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
+	pos, code := c.parse(fs, args)
+	if code >= 0 {
+		return code
+	}
+	if len(pos) != 1 {
+		fs.Usage()
+		return exitUsage
+	}
+	root := pos[0]
+	names, skipped, err := scanRootDir(vfs.Default, root)
+	if err != nil {
+		return c.fail("du: %v", err)
+	}
+	rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
+	for _, n := range names {
+		if err := ctx.Err(); err != nil {
+			return c.fail("du: %v", err)
+		}
+		ns := scanNamespace(vfs.Default, root, n, true)
+		if ns.Err != nil {
+			return c.fail("du: namespace %s: %v", ns.Dir, ns.Err)
+		}
+		rep.Skipped = append(rep.Skipped, ns.Skipped...)
+		row := duNamespace(ns)
+		rep.Namespaces = append(rep.Namespaces, row)
+		rep.Total.add(row)
+	}
+	rep.Total.ratio()
+	if rep.Skipped == nil {
+		rep.Skipped = []string{}
+	}
+	if *asJSON {
+		if code := c.writeJSON(rep); code >= 0 {
+			return code
+		}
+	} else {
+		size := humanBytes
+		if *exact {
+			size = func(n int64) string { return fmt.Sprint(n) }
+		}
+		tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t")
+		for _, r := range append(rep.Namespaces, rep.Total) {
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t\n", r.Namespace, r.Snapshots, size(r.LogicalBytes),
+				size(r.PhysicalBytes), r.DedupRatio, r.BlockFiles, size(r.ReclaimableBytes), size(r.TempBytes), r.Unreadable)
+		}
+		tw.Flush()
+		for _, s := range rep.Skipped {
+			fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", s)
+		}
+	}
+	if rep.Total.Unreadable > 0 {
+		return exitProblems
+	}
+	return exitOK
+}

@@ -1,0 +1,137 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+func init() {
+	register(&command{
+		name: "gc", args: "ROOT",
+		summary: "delete blocks no manifest names and stale temp files (collect); --dry-run lists them only",
+		example: "kvpersist gc --dry-run /var/lib/kvcache\n  kvpersist gc --block-grace 1h /var/lib/kvcache",
+		run:     runGC,
+	})
+}
+
+// gcReport is what gc --json prints. Paths are absolute or relative as ROOT was given.
+type gcReport struct {
+	Root   string `json:"root"`
+	DryRun bool   `json:"dryRun"`
+	// Deleted lists every file deleted (with --dry-run: that would be).
+	Deleted []string `json:"deleted"`
+	// BlocksDeleted and BytesFreed count block files (bytes: their sizes);
+	// TempRemoved counts temp files (their bytes are not in BytesFreed).
+	BlocksDeleted    int64 `json:"blocksDeleted"`
+	BytesFreed       int64 `json:"bytesFreed"`
+	TempRemoved      int64 `json:"tempRemoved"`
+	BlocksKept       int64 `json:"blocksKept"`
+	ManifestsScanned int   `json:"manifestsScanned"`
+	Namespaces       int   `json:"namespaces"`
+	// Unreadable lists the files that did not decode, with the reason; the
+	// namespaces holding them (UnsweptNamespaces) keep all their blocks.
+	Unreadable        []string `json:"unreadable"`
+	UnsweptNamespaces []string `json:"unsweptNamespaces"`
+	// Skipped lists entries kvpersist does not recognise; never deleted.
+	Skipped []string `json:"skipped"`
+}
+
+func runGC(ctx context.Context, c *cli, args []string) int {
+	cmd := commands["gc"]
+	fs := c.docFlags(cmd, `Runs the engine's collect on every namespace of ROOT: it marks every block a
+readable manifest names and deletes the block files no manifest names, and
+temp files (of interrupted writes) older than --temp-grace. It holds each
+namespace's lock exclusively while it works, so writes and reads of this or
+another process wait, and a write in progress never loses its blocks.
+
+A namespace holding a file that does not decode (see 'kvpersist verify')
+is not swept at all: the blocks that file names cannot be known. Repair or
+remove the file, then run gc again. Entries kvpersist does not recognise
+are listed as skipped and never deleted. BYTES FREED counts block files;
+temp files are listed and counted apart.
+
+Exit status: 0, 1 when a namespace was not swept because of an unreadable
+file, 2 on usage or I/O errors.`)
+	dryRun := fs.Bool("dry-run", false, "delete nothing; list what would be deleted")
+	asJSON := fs.Bool("json", false, "print a JSON report: {root, dryRun, deleted, blocksDeleted, bytesFreed, tempRemoved, blocksKept, manifestsScanned, namespaces, unreadable, unsweptNamespaces, skipped}")
+	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "keep temp files younger than this (they may belong to a running write); 0 removes every temp file")
+	blockGrace := fs.Duration("block-grace", 0, "keep unreferenced blocks younger than this (for writers that do not take the namespace lock)")
+	pos, code := c.parse(fs, args)
+	if code >= 0 {
+		return code
+	}
+	if len(pos) != 1 || *tempGrace < 0 || *blockGrace < 0 {
+		fs.Usage()
+		return exitUsage
+	}
+	root := pos[0]
+	// engine.New creates a missing root: check first that it is one.
+	if _, _, err := scanRootDir(vfs.Default, root); err != nil {
+		return c.fail("gc: %v", err)
+	}
+	tg := *tempGrace
+	if tg == 0 {
+		tg = -1 // jobs: negative removes every temp file; 0 would mean the default
+	}
+	e, err := engine.New(engine.Config{Root: root, TempGrace: tg, BlockGrace: *blockGrace, Logger: c.log})
+	if err != nil {
+		return c.fail("gc: %v", err)
+	}
+	res := e.Do(ctx, &engine.CollectRequest{DryRun: *dryRun})
+	if err := e.Close(context.Background()); err != nil {
+		c.log.Warn("closing the engine", "err", err)
+	}
+	if res.Err != nil {
+		return c.fail("gc %s: %v", root, res.Err)
+	}
+	cm := res.Metrics.Collect
+	rep := gcReport{Root: root, DryRun: *dryRun, Deleted: gcList(cm.Deleted),
+		BlocksDeleted: cm.BlocksDeleted, BytesFreed: cm.BytesFreed, TempRemoved: cm.TempRemoved,
+		BlocksKept: cm.BlocksKept, ManifestsScanned: cm.ManifestsScanned, Namespaces: cm.Namespaces,
+		Unreadable: gcList(cm.Unreadable), UnsweptNamespaces: gcList(cm.UnsweptNamespaces), Skipped: gcList(cm.Skipped)}
+	if *asJSON {
+		if code := c.writeJSON(rep); code >= 0 {
+			return code
+		}
+	} else {
+		w := c.stdout
+		verb, freed := "deleted", "freed"
+		if *dryRun {
+			verb, freed = "would delete", "would free"
+		}
+		for _, p := range rep.Deleted {
+			fmt.Fprintf(w, "%s %s\n", verb, p)
+		}
+		fmt.Fprintf(w, "gc %s: %d namespaces, %d manifests scanned, %d blocks kept; %s %d blocks and %d temp files, %s %s (%d bytes) in %v\n",
+			root, rep.Namespaces, rep.ManifestsScanned, rep.BlocksKept, verb, rep.BlocksDeleted, rep.TempRemoved,
+			freed, humanBytes(rep.BytesFreed), rep.BytesFreed, res.Metrics.Elapsed.Round(time.Millisecond))
+		if *dryRun {
+			fmt.Fprintln(w, "dry run: nothing was deleted")
+		}
+		for _, u := range rep.Unreadable {
+			fmt.Fprintf(w, "unreadable: %s\n", u)
+		}
+		for _, ns := range rep.UnsweptNamespaces {
+			fmt.Fprintf(w, "not swept (it holds an unreadable file; repair or remove it): %s\n", ns)
+		}
+		for _, s := range rep.Skipped {
+			fmt.Fprintf(w, "skipped (not a kvpersist file, never deleted): %s\n", s)
+		}
+	}
+	if len(rep.UnsweptNamespaces) > 0 || len(rep.Unreadable) > 0 {
+		return exitProblems
+	}
+	return exitOK
+}
+
+func gcList(s []string) []string {
+	if s == nil {
+		return []string{}
+	}
+	return s
+}

@@ -1,0 +1,475 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/bunhash"
+)
+
+func init() {
+	register(&command{
+		name: "inspect", args: "PATH",
+		summary: "decode one snapshot file or manifest: prefix, header hash, metadata, one row per tensor",
+		example: "kvpersist inspect /var/lib/kvcache/conv-42/turn-7\n  kvpersist inspect --json /var/lib/kvcache/conv-42/turn-7 | jq '.tensors[0]'",
+		run:     runInspect,
+	})
+}
+
+// Names of the magics, as inspect prints them.
+const (
+	magicKV     = "kvpersist"
+	magicLegacy = "Bun worker (legacy)"
+)
+
+// inspectTensor is one tensor slot as inspect reports it.
+type inspectTensor struct {
+	Slot   int     `json:"slot"`
+	Group  string  `json:"group"` // "cache" or "attachment"
+	Entry  int     `json:"entry"` // index of the cache or attachment
+	Index  int     `json:"index"` // tensor index within the entry
+	DType  string  `json:"dtype"`
+	Shape  []int64 `json:"shape"` // elements
+	Bytes  int64   `json:"bytes"`
+	Off    *int64  `json:"off,omitempty"`    // single file: offset from the data start
+	Blocks *int    `json:"blocks,omitempty"` // block manifest: number of blocks
+	Hash   string  `json:"hash,omitempty"`   // single file: xxh3-64 (Bun.hash for legacy files)
+	// BlockList is every block, with --blocks.
+	BlockList []layout.BlockRef `json:"blockList,omitempty"`
+	// Meta is the entry's metadata (on the entry's first tensor) and the
+	// tensor's own unknown keys.
+	Meta layout.Meta `json:"meta,omitempty"`
+}
+
+// inspectReport is what inspect --json prints.
+type inspectReport struct {
+	Path      string `json:"path"`
+	FileBytes int64  `json:"fileBytes"`
+	// Magic is "kvpersist", "Bun worker (legacy)" or "" when unrecognised.
+	Magic  string `json:"magic"`
+	Legacy bool   `json:"legacy"`
+	// Prefix fields (bytes).
+	HeaderLen  uint32 `json:"headerLen"`
+	DataStart  uint32 `json:"dataStart"`
+	HeaderHash string `json:"headerHash"` // as stored: 16 hex digits of the u64
+	// ComputedHeaderHash is the hash of the header as read; "" when the
+	// header could not be read at all.
+	ComputedHeaderHash string `json:"computedHeaderHash,omitempty"`
+	HeaderHashOK       bool   `json:"headerHashOK"`
+	HeaderHashRule     string `json:"headerHashRule"`
+	FormatVersion      *int   `json:"formatVersion"`
+	Layout             string `json:"layout,omitempty"` // "single" or "blocks"
+	// Verified: every check of layout.Decode passed. When false,
+	// FailedCheck names the check and the header fields below, if any,
+	// come from an unverified parse.
+	Verified     bool            `json:"verified"`
+	FailedCheck  string          `json:"failedCheck,omitempty"`
+	Error        string          `json:"error,omitempty"`
+	LogicalBytes int64           `json:"logicalBytes"`
+	Meta         layout.Meta     `json:"meta"`   // caller metadata (top level)
+	Header       json.RawMessage `json:"header"` // the header JSON as stored
+	// HeaderText is, when the stored header is not valid JSON, its first
+	// bytes (up to 1 KiB) as text, and HeaderJSONError the parse error.
+	HeaderText      string          `json:"headerText,omitempty"`
+	HeaderJSONError string          `json:"headerJSONError,omitempty"`
+	Tensors         []inspectTensor `json:"tensors"`
+}
+
+// failedCheck names the check of layout.Decode an error comes from.
+func failedCheck(err error) string {
+	switch {
+	case errors.Is(err, layout.ErrBadMagic):
+		return "magic"
+	case errors.Is(err, layout.ErrHeaderTooLarge):
+		return "header length"
+	case errors.Is(err, layout.ErrHeaderHash):
+		return "header hash"
+	case errors.Is(err, layout.ErrFormatVersion):
+		return "format version"
+	case errors.Is(err, layout.ErrTruncated):
+		return "file length (truncated)"
+	case errors.Is(err, layout.ErrInvalidHeader):
+		return "header validation"
+	}
+	return "read"
+}
+
+// looseTensor is a lenient parse of an unverified tensor, for display only.
+type looseTensor struct {
+	Off    int64             `json:"off"`
+	Bytes  int64             `json:"bytes"`
+	Hash   string            `json:"hash"`
+	DType  string            `json:"dtype"`
+	Shape  []int64           `json:"shape"`
+	Blocks []layout.BlockRef `json:"blocks"`
+}
+
+// parseLoose turns an unverified header JSON into a Header for display
+// (entries' metadata kept, per-tensor unknown keys dropped); ok is false
+// when it is not even that.
+func parseLoose(js []byte) (h *layout.Header, version *int, ok bool) {
+	var top map[string]json.RawMessage
+	if json.Unmarshal(js, &top) != nil {
+		return nil, nil, false
+	}
+	h = &layout.Header{Meta: layout.Meta{}}
+	if v, found := top["formatVersion"]; found {
+		if json.Unmarshal(v, &h.FormatVersion) != nil {
+			return nil, nil, false
+		}
+		version = &h.FormatVersion
+	}
+	entries := func(raw json.RawMessage) ([]layout.Entry, bool) {
+		if raw == nil {
+			return nil, true
+		}
+		var list []map[string]json.RawMessage
+		if json.Unmarshal(raw, &list) != nil {
+			return nil, false
+		}
+		out := make([]layout.Entry, len(list))
+		for i, obj := range list {
+			var ts []looseTensor
+			if json.Unmarshal(obj["tensors"], &ts) != nil {
+				return nil, false
+			}
+			out[i].Meta = layout.Meta{}
+			for k, v := range obj {
+				if k != "tensors" {
+					out[i].Meta[k] = v
+				}
+			}
+			for _, t := range ts {
+				out[i].Tensors = append(out[i].Tensors, layout.Tensor{Off: t.Off, Bytes: t.Bytes, Hash: t.Hash, DType: t.DType, Shape: t.Shape, Blocks: t.Blocks})
+			}
+		}
+		return out, true
+	}
+	if h.Caches, ok = entries(top["caches"]); !ok {
+		return nil, nil, false
+	}
+	if h.Attachments, ok = entries(top["attachments"]); !ok {
+		return nil, nil, false
+	}
+	for k, v := range top {
+		switch k {
+		case "formatVersion", "caches", "attachments":
+		default:
+			h.Meta[k] = v
+		}
+	}
+	return h, version, true
+}
+
+// tensorRows lists a header's slots for inspect.
+func tensorRows(h *layout.Header, lay layout.Layout, withBlocks bool) []inspectTensor {
+	var out []inspectTensor
+	slot := 0
+	for gi, group := range [][]layout.Entry{h.Caches, h.Attachments} {
+		gname := "cache"
+		if gi == 1 {
+			gname = "attachment"
+		}
+		for ei, e := range group {
+			for ti, t := range e.Tensors {
+				r := inspectTensor{Slot: slot, Group: gname, Entry: ei, Index: ti, DType: t.DType,
+					Shape: append([]int64{}, t.Shape...), Bytes: t.Bytes, Hash: t.Hash}
+				if lay == layout.Blocks {
+					n := len(t.Blocks)
+					r.Blocks = &n
+					if withBlocks {
+						r.BlockList = append([]layout.BlockRef{}, t.Blocks...)
+					}
+				} else {
+					off := t.Off
+					r.Off = &off
+				}
+				meta := layout.Meta{}
+				if ti == 0 {
+					for k, v := range e.Meta {
+						meta[k] = v
+					}
+				}
+				for k, v := range t.Meta {
+					meta[k] = v
+				}
+				if len(meta) > 0 {
+					r.Meta = meta
+				}
+				out = append(out, r)
+				slot++
+			}
+		}
+	}
+	return out
+}
+
+// formatMeta renders metadata as sorted k=v pairs of compact JSON, each
+// value cut to max bytes.
+func formatMeta(m layout.Meta, max int) string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var parts []string
+	for _, k := range keys {
+		var b bytes.Buffer
+		v := []byte(m[k])
+		if json.Compact(&b, v) == nil {
+			v = b.Bytes()
+		}
+		s := string(v)
+		if len(s) > max {
+			s = fmt.Sprintf("%s…(%d bytes)", s[:max], len(v))
+		}
+		parts = append(parts, k+"="+s)
+	}
+	return strings.Join(parts, " ")
+}
+
+func runInspect(ctx context.Context, c *cli, args []string) int {
+	cmd := commands["inspect"]
+	fs := c.docFlags(cmd, `Reads the prefix and header only (no tensor data; 'kvpersist verify PATH'
+re-hashes the data). Prints the magic (kvpersist, or "Bun worker (legacy)"
+for files of the original worker), the format version, the header length and
+data start (bytes), the stored header hash and whether it matches the header,
+the caller metadata, and one row per tensor slot (caches, then attachments):
+entry, dtype, shape (elements), bytes, and the offset from the data start
+(single file) or the number of blocks (manifest), and the tensor hash.
+
+If a check fails (magic, lengths, header hash, format version, validation),
+inspect still prints what it could read, says which check failed, marks any
+tensor rows as unverified, and exits 1. Exit status: 0 when every check
+passed, 1 when one failed, 2 on usage or I/O errors.`)
+	asJSON := fs.Bool("json", false, "print the prefix fields, the header as stored (\"header\"), the caller metadata and the tensor rows as JSON")
+	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256 and bytes) of every tensor of a manifest")
+	pos, code := c.parse(fs, args)
+	if code >= 0 {
+		return code
+	}
+	if len(pos) != 1 {
+		fs.Usage()
+		return exitUsage
+	}
+	path := pos[0]
+	rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
+	if ioErr != nil {
+		return c.fail("inspect %s: %v", path, ioErr)
+	}
+	if *asJSON {
+		if code := c.writeJSON(rep); code >= 0 {
+			return code
+		}
+	} else {
+		printInspect(c, rep)
+	}
+	if !rep.Verified {
+		return exitProblems
+	}
+	return exitOK
+}
+
+// inspectFile decodes path as far as it can. A non-nil error is an I/O
+// error (the file could not be opened or read); a file that fails a check
+// is a report with Verified false.
+func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, error) {
+	f, err := fsys.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	rep := &inspectReport{Path: path, FileBytes: st.Size(), Meta: layout.Meta{}, Tensors: []inspectTensor{}}
+	snap, decErr := layout.Decode(f, path)
+	if decErr != nil && !isDecodeError(decErr) {
+		return nil, decErr
+	}
+	// The prefix and JSON, read again here so that they can be shown even
+	// when Decode failed.
+	var pb [layout.PrefixLen]byte
+	var p layout.Prefix
+	var js []byte
+	if st.Size() >= layout.PrefixLen {
+		if err := layout.ReadFull(f, pb[:], 0); err != nil {
+			return nil, err
+		}
+		switch string(pb[:10]) {
+		case layout.Magic:
+			rep.Magic = magicKV
+		case layout.LegacyMagic:
+			rep.Magic, rep.Legacy = magicLegacy, true
+		}
+		var perr error
+		p, perr = layout.ParsePrefix(pb[:])
+		if rep.Magic != "" {
+			rep.HeaderLen, rep.DataStart = p.HeaderLen, p.DataStart
+			rep.HeaderHash = fmt.Sprintf("%016x", p.HeaderHash)
+			rep.HeaderHashRule = "xxh3-64 of u32 headerLen, u32 dataStart and the JSON"
+			if rep.Legacy {
+				rep.HeaderHashRule = "Bun.hash (wyhash) of the JSON"
+			}
+		}
+		if rep.Magic != "" && (perr == nil || errors.Is(perr, layout.ErrInvalidHeader)) &&
+			p.HeaderLen <= layout.MaxHeaderLen && int64(layout.PrefixLen)+int64(p.HeaderLen) <= st.Size() {
+			js = make([]byte, p.HeaderLen) // bounded by MaxHeaderLen and the file size
+			if err := layout.ReadFull(f, js, layout.PrefixLen); err != nil {
+				return nil, err
+			}
+			var sum uint64
+			if p.Legacy {
+				sum = bunhash.Sum(js)
+			} else {
+				sum = layout.HeaderHash(p.HeaderLen, p.DataStart, js)
+			}
+			rep.ComputedHeaderHash = fmt.Sprintf("%016x", sum)
+			rep.HeaderHashOK = sum == p.HeaderHash
+		}
+	}
+	if decErr == nil {
+		rep.Verified = true
+		if v := snap.Header.FormatVersion; v != 0 || !snap.Legacy {
+			rep.FormatVersion = &v // the Bun worker's single files carry none
+		}
+		rep.Layout = snap.Layout.String()
+		rep.Header = json.RawMessage(snap.JSON)
+		if snap.Header.Meta != nil {
+			rep.Meta = snap.Header.Meta
+		}
+		rep.LogicalBytes = logicalBytes(snap.Header)
+		rep.Tensors = tensorRows(snap.Header, snap.Layout, withBlocks)
+		return rep, nil
+	}
+	rep.FailedCheck = failedCheck(decErr)
+	rep.Error = decErr.Error()
+	if js != nil && !json.Valid(js) {
+		var x any
+		rep.HeaderJSONError = fmt.Sprint(json.Unmarshal(js, &x))
+		rep.HeaderText = string(js[:min(len(js), 1024)])
+	}
+	if js != nil && json.Valid(js) {
+		rep.Header = json.RawMessage(js)
+		if h, version, ok := parseLoose(js); ok {
+			rep.FormatVersion = version
+			lay := layout.Single
+			if h.FormatVersion == layout.FormatBlocks {
+				lay = layout.Blocks
+			}
+			rep.Layout = lay.String()
+			rep.Meta = h.Meta
+			rep.LogicalBytes = logicalBytes(h)
+			rep.Tensors = tensorRows(h, lay, withBlocks)
+		}
+	}
+	return rep, nil
+}
+
+func printInspect(c *cli, r *inspectReport) {
+	w := c.stdout
+	kv := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintf(kv, "path\t%s\n", r.Path)
+	magic := r.Magic
+	if magic == "" {
+		magic = "unrecognised (not a kvpersist file)"
+	}
+	fmt.Fprintf(kv, "magic\t%s\n", magic)
+	if r.FormatVersion != nil {
+		fmt.Fprintf(kv, "format\t%d (%s)\n", *r.FormatVersion, r.Layout)
+	} else if r.Layout != "" {
+		fmt.Fprintf(kv, "format\tnone (%s, the Bun worker's single file)\n", r.Layout)
+	}
+	fmt.Fprintf(kv, "file size\t%d bytes\n", r.FileBytes)
+	if r.Magic != "" {
+		fmt.Fprintf(kv, "header\t%d bytes at offset %d; data start %d\n", r.HeaderLen, layout.PrefixLen, r.DataStart)
+		switch {
+		case r.ComputedHeaderHash == "":
+			fmt.Fprintf(kv, "header hash\t%s (%s): not checked, the header could not be read\n", r.HeaderHash, r.HeaderHashRule)
+		case r.HeaderHashOK:
+			fmt.Fprintf(kv, "header hash\t%s (%s): matches\n", r.HeaderHash, r.HeaderHashRule)
+		default:
+			fmt.Fprintf(kv, "header hash\t%s stored, %s computed (%s): MISMATCH\n", r.HeaderHash, r.ComputedHeaderHash, r.HeaderHashRule)
+		}
+	}
+	if len(r.Meta) > 0 {
+		fmt.Fprintf(kv, "metadata\t%s\n", formatMeta(r.Meta, 80))
+	}
+	if len(r.Tensors) > 0 {
+		nb := 0
+		for _, t := range r.Tensors {
+			if t.Blocks != nil {
+				nb += *t.Blocks
+			}
+		}
+		line := fmt.Sprintf("%d, %d bytes (%s) logical", len(r.Tensors), r.LogicalBytes, humanBytes(r.LogicalBytes))
+		if r.Layout == "blocks" {
+			line += fmt.Sprintf(", %d block references", nb)
+		}
+		fmt.Fprintf(kv, "tensors\t%s\n", line)
+	}
+	if !r.Verified {
+		fmt.Fprintf(kv, "CHECK FAILED\t%s: %s\n", r.FailedCheck, strings.TrimPrefix(r.Error, "layout: "+r.Path+": "))
+	}
+	if r.HeaderJSONError != "" {
+		fmt.Fprintf(kv, "header JSON\tnot valid JSON (%s); its first %d bytes:\n", r.HeaderJSONError, len(r.HeaderText))
+	}
+	kv.Flush()
+	if r.HeaderText != "" {
+		fmt.Fprintf(w, "%q\n", r.HeaderText)
+	}
+	if len(r.Tensors) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	if !r.Verified {
+		fmt.Fprintln(w, "tensors as the header says, UNVERIFIED (the header failed its check):")
+	}
+	var table bytes.Buffer
+	tw := tabwriter.NewWriter(&table, 0, 0, 2, ' ', 0)
+	where := "OFFSET"
+	if r.Layout == "blocks" {
+		where = "BLOCKS"
+	}
+	fmt.Fprintf(tw, "SLOT\tENTRY\tTENSOR\tDTYPE\tSHAPE\tBYTES\t%s\tHASH\tMETA\n", where)
+	for _, t := range r.Tensors {
+		loc := "-"
+		if t.Off != nil {
+			loc = fmt.Sprint(*t.Off)
+		} else if t.Blocks != nil {
+			loc = fmt.Sprint(*t.Blocks)
+		}
+		hash := t.Hash
+		if hash == "" {
+			hash = "-"
+		}
+		fmt.Fprintf(tw, "%d\t%s %d\t%d\t%s\t%v\t%d\t%s\t%s\t%s\n", t.Slot, t.Group, t.Entry, t.Index, t.DType, t.Shape, t.Bytes, loc, hash, formatMeta(t.Meta, 40))
+	}
+	tw.Flush()
+	for _, line := range strings.SplitAfter(table.String(), "\n") {
+		// tabwriter pads the cell before an empty META: drop the padding.
+		if trimmed := strings.TrimRight(line, " \n"); trimmed != "" {
+			fmt.Fprintln(w, trimmed)
+		}
+	}
+	for _, t := range r.Tensors {
+		if len(t.BlockList) == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "\nblocks of slot %d (%s %d tensor %d):\n", t.Slot, t.Group, t.Entry, t.Index)
+		var off int64
+		for i, b := range t.BlockList {
+			fmt.Fprintf(w, "  %4d  %s  %8d bytes at %d\n", i, b.Hash, b.Bytes, off)
+			off += b.Bytes
+		}
+	}
+}
