@@ -7,6 +7,7 @@ require (
 	github.com/panjf2000/ants/v2 v2.12.1
 	github.com/schollz/progressbar/v3 v3.19.1
 	github.com/zeebo/xxh3 v1.1.0
+	go.uber.org/goleak v1.3.0
 	golang.org/x/sys v0.50.0
 	golang.org/x/term v0.48.0
 )

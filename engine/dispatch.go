@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime/debug"
 	"slices"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -15,6 +16,16 @@ import (
 // write waits, before one write goes first (reads have priority, writes do
 // not starve).
 const readBurst = 8
+
+// When the pool refuses a job, the dispatcher retries on the next completion
+// or helper exit (a kick), and on a timer from retryMin doubling up to
+// retryMax: a task signals before its ants worker is back in the pool, so
+// the retry right after a completion can still find the pool full, and no
+// further event may come (Workers=1: the one worker just finished).
+const (
+	retryMin = 50 * time.Microsecond
+	retryMax = 5 * time.Millisecond
+)
 
 // dispatcher owns all ordering state; only its goroutine touches it.
 type dispatcher struct {
@@ -38,43 +49,79 @@ func newDispatcher(e *Engine) *dispatcher {
 func (d *dispatcher) run() {
 	e := d.e
 	defer close(e.stopped)
+	retry := time.NewTimer(retryMax)
+	retry.Stop()
+	defer retry.Stop()
+	backoff := retryMin
 	for {
+		d.drain()
 		if !d.aborted {
 			select {
 			case <-e.abort:
-				d.aborted = true
-				for _, j := range d.out {
-					j.cancel(ErrClosed)
-				}
+				d.abortAll()
 			default:
 			}
 		}
-		d.schedule()
+		blocked := d.schedule()
 		if d.draining && len(d.out) == 0 {
 			return
 		}
 		var mailbox <-chan *job
-		if !d.draining && len(d.pending) < cap(e.mailbox) {
-			mailbox = e.mailbox // bounded: past this, Submit feels backpressure
+		if !d.draining {
+			mailbox = e.mailbox // Submit's slots bound it
+		}
+		var abort <-chan struct{}
+		if !d.aborted {
+			abort = e.abort // once seen, never again: it stays closed
+		}
+		var retryC <-chan time.Time
+		if blocked {
+			retry.Reset(backoff)
+			retryC = retry.C
 		}
 		select {
 		case j, ok := <-mailbox:
 			if !ok {
 				d.draining = true
-				continue
-			}
-			d.accept(j)
-		case j := <-e.done:
-			d.complete(j)
-		case <-e.kickCh:
-		case <-e.abort:
-		}
-		if d.draining {
-			// Accept whatever is still buffered in the closed mailbox.
-			for j := range e.mailbox {
+			} else {
 				d.accept(j)
 			}
+			backoff = retryMin
+		case j := <-e.done:
+			d.complete(j)
+			backoff = retryMin
+		case <-e.kickCh:
+			backoff = retryMin
+		case <-abort:
+		case <-retryC:
+			backoff = min(2*backoff, retryMax)
 		}
+		retry.Stop() // Go >= 1.23 timers: no stale tick after Stop
+	}
+}
+
+// drain accepts every job already in the mailbox, so that jobs submitted
+// together are ordered and prioritised together.
+func (d *dispatcher) drain() {
+	for !d.draining {
+		select {
+		case j, ok := <-d.e.mailbox:
+			if !ok {
+				d.draining = true
+				return
+			}
+			d.accept(j)
+		default:
+			return
+		}
+	}
+}
+
+// abortAll cancels every outstanding job (Close's ctx ended).
+func (d *dispatcher) abortAll() {
+	d.aborted = true
+	for _, j := range d.out {
+		j.cancel(ErrClosed)
 	}
 }
 
@@ -91,8 +138,13 @@ func (d *dispatcher) accept(j *job) {
 	}
 }
 
+// complete forgets a started job whose ack has been sent.
 func (d *dispatcher) complete(j *job) {
 	d.running--
+	d.forget(j)
+}
+
+func (d *dispatcher) forget(j *job) {
 	d.out = slices.DeleteFunc(d.out, func(x *job) bool { return x == j })
 	if j.path != "" {
 		q := slices.DeleteFunc(d.byPath[j.path], func(x *job) bool { return x == j })
@@ -117,12 +169,16 @@ func overlaps(a, b *job) bool {
 	return false
 }
 
+// nsExclusive reports whether a job kind runs alone in its namespaces.
+func nsExclusive(k Kind) bool { return k == KindCollect || k == KindMigrate }
+
 // eligible applies the ordering rules to a pending job:
 //   - per path, in submission order: a write waits for every earlier job
 //     on its path; a read waits for earlier writes on its path (reads of
 //     one path may run together);
-//   - a collect waits for every earlier job in its namespaces, and every
-//     later job in those namespaces waits for the collect.
+//   - a collect or a migrate (a write to whole namespaces) waits for every
+//     earlier job in its namespaces, and every later job in those
+//     namespaces waits for it.
 func (d *dispatcher) eligible(j *job) bool {
 	if j.path != "" {
 		for _, x := range d.byPath[j.path] {
@@ -138,7 +194,7 @@ func (d *dispatcher) eligible(j *job) bool {
 		if x == j {
 			break
 		}
-		if (j.kind == KindCollect || x.kind == KindCollect) && overlaps(j, x) {
+		if (nsExclusive(j.kind) || nsExclusive(x.kind)) && overlaps(j, x) {
 			return false
 		}
 	}
@@ -147,13 +203,16 @@ func (d *dispatcher) eligible(j *job) bool {
 
 // schedule starts every job it can: cancelled pending jobs are acked at
 // once; then eligible reads before eligible writes, with readBurst as the
-// anti-starvation bound; collects in order with the rest.
-func (d *dispatcher) schedule() {
+// anti-starvation bound; collects in order with the rest. It reports whether
+// a job could not start for want of a free worker.
+func (d *dispatcher) schedule() (blocked bool) {
 	e := d.e
 	for i := 0; i < len(d.pending); {
 		j := d.pending[i]
-		if j.ctx.Err() != nil && d.start(j) {
-			continue // start removed it from pending
+		if j.ctx.Err() != nil {
+			if d.ackCancelled(j) {
+				continue // removed from pending
+			}
 		}
 		i++
 	}
@@ -180,11 +239,11 @@ func (d *dispatcher) schedule() {
 			pick = other
 		}
 		if pick == nil {
-			return
+			return false
 		}
 		if !d.start(pick) {
 			e.waiting.Store(true) // helpers yield so this one can start
-			return
+			return true
 		}
 		if pick.kind == KindRead && other != nil {
 			d.readRun++
@@ -192,6 +251,33 @@ func (d *dispatcher) schedule() {
 			d.readRun = 0
 		}
 	}
+	return false
+}
+
+// ackCancelled acks a pending job whose context has ended, without a pool
+// worker, so the ack is prompt even when every worker is busy. The engine's
+// own ack channel takes it at once; a caller's channel may block, so a
+// short-lived goroutine sends it and reports completion like a worker (the
+// job stays outstanding until then). It reports whether j left pending.
+func (d *dispatcher) ackCancelled(j *job) bool {
+	e := d.e
+	d.pending = slices.DeleteFunc(d.pending, func(x *job) bool { return x == j })
+	j.started = true
+	<-e.slots
+	e.stats.queued.Add(-1)
+	res := Result{ID: j.id, Kind: j.kind, Ref: j.ref, Err: ctxError(j.ctx)}
+	e.settle(j, &res, false)
+	if j.ownAck {
+		j.ack <- res // capacity 1, sent once: never blocks
+		d.forget(j)
+		return true
+	}
+	d.running++
+	go func() {
+		e.sendAck(j, res)
+		e.done <- j
+	}()
+	return true
 }
 
 // start hands j to the pool; false when no worker is free.
@@ -203,14 +289,25 @@ func (d *dispatcher) start(j *job) bool {
 	j.started = true
 	d.running++
 	d.pending = slices.DeleteFunc(d.pending, func(x *job) bool { return x == j })
-	e.stats.queued.Add(-1)
-	e.stats.running.Add(1)
 	return true
+}
+
+// ctxError is the error of a job whose context has ended: ctx.Err(), also
+// wrapping the cancellation cause when there is one (ErrClosed from Close).
+func ctxError(ctx context.Context) error {
+	err := ctx.Err()
+	if cause := context.Cause(ctx); cause != nil && !errors.Is(err, cause) {
+		return fmt.Errorf("%w: %w", cause, err)
+	}
+	return err
 }
 
 // runJob runs on a pool worker: the job, then its ack, then the completion
 // notice to the dispatcher. It recovers any panic and always acks.
 func (e *Engine) runJob(j *job) {
+	<-e.slots // the job no longer waits: free its mailbox slot
+	e.stats.queued.Add(-1)
+	e.stats.running.Add(1)
 	res := Result{ID: j.id, Kind: j.kind, Ref: j.ref}
 	func() {
 		defer func() {
@@ -219,12 +316,22 @@ func (e *Engine) runJob(j *job) {
 				res.Err = fmt.Errorf("%w: %s job %d (%s): %v\n%s", jobs.ErrPanic, j.kind, j.id, j.ref, r, debug.Stack())
 			}
 		}()
-		if err := context.Cause(j.ctx); err != nil {
-			res.Err = err
+		if j.ctx.Err() != nil {
+			res.Err = ctxError(j.ctx)
 			return
 		}
 		e.execute(j, &res)
 	}()
+	e.settle(j, &res, true)
+	// The ack: after it the caller owns its buffers again. Every helper task
+	// of the job has finished (jobs.parallel waits for them).
+	e.sendAck(j, res)
+	e.done <- j
+}
+
+// settle finishes a job's bookkeeping before its ack: the ErrClosed cause,
+// the job's context, the counters and the log.
+func (e *Engine) settle(j *job, res *Result, ran bool) {
 	if cause := context.Cause(j.ctx); res.Err != nil && errors.Is(cause, ErrClosed) && !errors.Is(res.Err, ErrClosed) {
 		res.Err = fmt.Errorf("%w: %w", ErrClosed, res.Err)
 	}
@@ -242,12 +349,22 @@ func (e *Engine) runJob(j *job) {
 			"written", res.Metrics.WrittenBytes, "reused", res.Metrics.ReusedBytes, "read", res.Metrics.ReadBytes,
 			"elapsed", res.Metrics.Elapsed)
 	}
-	s.running.Add(-1)
+	if ran {
+		s.running.Add(-1)
+	}
 	s.completed.Add(1)
-	// The ack: after it the caller owns its buffers again. Every helper task
-	// of the job has finished (jobs.parallel waits for them).
+}
+
+// sendAck sends a job's one Result. A caller's ack channel that its owner
+// closed would panic the sender: that is logged and the Result dropped, so
+// the engine still completes the job (and Close does not hang).
+func (e *Engine) sendAck(j *job, res Result) {
+	defer func() {
+		if r := recover(); r != nil {
+			e.log.Error("kvpersist: ack channel closed by its owner; result dropped", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "panic", r)
+		}
+	}()
 	j.ack <- res
-	e.done <- j
 }
 
 // testHook, when set by a test, runs at the start of every job (to inject
@@ -281,6 +398,8 @@ func (e *Engine) execute(j *job, res *Result) {
 			Root: e.cfg.Root, Namespaces: r.Namespaces, DryRun: r.DryRun,
 			TempGrace: e.cfg.TempGrace, BlockGrace: e.cfg.BlockGrace,
 		})
+	case *MigrateRequest:
+		res.Metrics, err = e.runMigrate(j.ctx, &cfg, r)
 	}
 	if err != nil {
 		res.Header = nil

@@ -53,8 +53,8 @@ type Config struct {
 	// Workers bounds the goroutines that run jobs and their tasks; default
 	// runtime.GOMAXPROCS(0).
 	Workers int
-	// Mailbox is how many submitted jobs may wait before Submit blocks (and
-	// TrySubmit returns ErrBusy); default 256.
+	// Mailbox is how many accepted jobs may wait to start (Stats.Queued)
+	// before Submit blocks (and TrySubmit returns ErrBusy); default 256.
 	Mailbox int
 	// BlockBytes is the default block size of block-layout writes, in bytes;
 	// default 1 MiB (jobs.DefaultBlockBytes). See jobs.CheckBlockBytes.
@@ -78,19 +78,23 @@ type Engine struct {
 	log     *slog.Logger
 	pool    *ants.Pool
 	mailbox chan *job
+	slots   chan struct{} // one token per queued job: the mailbox's bound
 	done    chan *job     // completions, to the dispatcher
 	kickCh  chan struct{} // wake the dispatcher (a cancel, a freed worker)
 	closing chan struct{} // closed when Close starts
 	stopped chan struct{} // closed when the dispatcher has exited
 	abort   chan struct{} // closed when Close's ctx ends: cancel everything
 
-	mu     sync.RWMutex // guards closed against in-flight Submit sends
-	closed bool
+	mu        sync.RWMutex // guards closed against in-flight Submit sends
+	closed    bool
+	closeOnce sync.Once // closes closing
 
 	waiting atomic.Bool // a job is eligible but no worker is free
 	nextID  atomic.Uint64
 	stats   stats
 	abortMu sync.Once
+
+	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 }
 
 type stats struct {
@@ -145,6 +149,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg:     cfg,
 		log:     cfg.Logger,
 		mailbox: make(chan *job, cfg.Mailbox),
+		slots:   make(chan struct{}, cfg.Mailbox),
 		done:    make(chan *job, cfg.Workers),
 		kickCh:  make(chan struct{}, 1),
 		closing: make(chan struct{}),
@@ -163,7 +168,11 @@ func New(cfg Config) (*Engine, error) {
 		Helpers: cfg.Workers - 1,
 		Logger:  cfg.Logger,
 		Spawn: func(fn func()) bool {
-			return e.pool.Submit(func() { defer e.kick(); fn() }) == nil
+			if e.pool.Submit(func() { defer e.kick(); fn() }) != nil {
+				return false
+			}
+			e.helpersStarted.Add(1)
+			return true
 		},
 		Yield: e.waiting.Load,
 	}
@@ -242,6 +251,7 @@ const (
 	KindWrite Kind = iota + 1
 	KindRead
 	KindCollect
+	KindMigrate
 )
 
 func (k Kind) String() string {
@@ -252,6 +262,8 @@ func (k Kind) String() string {
 		return "read"
 	case KindCollect:
 		return "collect"
+	case KindMigrate:
+		return "migrate"
 	}
 	return fmt.Sprintf("Kind(%d)", int(k))
 }
@@ -264,7 +276,8 @@ type Job struct {
 	Ack <-chan Result
 }
 
-// Request is a *WriteRequest, *ReadRequest or *CollectRequest.
+// Request is a *WriteRequest, *ReadRequest, *CollectRequest or
+// *MigrateRequest.
 type Request interface{ request() }
 
 // WriteRequest saves a KV cache. The views' memory must stay valid and
@@ -322,18 +335,19 @@ type job struct {
 	cancel  context.CancelCauseFunc
 	stopAft func() bool
 	ack     chan<- Result
-	ownAck  bool
+	ownAck  bool // ack is the engine's own channel (capacity 1, never blocks)
 	started bool
-	res     Result
 }
 
-// Submit hands a job to the engine. While the mailbox is full it blocks until
-// ctx is done (returning ctx's error; the buffers were never touched). ctx
-// also governs the job: cancelled before it starts, the job is acked with
-// ctx's error; while running, the job stops between tensors and blocks,
-// removes its temp files and is acked with ctx's error (the snapshot's
-// previous version stays readable). Errors: ErrClosed, ErrPath,
-// ctx.Err(), or a request validation error; on error no ack will come.
+// Submit hands a job to the engine. While the mailbox is full (Mailbox jobs
+// wait to start) it blocks until ctx is done (returning ctx's error; the
+// buffers were never touched). ctx also governs the job: cancelled before it
+// starts, the job is acked at once with ctx's error, even when every worker
+// is busy; while running, the job stops between tensors and blocks, removes
+// its temp files and is acked with ctx's error (the snapshot's previous
+// version stays readable). Errors: ErrClosed, ErrPath (a nil request, an
+// invalid namespace or name), ctx.Err() (also when ctx is already done), or
+// an unknown request type; on error nothing was queued and no ack will come.
 func (e *Engine) Submit(ctx context.Context, req Request) (*Job, error) {
 	return e.submit(ctx, req, true)
 }
@@ -343,78 +357,119 @@ func (e *Engine) TrySubmit(ctx context.Context, req Request) (*Job, error) {
 	return e.submit(ctx, req, false)
 }
 
+// requestAck returns a request's caller-supplied ack channel (nil if none).
+func requestAck(req Request) chan<- Result {
+	switch r := req.(type) {
+	case *WriteRequest:
+		if r != nil {
+			return r.Ack
+		}
+	case *ReadRequest:
+		if r != nil {
+			return r.Ack
+		}
+	case *CollectRequest:
+		if r != nil {
+			return r.Ack
+		}
+	case *MigrateRequest:
+		if r != nil {
+			return r.Ack
+		}
+	}
+	return nil
+}
+
 func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
-	j := &job{id: e.nextID.Add(1), req: req}
-	var ack chan<- Result
+	j := &job{req: req}
 	switch r := req.(type) {
+	case nil:
+		return nil, fmt.Errorf("%w: nil request", ErrPath)
 	case *WriteRequest:
-		j.kind, j.ref, ack = KindWrite, r.Ref, r.Ack
+		if r == nil {
+			return nil, fmt.Errorf("%w: nil *WriteRequest", ErrPath)
+		}
+		j.kind, j.ref = KindWrite, r.Ref
 	case *ReadRequest:
-		j.kind, j.ref, ack = KindRead, r.Ref, r.Ack
+		if r == nil {
+			return nil, fmt.Errorf("%w: nil *ReadRequest", ErrPath)
+		}
+		j.kind, j.ref = KindRead, r.Ref
 	case *CollectRequest:
-		j.kind, ack = KindCollect, r.Ack
+		if r == nil {
+			return nil, fmt.Errorf("%w: nil *CollectRequest", ErrPath)
+		}
+		j.kind = KindCollect
 		for _, ns := range r.Namespaces {
 			if err := layout.ValidName("namespace", ns); err != nil {
 				return nil, fmt.Errorf("%w: %w", ErrPath, err)
 			}
 		}
 		if r.Namespaces != nil {
-			j.ns = append([]string(nil), r.Namespaces...)
-			if len(j.ns) == 0 {
-				j.ns = []string{} // nothing to collect; still ordered
-			}
+			j.ns = append([]string{}, r.Namespaces...) // non-nil even when empty: still ordered
+		}
+	case *MigrateRequest:
+		if err := e.prepareMigrate(j, r); err != nil {
+			return nil, err
 		}
 	default:
 		return nil, fmt.Errorf("engine: unknown request type %T", req)
 	}
-	if j.kind != KindCollect {
+	if j.kind == KindWrite || j.kind == KindRead {
 		p, err := e.Path(j.ref)
 		if err != nil {
 			return nil, err
 		}
 		j.path, j.ns = p, []string{j.ref.Namespace}
 	}
-	out := &Job{ID: j.id}
-	if ack == nil {
-		ch := make(chan Result, 1)
-		ack, j.ownAck, out.Ack = ch, true, ch
-	}
-	j.ack = ack
-	j.ctx, j.cancel = context.WithCancelCause(ctx)
 
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	if e.closed {
-		j.cancel(ErrClosed)
 		return nil, ErrClosed
 	}
-	e.stats.queued.Add(1)
+	select {
+	case <-e.closing:
+		return nil, ErrClosed
+	default:
+	}
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	// Take a mailbox slot: it bounds the jobs waiting to start, and is given
+	// back when the job starts or is acked without starting.
 	if wait {
 		select {
-		case e.mailbox <- j:
+		case e.slots <- struct{}{}:
 		case <-ctx.Done():
-			e.stats.queued.Add(-1)
-			j.cancel(nil)
 			return nil, ctx.Err()
-		case <-e.closing:
-			e.stats.queued.Add(-1)
-			j.cancel(ErrClosed)
+		case <-e.closing: // Close closes it before taking mu
 			return nil, ErrClosed
 		}
 	} else {
 		select {
-		case e.mailbox <- j:
+		case e.slots <- struct{}{}:
 		default:
-			e.stats.queued.Add(-1)
-			j.cancel(nil)
 			return nil, ErrBusy
 		}
 	}
-	// Wake the dispatcher when the job's context ends while it waits.
+	j.id = e.nextID.Add(1)
+	out := &Job{ID: j.id}
+	if ack := requestAck(req); ack != nil {
+		j.ack = ack
+	} else {
+		ch := make(chan Result, 1)
+		j.ack, j.ownAck, out.Ack = ch, true, ch
+	}
+	j.ctx, j.cancel = context.WithCancelCause(ctx)
+	// Wake the dispatcher when the job's context ends while it waits. Set
+	// before the send: the job may run (and call stopAft) at once.
 	j.stopAft = context.AfterFunc(j.ctx, e.kick)
+	e.stats.queued.Add(1)
+	e.mailbox <- j // never blocks: the mailbox holds at most one job per slot
 	return out, nil
 }
 
@@ -425,17 +480,22 @@ func (e *Engine) kick() {
 	}
 }
 
-// Close stops accepting jobs (Submit returns ErrClosed), lets every accepted
-// job run and be acked, releases the pool and returns when no goroutine of
-// the engine is left. If ctx ends first, the remaining jobs are cancelled
-// (acked with an error wrapping ErrClosed as cause) and Close still waits for
-// their acks, then returns ctx's error. Every accepted job is acked exactly
-// once. Close is idempotent.
+// Close stops accepting jobs (Submit and TrySubmit return ErrClosed, also
+// those blocked on a full mailbox), lets every accepted job run and be acked,
+// releases the pool and returns when no goroutine of the engine is left. If
+// ctx ends first, the remaining jobs are cancelled (acked with an error
+// wrapping ErrClosed) and Close still waits for their acks, then returns
+// ctx's error. Every accepted job is acked exactly once. Close is idempotent
+// and safe to call concurrently.
 func (e *Engine) Close(ctx context.Context) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	// Release Submits blocked on a full mailbox first: they hold mu.RLock.
+	e.closeOnce.Do(func() { close(e.closing) })
 	e.mu.Lock()
 	if !e.closed {
 		e.closed = true
-		close(e.closing)
 		close(e.mailbox) // no sender is mid-send: they hold mu.RLock
 	}
 	e.mu.Unlock()
@@ -457,13 +517,16 @@ func (e *Engine) Close(ctx context.Context) error {
 // Do submits req (waiting while the mailbox is full) and waits for its ack.
 // Even when ctx ends first it waits for the ack (the cancelled job acks
 // promptly), so the caller's buffers are free when Do returns.
+//
+// Do needs the engine's own ack channel: a request with Ack set is refused
+// before it is submitted.
 func (e *Engine) Do(ctx context.Context, req Request) Result {
+	if requestAck(req) != nil {
+		return Result{Err: fmt.Errorf("engine: Do needs the engine's own ack channel (request has Ack set)")}
+	}
 	j, err := e.Submit(ctx, req)
 	if err != nil {
 		return Result{Err: err}
-	}
-	if j.Ack == nil {
-		return Result{ID: j.ID, Err: fmt.Errorf("engine: Do needs the engine's own ack channel (request had Ack set)")}
 	}
 	return <-j.Ack
 }

@@ -79,13 +79,15 @@ func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, erro
 	fsys := cfg.fs()
 	st, err := fsys.Lstat(spec.Root)
 	if err != nil {
-		return m, fmt.Errorf("%w: %s: %v", ErrRoot, spec.Root, err)
+		return m, fmt.Errorf("%w: %s: %w", ErrRoot, spec.Root, err)
 	}
 	if !st.IsDir() {
 		return m, fmt.Errorf("%w: %s is not a directory", ErrRoot, spec.Root)
 	}
 	if bst, err := fsys.Lstat(layout.BlocksDir(spec.Root)); err == nil && bst.IsDir() {
 		return m, fmt.Errorf("%w: %s holds a blocks/ directory: it is a namespace; pass the directory above it", ErrRoot, spec.Root)
+	} else if err != nil && !vfs.IsNotExist(err) {
+		return m, fmt.Errorf("jobs: collect: %w", err)
 	}
 	names := spec.Namespaces
 	if names == nil {
@@ -149,6 +151,9 @@ type victim struct {
 func (c *collector) namespace(ctx context.Context, nsDir string) error {
 	fsys := c.cfg.fs()
 	st, err := fsys.Lstat(nsDir)
+	if err != nil && !vfs.IsNotExist(err) {
+		return fmt.Errorf("jobs: collect %s: %w", nsDir, err)
+	}
 	if err != nil || !st.IsDir() {
 		c.cm.Skipped = append(c.cm.Skipped, nsDir)
 		return nil

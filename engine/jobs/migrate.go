@@ -1,0 +1,882 @@
+package jobs
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"path/filepath"
+	"slices"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// Sentinel errors of Migrate, usable with errors.Is.
+var (
+	// ErrDestinationExists: a migration's destination already holds a file
+	// that is not this snapshot's migration (other tensors or metadata, or a
+	// file that does not decode). It is left alone unless MigrateSpec.Force.
+	ErrDestinationExists = errors.New("destination holds another snapshot")
+	// ErrUnsupported: a legacy snapshot uses something kvpersist's format
+	// cannot carry unchanged (per-tensor metadata keys in a single-file
+	// snapshot or a re-cut manifest, a dtype kvpersist does not know).
+	ErrUnsupported = errors.New("legacy snapshot cannot be migrated unchanged")
+)
+
+// MigrateSpec describes a migration of the stores written by the original
+// Bun worker (files beginning with layout.LegacyMagic) into kvpersist's
+// format.
+//
+// Every legacy snapshot SrcRoot/<ns>/<name> is restored with verification
+// (Bun.hash per tensor, SHA-256 per block) and rewritten, in the same layout,
+// at DstRoot/<ns>/<name>. The source is only read: no file, lock or temp file
+// is created under SrcRoot.
+type MigrateSpec struct {
+	// SrcRoot is the root of the legacy store: each directory directly under
+	// it is a namespace holding snapshot files, manifests and (block layout)
+	// a flat blocks/ directory.
+	SrcRoot string
+	// DstRoot is the root of the kvpersist store written. It must differ
+	// from SrcRoot and neither may contain the other (ErrInvalidRequest).
+	DstRoot string
+	// Namespaces lists the namespace directories of SrcRoot to migrate, as
+	// plain directory names; nil means every directory under SrcRoot. A name
+	// kvpersist does not accept (layout.ValidName) is still scanned, and each
+	// legacy snapshot in it is reported as failed (wrapping layout.ErrBadName).
+	Namespaces []string
+	// BlockBytes, for block manifests: 0 (the default) keeps the source's
+	// block boundaries exactly, so the migrated manifest names the very same
+	// blocks (same sizes, same SHA-256 names) and dedup between snapshots is
+	// preserved as the original had it, whatever its block size was. A
+	// non-zero value re-cuts every tensor at that size through Write
+	// (CheckBlockBytes applies), so that later kvpersist writes at the same
+	// size share blocks with the migrated snapshots.
+	BlockBytes int
+	// Force migrates even when the destination already holds the snapshot
+	// (re-migrates) or holds another file (overwrites it atomically).
+	// Without it a destination is taken as migrated from its header alone
+	// (see StatusSkipped): a single-file snapshot's data is not compared,
+	// since the two formats hash tensors differently. Sources are expected
+	// not to change once the original worker is retired; if one did (same
+	// shapes, new data), Force migrates it again.
+	Force bool
+	// OnPlan, when non-nil, is called once after the scan with the number
+	// of legacy snapshots found and the sum of their tensor bytes (snapshots
+	// whose header does not decode count 0 bytes).
+	OnPlan func(snapshots int, logicalBytes int64)
+	// OnItem, when non-nil, is called after each snapshot, in the order of
+	// MigrateReport.Items. Both callbacks run on Migrate's own goroutine,
+	// one at a time, and never after Migrate returns.
+	OnItem func(MigrateItem)
+}
+
+// MigrateStatus says what Migrate did with one legacy snapshot.
+type MigrateStatus int
+
+// Migration outcomes.
+const (
+	// StatusMigrated: read with verification and written at its destination.
+	StatusMigrated MigrateStatus = iota + 1
+	// StatusSkipped: the destination already holds this snapshot's
+	// migration (same layout, tensors, metadata and, for a manifest whose
+	// boundaries were kept, the same block list with every block present).
+	StatusSkipped
+	// StatusFailed: not migrated; MigrateItem.Err says why. The source is
+	// unchanged and the destination untouched.
+	StatusFailed
+)
+
+func (s MigrateStatus) String() string {
+	switch s {
+	case StatusMigrated:
+		return "migrated"
+	case StatusSkipped:
+		return "skipped"
+	case StatusFailed:
+		return "failed"
+	}
+	return fmt.Sprintf("MigrateStatus(%d)", int(s))
+}
+
+// MigrateItem reports one legacy snapshot.
+type MigrateItem struct {
+	Namespace, Name string
+	Src, Dst        string        // file paths
+	Layout          layout.Layout // the source's (and destination's); 0 if undecodable
+	Status          MigrateStatus
+	// LogicalBytes is the snapshot's tensor bytes (sum of every slot).
+	LogicalBytes int64
+	// SourceBlockBytes is the largest block of a legacy manifest, in bytes
+	// (the original's blockBytes when some row was at least that long).
+	SourceBlockBytes int64
+	// Recut is true when the manifest was re-cut at MigrateSpec.BlockBytes
+	// and its block boundaries differ from the source's.
+	Recut bool
+	// Metrics of the read and write (ReadBytes of the read; WrittenBytes,
+	// ReusedBytes, Blocks* of the write); zero unless migrated.
+	Metrics Metrics
+	Err     error // StatusFailed only
+}
+
+// Ref is "namespace/name".
+func (it *MigrateItem) Ref() string { return it.Namespace + "/" + it.Name }
+
+// IgnoredEntry is a file or directory in a source namespace that is not a
+// legacy snapshot and was left alone.
+type IgnoredEntry struct {
+	Path string
+	Why  string
+}
+
+// MigrateReport is the outcome of a migration.
+type MigrateReport struct {
+	// Items has one entry per legacy snapshot found, namespaces in the
+	// order scanned (sorted when listed from SrcRoot), names sorted.
+	Items                     []MigrateItem
+	Migrated, Skipped, Failed int
+	// Ignored lists entries of the scanned namespaces (and, when
+	// MigrateSpec.Namespaces is nil, of SrcRoot) that are not legacy
+	// snapshots: kvpersist files, temp files of the original worker
+	// (<name>.tmp), other files, directories and symlinks. The blocks/
+	// directory and kvpersist's .lock are expected and not listed.
+	Ignored []IgnoredEntry
+}
+
+// MigrateError lists the snapshots a migration could not migrate. It
+// unwraps to each one's error, so errors.Is(err, ErrCorrupt) and the like
+// work.
+type MigrateError struct {
+	Total  int           // legacy snapshots found
+	Failed []MigrateItem // StatusFailed items, in report order
+}
+
+func (e *MigrateError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "jobs: migrate: %d of %d legacy snapshot(s) failed:", len(e.Failed), e.Total)
+	for i, it := range e.Failed {
+		if i == 8 {
+			fmt.Fprintf(&b, " ... and %d more", len(e.Failed)-i)
+			break
+		}
+		fmt.Fprintf(&b, " [%s: %v]", it.Ref(), it.Err)
+	}
+	return b.String()
+}
+
+func (e *MigrateError) Unwrap() []error {
+	out := make([]error, len(e.Failed))
+	for i, it := range e.Failed {
+		out[i] = it.Err
+	}
+	return out
+}
+
+// CheckMigrateRoots checks that src and dst are set, differ, and that
+// neither contains the other (a migration must never write into its
+// source). Errors wrap ErrInvalidRequest.
+func CheckMigrateRoots(src, dst string) error {
+	if src == "" || dst == "" {
+		return fmt.Errorf("%w: migrate needs a source and a destination root", ErrInvalidRequest)
+	}
+	as, err := filepath.Abs(src)
+	if err != nil {
+		return fmt.Errorf("%w: source root %s: %v", ErrInvalidRequest, src, err)
+	}
+	ad, err := filepath.Abs(dst)
+	if err != nil {
+		return fmt.Errorf("%w: destination root %s: %v", ErrInvalidRequest, dst, err)
+	}
+	// Compare resolved paths: a symlinked root (or parent) is the same
+	// directory under another name.
+	as, ad = resolvePath(as), resolvePath(ad)
+	within := func(a, b string) bool { // a is b or inside b
+		rel, err := filepath.Rel(b, a)
+		return err == nil && rel != ".." && !strings.HasPrefix(rel, ".."+string(filepath.Separator))
+	}
+	if within(as, ad) || within(ad, as) {
+		return fmt.Errorf("%w: source root %s and destination root %s are the same or nested", ErrInvalidRequest, src, dst)
+	}
+	return nil
+}
+
+// resolvePath resolves the symlinks of the longest existing prefix of an
+// absolute path and appends the rest (which does not exist yet).
+func resolvePath(p string) string {
+	for q := p; ; q = filepath.Dir(q) {
+		if r, err := filepath.EvalSymlinks(q); err == nil {
+			rel, err := filepath.Rel(q, p)
+			if err != nil {
+				return p
+			}
+			return filepath.Join(r, rel)
+		}
+		if filepath.Dir(q) == q {
+			return p
+		}
+	}
+}
+
+// SourceNamespaces lists the directories directly under root, sorted, not
+// following symlinks: the namespaces Migrate scans when
+// MigrateSpec.Namespaces is nil. Names kvpersist does not accept are
+// included (Migrate reports their snapshots as failed).
+func SourceNamespaces(fsys vfs.FS, root string) ([]string, error) {
+	if fsys == nil {
+		fsys = vfs.Default
+	}
+	ents, err := fsys.ReadDir(root)
+	if err != nil {
+		return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
+	}
+	out := []string{}
+	for _, e := range ents {
+		if e.IsDir() {
+			out = append(out, e.Name())
+		}
+	}
+	sort.Strings(out)
+	return out, nil
+}
+
+// migrateCandidate is one legacy file found by the scan.
+type migrateCandidate struct {
+	ns, name, src, dst string
+	lay                layout.Layout
+	bytes              int64
+	err                error // found but not migratable: reported as failed
+}
+
+// Migrate rewrites every legacy snapshot found under spec.SrcRoot in
+// kvpersist's format under spec.DstRoot (see MigrateSpec), one snapshot at a
+// time: decode and validate the legacy header, skip it if the destination
+// already holds it, restore every tensor into memory with verification
+// (Read with Verify: Bun.hash per tensor, SHA-256 per block), write it with
+// its caller metadata unchanged (Write for a single file or a re-cut
+// manifest; for a manifest with its boundaries kept, the source's blocks are
+// stored under kvpersist's fan-out and the manifest published after them,
+// with Write's durability rules). Memory: one snapshot's tensor bytes.
+//
+// A snapshot that fails (corrupt, missing blocks, a destination conflict)
+// is reported and the others still migrate; the error is then a
+// *MigrateError. Other errors: ErrInvalidRequest (roots, BlockBytes, a
+// namespace that is not a plain name), a failure to list SrcRoot or a
+// namespace, and ctx's error (Migrate stops between snapshots and tensors;
+// the report holds what was done). The report is never nil.
+func Migrate(ctx context.Context, cfg *Config, spec *MigrateSpec) (*MigrateReport, Metrics, error) {
+	start := time.Now()
+	rep := &MigrateReport{}
+	var m Metrics
+	if err := CheckMigrateRoots(spec.SrcRoot, spec.DstRoot); err != nil {
+		return rep, m, err
+	}
+	if spec.BlockBytes != 0 {
+		if err := CheckBlockBytes(spec.BlockBytes); err != nil {
+			return rep, m, fmt.Errorf("jobs: migrate: %w", err)
+		}
+	}
+	fsys := cfg.fs()
+	cands, err := scanLegacy(fsys, spec, rep)
+	if err != nil {
+		return rep, m, err
+	}
+	var total int64
+	for _, c := range cands {
+		total += c.bytes
+	}
+	if spec.OnPlan != nil {
+		spec.OnPlan(len(cands), total)
+	}
+	if len(cands) > 0 {
+		if err := fsys.MkdirAll(spec.DstRoot, layout.DirPerm); err != nil {
+			return rep, m, fmt.Errorf("jobs: migrate: destination root: %w", err)
+		}
+	}
+	var failed []MigrateItem
+	for _, c := range cands {
+		if err := ctx.Err(); err != nil {
+			m.Elapsed = time.Since(start)
+			return rep, m, err
+		}
+		it := MigrateItem{Namespace: c.ns, Name: c.name, Src: c.src, Dst: c.dst, Layout: c.lay, LogicalBytes: c.bytes, Err: c.err}
+		if it.Err == nil {
+			migrateOne(ctx, cfg, spec, &it)
+		} else {
+			it.Status = StatusFailed
+		}
+		switch it.Status {
+		case StatusMigrated:
+			rep.Migrated++
+			im := &it.Metrics
+			m.LogicalBytes += im.LogicalBytes
+			m.ReadBytes += im.ReadBytes
+			m.WrittenBytes += im.WrittenBytes
+			m.ReusedBytes += im.ReusedBytes
+			m.CopiedBytes += im.CopiedBytes
+			m.ScratchPeak = max(m.ScratchPeak, im.ScratchPeak)
+			m.BlocksWritten += im.BlocksWritten
+			m.BlocksReused += im.BlocksReused
+		case StatusSkipped:
+			rep.Skipped++
+		default:
+			rep.Failed++
+			failed = append(failed, it)
+		}
+		rep.Items = append(rep.Items, it)
+		if spec.OnItem != nil {
+			spec.OnItem(it)
+		}
+	}
+	m.Elapsed = time.Since(start)
+	if err := ctx.Err(); err != nil {
+		return rep, m, err
+	}
+	if len(failed) > 0 {
+		return rep, m, &MigrateError{Total: len(cands), Failed: failed}
+	}
+	return rep, m, nil
+}
+
+// scanLegacy lists the legacy files of the namespaces to migrate and decodes
+// their headers (to size the work); everything else goes to rep.Ignored.
+func scanLegacy(fsys vfs.FS, spec *MigrateSpec, rep *MigrateReport) ([]migrateCandidate, error) {
+	names := spec.Namespaces
+	if names == nil {
+		ents, err := fsys.ReadDir(spec.SrcRoot)
+		if err != nil {
+			return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
+		}
+		for _, e := range ents {
+			if e.IsDir() {
+				names = append(names, e.Name())
+			} else {
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{filepath.Join(spec.SrcRoot, e.Name()), "not a namespace directory"})
+			}
+		}
+	}
+	var out []migrateCandidate
+	for _, ns := range names {
+		if ns == "" || ns == "." || ns == ".." || strings.ContainsRune(ns, filepath.Separator) || strings.ContainsRune(ns, '/') {
+			return nil, fmt.Errorf("%w: namespace %q is not a plain directory name", ErrInvalidRequest, ns)
+		}
+		nsDir := filepath.Join(spec.SrcRoot, ns)
+		st, err := fsys.Lstat(nsDir)
+		if err != nil {
+			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", nsDir, err)
+		}
+		if !st.IsDir() {
+			return nil, fmt.Errorf("%w: namespace %s is not a directory (symlinks are not followed)", ErrInvalidRequest, nsDir)
+		}
+		nsErr := layout.ValidName("namespace", ns)
+		ents, err := fsys.ReadDir(nsDir)
+		if err != nil {
+			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", nsDir, err)
+		}
+		for _, e := range ents {
+			name, path := e.Name(), filepath.Join(nsDir, e.Name())
+			ignore := func(why string) { rep.Ignored = append(rep.Ignored, IgnoredEntry{path, why}) }
+			switch {
+			case name == layout.BlocksDirName && e.IsDir():
+				continue // the legacy (flat) or kvpersist block directory
+			case name == layout.LockName:
+				continue
+			case e.IsDir():
+				ignore("directory")
+				continue
+			case !e.Type().IsRegular():
+				ignore("not a regular file")
+				continue
+			}
+			magic, err := readMagic(fsys, path)
+			c := migrateCandidate{ns: ns, name: name, src: path, dst: filepath.Join(spec.DstRoot, ns, name)}
+			switch {
+			case err != nil:
+				c.err = fmt.Errorf("jobs: migrate: %w", err)
+				out = append(out, c)
+				continue
+			case magic == layout.Magic:
+				ignore("already in kvpersist's format")
+				continue
+			case magic != layout.LegacyMagic:
+				ignore(fmt.Sprintf("not a snapshot of the original worker (starts with %q)", magic))
+				continue
+			case strings.HasSuffix(name, ".tmp"):
+				ignore("temp file of the original worker (never published)")
+				continue
+			}
+			if nsErr != nil {
+				c.err = nsErr
+			} else if err := layout.ValidName("snapshot name", name); err != nil {
+				c.err = err
+			} else if snap, err := layout.Load(fsys, path); err != nil {
+				c.err = err
+			} else {
+				c.lay = snap.Layout
+				for _, t := range snap.Header.Slots() {
+					c.bytes += t.Bytes
+				}
+			}
+			out = append(out, c)
+		}
+	}
+	return out, nil
+}
+
+// readMagic returns the first 10 bytes of a file (fewer for a shorter one).
+func readMagic(fsys vfs.FS, path string) (string, error) {
+	f, err := fsys.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer f.Close()
+	var b [len(layout.Magic)]byte
+	n, err := f.ReadAt(b[:], 0)
+	if n == len(b) {
+		return string(b[:]), nil
+	}
+	if err != nil && !errors.Is(err, io.EOF) {
+		return "", err
+	}
+	return string(b[:n]), nil
+}
+
+// migrateOne migrates one decodable candidate, filling in it.Status, Err,
+// Metrics and the block fields.
+func migrateOne(ctx context.Context, cfg *Config, spec *MigrateSpec, it *MigrateItem) {
+	start := time.Now()
+	fail := func(err error) {
+		it.Status, it.Err = StatusFailed, err
+		it.Metrics = Metrics{}
+	}
+	fsys := cfg.fs()
+	snap, err := layout.Load(fsys, it.Src)
+	if err != nil {
+		fail(err)
+		return
+	}
+	if !snap.Legacy {
+		fail(fmt.Errorf("%w: %s is no longer a file of the original worker", ErrUnsupported, it.Src))
+		return
+	}
+	it.Layout = snap.Layout
+	keep := snap.Layout == layout.Blocks && spec.BlockBytes == 0
+	if err := migratable(snap, keep); err != nil {
+		fail(err)
+		return
+	}
+	slots := snap.Header.Slots()
+	it.LogicalBytes = 0
+	for _, t := range slots {
+		it.LogicalBytes += t.Bytes
+		for _, r := range t.Blocks {
+			it.SourceBlockBytes = max(it.SourceBlockBytes, r.Bytes)
+		}
+	}
+	if !spec.Force {
+		done, err := alreadyMigrated(fsys, snap, it.Dst, keep)
+		if err != nil {
+			fail(err)
+			return
+		}
+		if done {
+			it.Status = StatusSkipped
+			return
+		}
+	}
+	if snap.Layout == layout.Blocks {
+		// Every block must be there, with its size, before the snapshot's
+		// bytes are allocated: a manifest's sizes are not bounded by its
+		// own file's size.
+		if err := checkLegacyBlocks(fsys, snap); err != nil {
+			fail(err)
+			return
+		}
+	}
+	bufs := make([][]byte, len(slots))
+	for i, t := range slots {
+		bufs[i] = make([]byte, t.Bytes)
+	}
+	rsnap, rm, err := Read(ctx, cfg, &ReadSpec{Path: it.Src, Dest: bufs, Verify: true, Expect: snap.Header})
+	if err != nil {
+		fail(err)
+		return
+	}
+	if !rsnap.Legacy || rsnap.Layout != snap.Layout {
+		fail(fmt.Errorf("%w: %s was replaced while being migrated", ErrUnsupported, it.Src))
+		return
+	}
+	var wm Metrics
+	if keep {
+		wm, err = writeKeptBlocks(ctx, cfg, it.Dst, rsnap.Header, bufs)
+	} else {
+		var h *layout.Header
+		h, wm, err = writeRestored(ctx, cfg, it.Dst, rsnap, bufs, spec.BlockBytes)
+		if err == nil && snap.Layout == layout.Blocks {
+			it.Recut = !sameBoundaries(rsnap.Header, h)
+		}
+	}
+	if err != nil {
+		fail(err)
+		return
+	}
+	wm.ReadBytes = rm.ReadBytes
+	wm.Elapsed = time.Since(start)
+	it.Metrics = wm
+	it.Status = StatusMigrated
+}
+
+// migratable rejects what the destination format cannot carry unchanged:
+// every dtype must be known; a manifest whose boundaries are kept must have
+// the original's cut (legacyPlan); Write has no per-tensor metadata, so a
+// snapshot going through it (single file, re-cut manifest) must have none.
+func migratable(snap *layout.Snapshot, keep bool) error {
+	for i, t := range snap.Header.Slots() {
+		if _, err := layout.ItemSize(t.DType); err != nil {
+			return fmt.Errorf("%w: %s %s: %w", ErrUnsupported, snap.Path, snap.Header.SlotName(i), err)
+		}
+		if keep {
+			if _, _, err := legacyPlan(t, snap.Path+" "+snap.Header.SlotName(i)); err != nil {
+				return err
+			}
+		} else if len(t.Meta) > 0 {
+			keys := make([]string, 0, len(t.Meta))
+			for k := range t.Meta {
+				keys = append(keys, k)
+			}
+			sort.Strings(keys)
+			return fmt.Errorf("%w: %s %s has per-tensor metadata %v, which only a block manifest with its boundaries kept preserves", ErrUnsupported, snap.Path, snap.Header.SlotName(i), keys)
+		}
+	}
+	return nil
+}
+
+// checkLegacyBlocks checks that every block a legacy manifest names exists
+// as a regular file of its size (ErrMissingBlock, ErrBlockSize).
+func checkLegacyBlocks(fsys vfs.FS, snap *layout.Snapshot) error {
+	nsDir := filepath.Dir(snap.Path)
+	seen := map[string]bool{}
+	for i, t := range snap.Header.Slots() {
+		for b, r := range t.Blocks {
+			if seen[r.Hash] {
+				continue
+			}
+			seen[r.Hash] = true
+			p := layout.LegacyBlockPath(nsDir, r.Hash)
+			st, err := fsys.Lstat(p)
+			if vfs.IsNotExist(err) {
+				return fmt.Errorf("%w: %s %s block %d: %s", ErrMissingBlock, snap.Path, snap.Header.SlotName(i), b, p)
+			}
+			if err != nil {
+				return fmt.Errorf("jobs: migrate: %w", err)
+			}
+			if !st.Mode().IsRegular() || st.Size() != r.Bytes {
+				return fmt.Errorf("%w: %s has %d bytes, %s says %d", ErrBlockSize, p, st.Size(), snap.Path, r.Bytes)
+			}
+		}
+	}
+	return nil
+}
+
+// writeRestored writes the restored tensors through Write: contiguous
+// row-major views of bufs, the source's layout and caller metadata.
+func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Snapshot, bufs [][]byte, blockBytes int) (*layout.Header, Metrics, error) {
+	h := snap.Header
+	slot := 0
+	specs := func(in []layout.Entry) ([]EntrySpec, error) {
+		if in == nil {
+			return nil, nil
+		}
+		out := make([]EntrySpec, len(in))
+		for i, e := range in {
+			out[i] = EntrySpec{Meta: e.Meta, Tensors: make([]TensorSpec, len(e.Tensors))}
+			for j, t := range e.Tensors {
+				size, err := layout.ItemSize(t.DType)
+				if err != nil {
+					return nil, fmt.Errorf("%w: %v", ErrUnsupported, err)
+				}
+				shape := make([]int, len(t.Shape))
+				for k, d := range t.Shape {
+					shape[k] = int(d) // Validate bounded the product by MaxInt64
+				}
+				out[i].Tensors[j] = TensorSpec{DType: t.DType, View: gather.View{
+					Base: bufs[slot], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size,
+				}}
+				slot++
+			}
+		}
+		return out, nil
+	}
+	caches, err := specs(h.Caches)
+	if err != nil {
+		return nil, Metrics{}, err
+	}
+	atts, err := specs(h.Attachments)
+	if err != nil {
+		return nil, Metrics{}, err
+	}
+	return Write(ctx, cfg, &WriteSpec{
+		Path: dst, Layout: snap.Layout, Meta: h.Meta, Caches: caches, Attachments: atts, BlockBytes: blockBytes,
+	})
+}
+
+// legacyPlan returns the block plan that reproduces a legacy tensor's
+// blocks: the original cut every row (the last two axes) into
+// floor(blockBytes/itemsize)-element blocks, so the first block's size is a
+// block size that yields the same cut (exactly the original's when a row
+// held more than one block). ErrUnsupported when no such plan matches.
+func legacyPlan(t *layout.Tensor, name string) (gather.Plan, []int, error) {
+	size, err := layout.ItemSize(t.DType)
+	if err != nil {
+		return gather.Plan{}, nil, fmt.Errorf("%w: %s: %w", ErrUnsupported, name, err)
+	}
+	shape := make([]int, len(t.Shape))
+	for k, d := range t.Shape {
+		shape[k] = int(d) // Validate bounded the product by MaxInt64
+	}
+	bb := size
+	if len(t.Blocks) > 0 {
+		bb = int(t.Blocks[0].Bytes)
+	}
+	p, err := gather.NewPlan(shape, size, bb)
+	if err != nil {
+		return gather.Plan{}, nil, fmt.Errorf("%w: %s: %v", ErrUnsupported, name, err)
+	}
+	ok := p.Len() == len(t.Blocks)
+	for b := 0; ok && b < p.Len(); b++ {
+		_, count := p.Block(b)
+		ok = int64(count)*int64(size) == t.Blocks[b].Bytes
+	}
+	if !ok {
+		return gather.Plan{}, nil, fmt.Errorf("%w: %s: its %d blocks are not the original worker's cut of shape %v (re-cut them with a block size)", ErrUnsupported, name, len(t.Blocks), t.Shape)
+	}
+	return p, shape, nil
+}
+
+// writeKeptBlocks publishes a kvpersist manifest naming exactly the
+// source's blocks: each tensor is cut again with the plan that reproduces
+// its legacy blocks (legacyPlan), the blocks are stored under kvpersist's
+// fan-out by Write's block writer (existing ones reused), every block
+// directory is synced, then the manifest is published, as writeBlocks does.
+// Each block's SHA-256 must equal the source's name for it (it does: Read
+// verified it). The header keeps every metadata key, per-tensor ones too.
+func writeKeptBlocks(ctx context.Context, cfg *Config, dst string, src *layout.Header, bufs [][]byte) (Metrics, error) {
+	var m Metrics
+	fsys := cfg.fs()
+	nsDir := filepath.Dir(dst)
+	h := src.Clone()
+	h.FormatVersion = layout.FormatBlocks
+	slots := h.Slots()
+	bs := make([]blockSlot, len(slots))
+	var off int64
+	total := 0
+	for i, t := range slots {
+		p, shape, err := legacyPlan(t, fmt.Sprintf("%s %s", dst, h.SlotName(i)))
+		if err != nil {
+			return m, err
+		}
+		size, _ := layout.ItemSize(t.DType)
+		bs[i] = blockSlot{
+			view:  gather.View{Base: bufs[i], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size},
+			plan:  p,
+			refs:  make([]layout.BlockRef, p.Len()),
+			first: total,
+		}
+		total += p.Len()
+		t.Off, t.Hash = off, ""
+		off += t.Bytes
+		m.LogicalBytes += t.Bytes
+	}
+	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
+		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
+	}
+	unlock, err := lockNamespace(cfg, nsDir, false, true)
+	if err != nil {
+		return m, err
+	}
+	defer unlock()
+	blocksDir := layout.BlocksDir(nsDir)
+	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
+		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
+	}
+	w := &blockWriter{cfg: cfg, spec: &WriteSpec{Path: dst, Layout: layout.Blocks}, blocksDir: blocksDir, nsDir: nsDir}
+	if err := w.run(ctx, bs, total); err != nil {
+		return m, err
+	}
+	for i, t := range slots {
+		if !slices.Equal(bs[i].refs, t.Blocks) {
+			return m, fmt.Errorf("%w: %s %s: the restored bytes do not hash to the source's block names", ErrCorrupt, dst, h.SlotName(i))
+		}
+		t.Blocks = bs[i].refs // non-nil, also for a tensor of no bytes
+	}
+	// As in writeBlocks: every block the manifest names is durable before
+	// the manifest (fan-out directories, then the blocks directory).
+	if !cfg.NoSync {
+		var dirs []string
+		for d := range w.dirs.Range {
+			dirs = append(dirs, d.(string))
+		}
+		sort.Strings(dirs)
+		if err := parallel(ctx, cfg, len(dirs), 0, func(i int, _ []byte) error {
+			if err := fsys.SyncDir(dirs[i]); err != nil {
+				return fmt.Errorf("jobs: migrate %s: fsync directory %s: %w", dst, dirs[i], err)
+			}
+			return nil
+		}); err != nil {
+			return m, err
+		}
+		if err := fsys.SyncDir(blocksDir); err != nil {
+			return m, fmt.Errorf("jobs: migrate %s: fsync directory %s: %w", dst, blocksDir, err)
+		}
+	}
+	js, err := h.Encode()
+	if err != nil {
+		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
+	}
+	if len(js) > layout.MaxHeaderLen {
+		return m, fmt.Errorf("%w: %s: manifest of %d bytes exceeds %d", ErrInvalidRequest, dst, len(js), layout.MaxHeaderLen)
+	}
+	buf := layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js)))
+	if err := ctx.Err(); err != nil {
+		return m, err
+	}
+	if err := layout.Publish(fsys, dst, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true},
+		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
+		return m, err
+	}
+	m.WrittenBytes = w.written.Load() + int64(len(buf))
+	m.ReusedBytes = w.reused.Load()
+	m.BlocksWritten, m.BlocksReused = w.nWritten.Load(), w.nReused.Load()
+	m.CopiedBytes, m.ScratchPeak = w.copied.Load(), w.peak.Load()
+	return m, nil
+}
+
+// sameBoundaries reports whether two headers cut every tensor into blocks
+// of the same sizes.
+func sameBoundaries(a, b *layout.Header) bool {
+	as, bs := a.Slots(), b.Slots()
+	if len(as) != len(bs) {
+		return false
+	}
+	for i := range as {
+		if len(as[i].Blocks) != len(bs[i].Blocks) {
+			return false
+		}
+		for k := range as[i].Blocks {
+			if as[i].Blocks[k].Bytes != bs[i].Blocks[k].Bytes {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// alreadyMigrated reports whether dst holds src's migration: a kvpersist
+// file of the same layout, tensors (dtype, shape, bytes) and metadata at
+// every level, and, for a manifest with kept boundaries, the same block
+// list; for any manifest every block present with its size (a missing one
+// means: migrate again, which repairs it). A destination that exists and
+// is something else is an ErrDestinationExists error.
+func alreadyMigrated(fsys vfs.FS, src *layout.Snapshot, dst string, keep bool) (bool, error) {
+	st, err := fsys.Lstat(dst)
+	if vfs.IsNotExist(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, fmt.Errorf("jobs: migrate: %w", err)
+	}
+	if !st.Mode().IsRegular() {
+		return false, fmt.Errorf("%w: %s is not a regular file", ErrDestinationExists, dst)
+	}
+	d, err := layout.Load(fsys, dst)
+	if err != nil {
+		return false, fmt.Errorf("%w: %s does not decode: %w", ErrDestinationExists, dst, err)
+	}
+	if d.Legacy {
+		return false, fmt.Errorf("%w: %s is a file of the original worker", ErrDestinationExists, dst)
+	}
+	if why := sameTensors(src, d, keep); why != "" {
+		return false, fmt.Errorf("%w: %s: %s", ErrDestinationExists, dst, why)
+	}
+	if d.Layout == layout.Blocks {
+		nsDir := filepath.Dir(dst)
+		for _, t := range d.Header.Slots() {
+			for _, r := range t.Blocks {
+				st, err := fsys.Lstat(layout.BlockPath(nsDir, r.Hash))
+				if err != nil || !st.Mode().IsRegular() || st.Size() != r.Bytes {
+					return false, nil
+				}
+			}
+		}
+	}
+	return true, nil
+}
+
+// sameTensors compares a source and a destination header; "" when they
+// match, else what differs.
+func sameTensors(src, dst *layout.Snapshot, keep bool) string {
+	if src.Layout != dst.Layout {
+		return fmt.Sprintf("layout %s, the source is %s", dst.Layout, src.Layout)
+	}
+	a, b := src.Header, dst.Header
+	if !metaEqual(a.Meta, b.Meta) {
+		return "top-level metadata differs"
+	}
+	for _, g := range []struct {
+		what string
+		a, b []layout.Entry
+	}{{"caches", a.Caches, b.Caches}, {"attachments", a.Attachments, b.Attachments}} {
+		if len(g.a) != len(g.b) {
+			return fmt.Sprintf("%d %s, the source has %d", len(g.b), g.what, len(g.a))
+		}
+		for i := range g.a {
+			ea, eb := g.a[i], g.b[i]
+			if !metaEqual(ea.Meta, eb.Meta) {
+				return fmt.Sprintf("%s[%d] metadata differs", g.what, i)
+			}
+			if len(ea.Tensors) != len(eb.Tensors) {
+				return fmt.Sprintf("%s[%d] has %d tensors, the source %d", g.what, i, len(eb.Tensors), len(ea.Tensors))
+			}
+			for j := range ea.Tensors {
+				ta, tb := &ea.Tensors[j], &eb.Tensors[j]
+				if ta.DType != tb.DType || ta.Bytes != tb.Bytes || !slices.Equal(ta.Shape, tb.Shape) || !metaEqual(ta.Meta, tb.Meta) {
+					return fmt.Sprintf("%s[%d] tensor %d is %s%v, the source %s%v", g.what, i, j, tb.DType, tb.Shape, ta.DType, ta.Shape)
+				}
+				if keep && !slices.Equal(ta.Blocks, tb.Blocks) {
+					return fmt.Sprintf("%s[%d] tensor %d names other blocks than the source", g.what, i, j)
+				}
+			}
+		}
+	}
+	return ""
+}
+
+// metaEqual compares metadata by key and compacted JSON value; nil and
+// empty are equal.
+func metaEqual(a, b layout.Meta) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for k, va := range a {
+		vb, ok := b[k]
+		if !ok {
+			return false
+		}
+		var ca, cb bytes.Buffer
+		if json.Compact(&ca, va) != nil || json.Compact(&cb, vb) != nil {
+			if !bytes.Equal(va, vb) {
+				return false
+			}
+			continue
+		}
+		if !bytes.Equal(ca.Bytes(), cb.Bytes()) {
+			return false
+		}
+	}
+	return true
+}
