@@ -714,46 +714,7 @@ func writeKeptBlocks(ctx context.Context, cfg *Config, dst string, src *layout.H
 		}
 		t.Blocks = bs[i].refs // non-nil, also for a tensor of no bytes
 	}
-	// As in writeBlocks: every block the manifest names is durable before
-	// the manifest (fan-out directories, then the blocks directory).
-	if !cfg.NoSync {
-		var dirs []string
-		for d := range w.dirs.Range {
-			dirs = append(dirs, d.(string))
-		}
-		sort.Strings(dirs)
-		if err := parallel(ctx, cfg, len(dirs), 0, func(i int, _ []byte) error {
-			if err := fsys.SyncDir(dirs[i]); err != nil {
-				return fmt.Errorf("jobs: migrate %s: fsync directory %s: %w", dst, dirs[i], err)
-			}
-			return nil
-		}); err != nil {
-			return m, err
-		}
-		if err := fsys.SyncDir(blocksDir); err != nil {
-			return m, fmt.Errorf("jobs: migrate %s: fsync directory %s: %w", dst, blocksDir, err)
-		}
-	}
-	js, err := h.Encode()
-	if err != nil {
-		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
-	}
-	if len(js) > layout.MaxHeaderLen {
-		return m, fmt.Errorf("%w: %s: manifest of %d bytes exceeds %d", ErrInvalidRequest, dst, len(js), layout.MaxHeaderLen)
-	}
-	buf := layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js)))
-	if err := ctx.Err(); err != nil {
-		return m, err
-	}
-	if err := layout.Publish(fsys, dst, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true},
-		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
-		return m, err
-	}
-	m.WrittenBytes = w.written.Load() + int64(len(buf))
-	m.ReusedBytes = w.reused.Load()
-	m.BlocksWritten, m.BlocksReused = w.nWritten.Load(), w.nReused.Load()
-	m.CopiedBytes, m.ScratchPeak = w.copied.Load(), w.peak.Load()
-	return m, nil
+	return m, w.publishManifest(ctx, h, &m)
 }
 
 // sameBoundaries reports whether two headers cut every tensor into blocks

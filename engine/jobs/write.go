@@ -288,52 +288,59 @@ func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 	} else if err := w.run(ctx, bs, total); err != nil {
 		return nil, err
 	}
-	// Every block this manifest names must be durable before the manifest:
-	// sync each fan-out directory holding one (written here or reused: a
-	// reused block may have been renamed into place by a writer that has not
-	// synced yet), then the blocks directory itself.
-	if !cfg.NoSync {
+	for i, s := range slots {
+		s.out.Blocks = bs[i].refs
+	}
+	return h, w.publishManifest(ctx, h, m)
+}
+
+// publishManifest publishes the manifest h once every block it names is
+// durable: each fan-out directory that holds one of them is fsynced (also
+// for reused blocks: a writer may have renamed one there without syncing
+// yet), then the blocks directory, then the manifest is published (temp,
+// fdatasync, rename, directory fsync). It fills m's write metrics.
+func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *Metrics) error {
+	fsys := w.cfg.fs()
+	path := w.spec.Path
+	if !w.cfg.NoSync {
 		var dirs []string
 		for d := range w.dirs.Range {
 			dirs = append(dirs, d.(string))
 		}
 		sort.Strings(dirs)
-		if err := parallel(ctx, cfg, len(dirs), 0, func(i int, _ []byte) error {
+		if err := parallel(ctx, w.cfg, len(dirs), 0, func(i int, _ []byte) error {
 			if err := fsys.SyncDir(dirs[i]); err != nil {
-				return fmt.Errorf("jobs: %s: fsync directory %s: %w", spec.Path, dirs[i], err)
+				return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, dirs[i], err)
 			}
 			return nil
 		}); err != nil {
-			return nil, err
+			return err
 		}
-		if err := fsys.SyncDir(blocksDir); err != nil {
-			return nil, fmt.Errorf("jobs: %s: fsync directory %s: %w", spec.Path, blocksDir, err)
+		if err := fsys.SyncDir(w.blocksDir); err != nil {
+			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.blocksDir, err)
 		}
-	}
-	for i, s := range slots {
-		s.out.Blocks = bs[i].refs
 	}
 	js, err := h.Encode()
 	if err != nil {
-		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+		return fmt.Errorf("jobs: %s: %w", path, err)
 	}
 	if len(js) > layout.MaxHeaderLen {
-		return nil, fmt.Errorf("%w: %s: manifest of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
+		return fmt.Errorf("%w: %s: manifest of %d bytes exceeds %d", ErrInvalidRequest, path, len(js), layout.MaxHeaderLen)
 	}
 	buf := layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js)))
 	if err := ctx.Err(); err != nil {
-		return nil, err
+		return err
 	}
-	if err := layout.Publish(fsys, spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true},
+	if err := layout.Publish(fsys, path, layout.PublishOptions{Sync: !w.cfg.NoSync, SyncDir: true},
 		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
-		return nil, err
+		return err
 	}
 	m.WrittenBytes = w.written.Load() + int64(len(buf))
 	m.ReusedBytes = w.reused.Load()
 	m.BlocksWritten, m.BlocksReused = w.nWritten.Load(), w.nReused.Load()
 	m.CopiedBytes = w.copied.Load()
 	m.ScratchPeak = w.peak.Load()
-	return h, nil
+	return nil
 }
 
 type blockWriter struct {
