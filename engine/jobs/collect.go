@@ -89,6 +89,11 @@ func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, erro
 	} else if err != nil && !vfs.IsNotExist(err) {
 		return m, fmt.Errorf("jobs: collect: %w", err)
 	}
+	if _, err := fsys.Lstat(filepath.Join(spec.Root, layout.LockName)); err == nil {
+		return m, fmt.Errorf("%w: %s holds a %s file: it is a namespace; pass the directory above it", ErrRoot, spec.Root, layout.LockName)
+	} else if !vfs.IsNotExist(err) {
+		return m, fmt.Errorf("jobs: collect: %w", err)
+	}
 	names := spec.Namespaces
 	if names == nil {
 		ents, err := fsys.ReadDir(spec.Root)

@@ -20,20 +20,21 @@ import (
 // so padded caches really are padded (capacity 512 or 256), and T*HeadDim*2
 // not a multiple of the block size, so every row has a short tail block.
 var roundTripTokens = map[string]int{
-	testutil.Llama31_8B.Name: 300, // 64 tensors of 600 KiB (padded capacity 512)
+	testutil.Llama31_8B.Name: 512, // 64 tensors of 1 MiB (padded capacity 768)
 	testutil.Qwen25_7B.Name:  300,
 	testutil.Gemma2_9B.Name:  150, // 84 tensors of 600 KiB (padded capacity 256)
 	testutil.Tiny.Name:       300,
 }
 
-// roundTripBlockBytes: block files cost about a millisecond each to create
-// on the development machine, so the big geometries use blocks of 64 KiB
-// (two per head row, the second a tail) or the 1 MiB default (one per row).
+// roundTripBlockBytes: a block file costs a few milliseconds to create and
+// remove on the development machine, so the big geometries use the 1 MiB
+// default (one block per head row: 512, 224 and 672 files) and Tiny a small
+// block size that cuts each row into two full blocks and a tail.
 var roundTripBlockBytes = map[string]int{
-	testutil.Llama31_8B.Name: 64 << 10, // row 76800 bytes: 65536 + 11264
-	testutil.Qwen25_7B.Name:  0,        // row 76800 bytes: one block
-	testutil.Gemma2_9B.Name:  0,        // row 76800 bytes: one block
-	testutil.Tiny.Name:       4 << 10,  // row 9600 bytes: 4096 + 4096 + 1408
+	testutil.Llama31_8B.Name: 0,       // row 76800 bytes: one block
+	testutil.Qwen25_7B.Name:  0,       // row 76800 bytes: one block
+	testutil.Gemma2_9B.Name:  0,       // row 76800 bytes: one block
+	testutil.Tiny.Name:       4 << 10, // row 9600 bytes: 4096 + 4096 + 1408
 }
 
 func TestRoundTripAllGeometries(t *testing.T) {
@@ -68,6 +69,19 @@ func TestRoundTripAllGeometries(t *testing.T) {
 						h, wm := mustWrite(t, withHelpers(1), cacheSpec(t, c, path, lay, bb))
 						if wm.LogicalBytes != int64(m.CacheBytes(T)) {
 							t.Fatalf("LogicalBytes %d, want %d", wm.LogicalBytes, m.CacheBytes(T))
+						}
+						// Scratch: at most one chunk (single file) or one
+						// block. Contiguous views are never copied; nor are
+						// blocks (each lies inside one head row, which is one
+						// run of a padded buffer); nor single-file chunks of
+						// the Llama rows (512*128*2 = 128 KiB runs).
+						limit := int64(jobs.ChunkBytes)
+						if lay == layout.Blocks {
+							limit = int64(max(bb, jobs.DefaultBlockBytes*boolInt(bb == 0)))
+						}
+						noCopy := !padded || lay == layout.Blocks || m.Name == testutil.Llama31_8B.Name
+						if wm.ScratchPeak > limit || noCopy && (wm.CopiedBytes != 0 || wm.ScratchPeak != 0) {
+							t.Fatalf("ScratchPeak %d (limit %d), CopiedBytes %d", wm.ScratchPeak, limit, wm.CopiedBytes)
 						}
 						if lay == layout.Single {
 							checkSingleHeader(t, h, want)

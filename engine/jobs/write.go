@@ -123,6 +123,15 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 	var m Metrics
 	var h *layout.Header
 	var err error
+	// Validate the whole request before anything is created on disk.
+	if _, _, err = buildHeader(spec, 0); err != nil {
+		return nil, m, err
+	}
+	if spec.Layout == layout.Blocks && spec.BlockBytes != 0 {
+		if err = CheckBlockBytes(spec.BlockBytes); err != nil {
+			return nil, m, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+		}
+	}
 	nsDir := filepath.Dir(spec.Path)
 	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
@@ -445,7 +454,7 @@ func (w *blockWriter) packed(ctx context.Context, s *blockSlot, name string) err
 			return fmt.Errorf("jobs: %s %s: %w", w.spec.Path, name, err)
 		}
 		w.copied.Add(int64(len(out)))
-		maxInt64(&w.peak, int64(len(*buf)))
+		maxInt64(&w.peak, int64(len(out)))
 		v = gather.View{Base: out, Shape: v.Shape, Strides: gather.RowMajor(v.Shape), ItemSize: v.ItemSize}
 	}
 	one := []blockSlot{{view: v, plan: s.plan, refs: s.refs}}

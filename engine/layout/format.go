@@ -196,6 +196,14 @@ func (p Prefix) CheckHeaderHash(js []byte) error {
 	return nil
 }
 
+// slotName formats as h.SlotName(i) when printed.
+type slotName struct {
+	h *Header
+	i int
+}
+
+func (n slotName) String() string { return n.h.SlotName(n.i) }
+
 // Validate checks a parsed header against the prefix and the file size
 // (bytes), before any tensor data is touched. It returns the layout.
 func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
@@ -222,7 +230,7 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 	}
 	var spans []span
 	for i, t := range h.Slots() {
-		name := h.SlotName(i)
+		name := slotName{h, i} // formatted only on error: SlotName is O(entries)
 		if len(t.Shape) > MaxRank {
 			return 0, fmt.Errorf("%w: %s has %d axes (limit %d)", ErrInvalidHeader, name, len(t.Shape), MaxRank)
 		}

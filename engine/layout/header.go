@@ -7,8 +7,10 @@ import (
 	"sort"
 )
 
-// Meta is caller metadata: JSON values by key, kept byte-for-byte as given
-// (model id, token ids, offsets, cache type, anything). Keys that kvpersist
+// Meta is caller metadata: JSON values by key (model id, token ids, offsets,
+// cache type, anything), kept as given except that Encode compacts each
+// value (insignificant whitespace removed); a value read back from a file
+// is byte-for-byte what the file holds. Keys that kvpersist
 // itself owns at that level ("formatVersion", "caches", "attachments",
 // "tensors", "off", "bytes", "hash", "dtype", "shape", "blocks") are not
 // allowed in Meta.

@@ -1,0 +1,275 @@
+package jobs_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// hookFS calls onCreate after each file it creates and onWrite after each
+// WriteAt, so that a test can act (cancel a context) mid-write.
+type hookFS struct {
+	vfs.FS
+	onCreate func(name string)
+	onWrite  func(name string)
+}
+
+type hookFile struct {
+	vfs.File
+	onWrite func(name string)
+}
+
+func (h hookFS) Create(name string, perm os.FileMode) (vfs.File, error) {
+	f, err := h.FS.Create(name, perm)
+	if err != nil {
+		return nil, err
+	}
+	if h.onCreate != nil {
+		h.onCreate(name)
+	}
+	return hookFile{File: f, onWrite: h.onWrite}, nil
+}
+
+func (f hookFile) WriteAt(p []byte, off int64) (int, error) {
+	n, err := f.File.WriteAt(p, off)
+	if f.onWrite != nil {
+		f.onWrite(f.Name())
+	}
+	return n, err
+}
+
+// Two Writes of the same path at once (the original used one fixed
+// "<path>.tmp" for both) both succeed; the result is one whole version.
+func TestConcurrentWritesSamePath(t *testing.T) {
+	c40 := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c48 := testutil.NewCache(testutil.Tiny, 48, true, nil)
+	want := map[int64][][]byte{40: expectedAll(c40), 48: expectedAll(c48)}
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		root := t.TempDir()
+		path := filepath.Join(root, "ns", "snap")
+		seen := map[int64]bool{}
+		for round := 0; round < 6; round++ {
+			var wg sync.WaitGroup
+			errs := make([]error, 2)
+			for i, c := range []*testutil.Cache{c40, c48} {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					_, _, errs[i] = jobs.Write(context.Background(), withHelpers(1), cacheSpec(t, c, path, lay, 4096))
+				}()
+			}
+			wg.Wait()
+			for i, err := range errs {
+				if err != nil {
+					t.Fatalf("%v round %d: write %d: %v", lay, round, i, err)
+				}
+			}
+			got, snap, _, err := readBack(t, noSync(), path, true)
+			if err != nil {
+				t.Fatalf("%v round %d: %v", lay, round, err)
+			}
+			T := snap.Header.Slots()[0].Shape[2]
+			if want[T] == nil {
+				t.Fatalf("unexpected T %d", T)
+			}
+			seen[T] = true
+			mustEqualExpected(t, got, want[T])
+			if tmp := temps(t, root); len(tmp) != 0 {
+				t.Fatalf("%v round %d: temp files %v", lay, round, tmp)
+			}
+		}
+		t.Logf("%v: final versions seen: %v", lay, seen)
+	}
+}
+
+func TestInvalidRequestWritesNothing(t *testing.T) {
+	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	cases := []struct {
+		name string
+		mut  func(s *jobs.WriteSpec)
+		msg  string
+	}{
+		{"itemsize disagrees with dtype", func(s *jobs.WriteSpec) { s.Caches[1].Tensors[0].DType = "float32" }, "cache 1 tensor 0 (slot 2): view itemsize 2 bytes, dtype float32 has 4"},
+		{"unknown dtype", func(s *jobs.WriteSpec) { s.Attachments[0].Tensors[0].DType = "int31" }, "attachment 0 tensor 0 (slot 4)"},
+		{"view out of bounds", func(s *jobs.WriteSpec) {
+			v := &s.Caches[0].Tensors[1].View
+			v.Base = v.Base[:len(v.Base)/2] // cuts into head 1's tokens
+		}, "cache 0 tensor 1 (slot 1)"},
+		{"rank mismatch", func(s *jobs.WriteSpec) { s.Caches[0].Tensors[0].View.Strides = []int{1} }, "slot 0"},
+		{"no tensors", func(s *jobs.WriteSpec) { s.Caches, s.Attachments = nil, nil }, "no tensors"},
+	}
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		for _, tc := range cases {
+			root := t.TempDir()
+			path := filepath.Join(root, "ns", "snap")
+			spec := cacheSpec(t, c, path, lay, 0)
+			tc.mut(spec)
+			_, _, err := jobs.Write(context.Background(), noSync(), spec)
+			if !errors.Is(err, jobs.ErrInvalidRequest) || !strings.Contains(err.Error(), tc.msg) {
+				t.Fatalf("%v %s: got %v, want ErrInvalidRequest naming %q", lay, tc.name, err, tc.msg)
+			}
+			if _, err := os.Lstat(path); !os.IsNotExist(err) {
+				t.Fatalf("%v %s: snapshot exists", lay, tc.name)
+			}
+			if _, err := os.Lstat(layout.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
+				t.Fatalf("%v %s: blocks directory created", lay, tc.name)
+			}
+			if tmp := temps(t, root); len(tmp) != 0 {
+				t.Fatalf("%v %s: temp files %v", lay, tc.name, tmp)
+			}
+		}
+	}
+	_, _, err := jobs.Write(context.Background(), noSync(), cacheSpec(t, c, filepath.Join(t.TempDir(), "ns", "s"), layout.Layout(9), 0))
+	if !errors.Is(err, jobs.ErrInvalidRequest) {
+		t.Fatalf("unknown layout: %v", err)
+	}
+}
+
+// A context cancelled in the middle of a write fails it with the context's
+// error, leaves no temp file, and the previous snapshot still reads back.
+func TestCancelMidWrite(t *testing.T) {
+	cOld := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	cNew := testutil.NewCache(testutil.Tiny, 348, true, nil)
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		t.Run(lay.String(), func(t *testing.T) {
+			root := t.TempDir()
+			path := filepath.Join(root, "ns", "snap")
+			mustWrite(t, noSync(), cacheSpec(t, cOld, path, lay, 4096))
+			before := blockFiles(t, filepath.Dir(path))
+
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var creates, writes atomic.Int64
+			fsys := hookFS{FS: vfs.Default}
+			if lay == layout.Single {
+				// Cancel once the first tensor chunk is in the temp file.
+				fsys.onWrite = func(string) {
+					if writes.Add(1) == 1 {
+						cancel()
+					}
+				}
+			} else {
+				// Cancel after the third new block file is created.
+				fsys.onCreate = func(string) {
+					if creates.Add(1) == 3 {
+						cancel()
+					}
+				}
+			}
+			_, _, err := jobs.Write(ctx, &jobs.Config{FS: fsys, NoSync: true}, cacheSpec(t, cNew, path, lay, 4096))
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("got %v, want context.Canceled", err)
+			}
+			if writes.Load()+creates.Load() == 0 {
+				t.Fatal("the hook never ran: the write was not interrupted mid-way")
+			}
+			if tmp := temps(t, root); len(tmp) != 0 {
+				t.Fatalf("temp files %v", tmp)
+			}
+			if lay == layout.Blocks {
+				// One goroutine: no block after the third was started (the
+				// save needed 8 new row tails + 1 token-id block = 9); the
+				// three staged ones are either published whole or removed.
+				if added := len(blockFiles(t, filepath.Dir(path))) - len(before); added > 3 {
+					t.Fatalf("%d new blocks after the cancel", added)
+				}
+			}
+			got, snap, _, err := readBack(t, noSync(), path, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if snap.Header.Slots()[0].Shape[2] != 300 {
+				t.Fatalf("the snapshot at %s changed", path)
+			}
+			mustEqualExpected(t, got, expectedAll(cOld))
+		})
+	}
+}
+
+// TestScratchBounded: scratch stays within one chunk (single file) or one
+// block (block layout) however large the tensors, and is exactly that much
+// when every byte must be gathered. (The padded Llama cache at T=512, whose
+// rows are long contiguous runs, is checked in TestRoundTripAllGeometries:
+// nothing copied, scratch within the bounds.)
+func TestScratchBounded(t *testing.T) {
+	t.Run("single-file-small-rows", func(t *testing.T) {
+		t.Parallel()
+		// [1, 256, 1000, 16] bf16 in a capacity-1024 buffer: runs of 32000
+		// bytes, a tensor of 8192000 bytes: copied in chunks of ChunkBytes.
+		const H, T, C, D = 256, 1000, 1024, 16
+		base := make([]byte, H*C*D*2)
+		rand.NewChaCha8([32]byte{2}).Read(base)
+		v := gather.View{Base: base, Shape: []int{1, H, T, D}, Strides: []int{H * C * D, C * D, D, 1}, ItemSize: 2}
+		want := make([]byte, 0, H*T*D*2)
+		for h := 0; h < H; h++ {
+			want = append(want, base[h*C*D*2:h*C*D*2+T*D*2]...)
+		}
+		path := filepath.Join(t.TempDir(), "ns", "s")
+		h, m := mustWrite(t, withHelpers(1), &jobs.WriteSpec{Path: path, Layout: layout.Single,
+			Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}})
+		if m.ScratchPeak != jobs.ChunkBytes || m.CopiedBytes != int64(len(want)) {
+			t.Fatalf("ScratchPeak %d (want %d), CopiedBytes %d (want %d)", m.ScratchPeak, jobs.ChunkBytes, m.CopiedBytes, len(want))
+		}
+		if h.Slots()[0].Hash != xxhHex(want) {
+			t.Fatal("tensor hash differs from xxh3 of the logical bytes")
+		}
+		got, _, _, err := readBack(t, noSync(), path, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustEqualExpected(t, got, [][]byte{want})
+	})
+	t.Run("blocks-token-major", func(t *testing.T) {
+		t.Parallel()
+		// [1, 4, 1024, 64] bf16 stored token-major ([T][H][D] in memory):
+		// runs of one 128-byte head vector, so every 4096-byte block is
+		// gathered into scratch of exactly one block.
+		const H, T, D, bb = 4, 1024, 64, 4096
+		base := make([]byte, T*H*D*2)
+		rand.NewChaCha8([32]byte{3}).Read(base)
+		v := gather.View{Base: base, Shape: []int{1, H, T, D}, Strides: []int{T * H * D, D, H * D, 1}, ItemSize: 2}
+		want := make([]byte, 0, len(base))
+		for h := 0; h < H; h++ {
+			for tk := 0; tk < T; tk++ {
+				o := (tk*H + h) * D * 2
+				want = append(want, base[o:o+D*2]...)
+			}
+		}
+		ns := filepath.Join(t.TempDir(), "ns")
+		spec := func(name string, packed bool) *jobs.WriteSpec {
+			return &jobs.WriteSpec{Path: filepath.Join(ns, name), Layout: layout.Blocks, BlockBytes: bb, Packed: packed,
+				Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
+		}
+		h, m := mustWrite(t, withHelpers(1), spec("seg", false))
+		if m.ScratchPeak != bb || m.CopiedBytes != int64(len(want)) {
+			t.Fatalf("ScratchPeak %d (want %d), CopiedBytes %d (want %d)", m.ScratchPeak, bb, m.CopiedBytes, len(want))
+		}
+		checkBlockRefs(t, h, [][]byte{want}, bb)
+		got, _, _, err := readBack(t, noSync(), filepath.Join(ns, "seg"), true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mustEqualExpected(t, got, [][]byte{want})
+		// Packed copies the tensor once, whole, and names the same blocks.
+		hp, mp := mustWrite(t, noSync(), spec("packed", true))
+		if mp.CopiedBytes != int64(len(want)) || mp.BlocksWritten != 0 {
+			t.Fatalf("packed: %+v", mp)
+		}
+		if !slices.Equal(h.Slots()[0].Blocks, hp.Slots()[0].Blocks) {
+			t.Fatal("packed blocks differ")
+		}
+	})
+}
