@@ -114,6 +114,9 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 		return nil, m, err
 	}
 	defer unlock()
+	if st, err := fsys.Lstat(nsDir); err == nil && !st.IsDir() {
+		return nil, m, fmt.Errorf("%w: namespace %s is a symlink or not a directory; refusing to follow it", ErrInvalidRequest, nsDir)
+	}
 	f, err := fsys.Open(spec.Path)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: read: %w", err)
@@ -161,7 +164,8 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 				tasks = append(tasks, task{i, b})
 			}
 		}
-		var bad sync.Map // slot -> struct{}: skip the rest of a failed tensor
+		var bad sync.Map  // slot -> struct{}: skip the rest of a failed tensor
+		var dirs sync.Map // directory -> error of checkDir, checked once per read
 		err = parallel(ctx, cfg, len(tasks), 0, func(k int, _ []byte) error {
 			tk := tasks[k]
 			if _, skip := bad.Load(tk.slot); skip {
@@ -169,7 +173,7 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 			}
 			ref := slots[tk.slot].Blocks[tk.block]
 			dst := spec.Dest[tk.slot][offs[tk.slot][tk.block]:][:ref.Bytes:ref.Bytes]
-			if err := readBlock(fsys, snap, ref, dst, spec.Verify); err != nil {
+			if err := readBlock(fsys, snap, ref, dst, spec.Verify, &dirs); err != nil {
 				if _, dup := bad.LoadOrStore(tk.slot, struct{}{}); !dup {
 					fail(tk.slot, fmt.Errorf("block %d: %w", tk.block, err))
 				}
@@ -233,11 +237,25 @@ func readTensor(ctx context.Context, f vfs.File, snap *layout.Snapshot, t *layou
 
 // readBlock reads one block file into dst (exactly its bytes), checking its
 // size first and, with verify, its SHA-256.
-func readBlock(fsys vfs.FS, snap *layout.Snapshot, ref layout.BlockRef, dst []byte, verify bool) error {
+func readBlock(fsys vfs.FS, snap *layout.Snapshot, ref layout.BlockRef, dst []byte, verify bool, dirs *sync.Map) error {
 	nsDir := filepath.Dir(snap.Path)
 	path := layout.BlockPath(nsDir, ref.Hash)
 	if snap.Legacy {
 		path = layout.LegacyBlockPath(nsDir, ref.Hash)
+	}
+	// Blocks are opened without following a symlink in their last element;
+	// the directories between the namespace and the block (blocks/ and the
+	// fan-out) must be real directories too, checked once per read.
+	for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
+		v, ok := dirs.Load(d)
+		if !ok {
+			v, _ = dirs.LoadOrStore(d, checkDir(fsys, d))
+		}
+		if v != nil {
+			if err, _ := v.(error); err != nil {
+				return err
+			}
+		}
 	}
 	bf, err := fsys.Open(path)
 	if err != nil {
@@ -265,6 +283,22 @@ func readBlock(fsys vfs.FS, snap *layout.Snapshot, ref layout.BlockRef, dst []by
 		if got := hex.EncodeToString(sum[:]); got != ref.Hash {
 			return fmt.Errorf("%w: %s has SHA-256 %s", ErrCorrupt, path, got)
 		}
+	}
+	return nil
+}
+
+// checkDir fails unless dir is a real directory (not a symlink to one).
+// A missing directory is not an error here: the block's open reports it.
+func checkDir(fsys vfs.FS, dir string) error {
+	st, err := fsys.Lstat(dir)
+	if err != nil {
+		if vfs.IsNotExist(err) {
+			return nil
+		}
+		return err
+	}
+	if !st.IsDir() {
+		return fmt.Errorf("%w: %s is a symlink or not a directory; refusing to follow it", ErrInvalidRequest, dir)
 	}
 	return nil
 }

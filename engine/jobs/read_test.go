@@ -218,3 +218,46 @@ func TestCollectBunWorkerStore(t *testing.T) {
 	}
 	mustEqualExpected(t, got, bunExpected(48))
 }
+
+// TestReadRefusesSymlinkedDirectories: a read does not follow a symlinked
+// fan-out directory, blocks/ directory or namespace, even when the link's
+// target holds the right bytes (a hostile store cannot steer a read outside
+// the namespace).
+func TestReadRefusesSymlinkedDirectories(t *testing.T) {
+	root := t.TempDir()
+	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	path := filepath.Join(root, "ns", "snap")
+	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, layout.Blocks, 4096))
+	nsDir := filepath.Dir(path)
+	fan := filepath.Join(layout.BlocksDir(nsDir), h.Slots()[0].Blocks[0].Hash[:2])
+	moved := filepath.Join(root, "elsewhere")
+	if err := os.Rename(fan, moved); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(moved, fan); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, err := readBack(t, noSync(), path, true); !errors.Is(err, jobs.ErrInvalidRequest) || !strings.Contains(err.Error(), fan) {
+		t.Fatalf("read through a symlinked fan-out directory: got %v, want ErrInvalidRequest naming %s", err, fan)
+	}
+	// Put it back: the read works again, so the refusal was the symlink's.
+	if err := os.Remove(fan); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(moved, fan); err != nil {
+		t.Fatal(err)
+	}
+	got, _, _, err := readBack(t, noSync(), path, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqualExpected(t, got, expectedAll(c))
+	// A symlinked namespace directory is refused as well.
+	link := filepath.Join(root, "linked")
+	if err := os.Symlink(nsDir, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, _, err := readBack(t, noSync(), filepath.Join(link, "snap"), true); !errors.Is(err, jobs.ErrInvalidRequest) {
+		t.Fatalf("read through a symlinked namespace: got %v, want ErrInvalidRequest", err)
+	}
+}
