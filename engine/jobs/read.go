@@ -114,8 +114,8 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 		return nil, m, err
 	}
 	defer unlock()
-	if st, err := fsys.Lstat(nsDir); err == nil && !st.IsDir() {
-		return nil, m, fmt.Errorf("%w: namespace %s is a symlink or not a directory; refusing to follow it", ErrInvalidRequest, nsDir)
+	if err := checkDir(fsys, nsDir); err != nil {
+		return nil, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 	}
 	f, err := fsys.Open(spec.Path)
 	if err != nil {
