@@ -208,11 +208,9 @@ func (d *dispatcher) eligible(j *job) bool {
 func (d *dispatcher) schedule() (blocked bool) {
 	e := d.e
 	for i := 0; i < len(d.pending); {
-		j := d.pending[i]
-		if j.ctx.Err() != nil {
-			if d.ackCancelled(j) {
-				continue // removed from pending
-			}
+		if j := d.pending[i]; j.ctx.Err() != nil {
+			d.ackCancelled(j) // removes it from pending
+			continue
 		}
 		i++
 	}
@@ -258,8 +256,8 @@ func (d *dispatcher) schedule() (blocked bool) {
 // worker, so the ack is prompt even when every worker is busy. The engine's
 // own ack channel takes it at once; a caller's channel may block, so a
 // short-lived goroutine sends it and reports completion like a worker (the
-// job stays outstanding until then). It reports whether j left pending.
-func (d *dispatcher) ackCancelled(j *job) bool {
+// job stays outstanding until then, so later jobs of its path still wait).
+func (d *dispatcher) ackCancelled(j *job) {
 	e := d.e
 	d.pending = slices.DeleteFunc(d.pending, func(x *job) bool { return x == j })
 	j.started = true
@@ -270,14 +268,13 @@ func (d *dispatcher) ackCancelled(j *job) bool {
 	if j.ownAck {
 		j.ack <- res // capacity 1, sent once: never blocks
 		d.forget(j)
-		return true
+		return
 	}
 	d.running++
 	go func() {
 		e.sendAck(j, res)
 		e.done <- j
 	}()
-	return true
 }
 
 // start hands j to the pool; false when no worker is free.

@@ -200,6 +200,7 @@ type Ref struct {
 	Name      string
 }
 
+// String is "namespace/name".
 func (r Ref) String() string { return r.Namespace + "/" + r.Name }
 
 // Path resolves ref to its file path under the root. It fails with ErrPath
@@ -254,6 +255,7 @@ const (
 	KindMigrate
 )
 
+// String is the kind's name: "write", "read", "collect" or "migrate".
 func (k Kind) String() string {
 	switch k {
 	case KindWrite:
