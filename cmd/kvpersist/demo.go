@@ -136,6 +136,9 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 		return exitProblems
 	}
 	fmt.Fprintf(c.stdout, "after collect, %s restores bit-exact and verified. Every byte of every restore matched.\n", final)
+	if *root != "" || *keep {
+		fmt.Fprintf(c.stdout, "the store is kept in %s (kvpersist ls / du / verify %s)\n", dir, dir)
+	}
 	return exitOK
 }
 
