@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"runtime/debug"
 	"slices"
 	"time"
@@ -340,9 +341,9 @@ func (e *Engine) settle(j *job, res *Result, ran bool) {
 	s.bytesRead.Add(res.Metrics.ReadBytes)
 	if res.Err != nil {
 		s.failed.Add(1)
-		e.log.Warn("kvpersist: job failed", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "err", res.Err)
+		e.logSafe(slog.LevelWarn, "kvpersist: job failed", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "err", res.Err)
 	} else {
-		e.log.Debug("kvpersist: job done", "id", j.id, "kind", j.kind, "ref", j.ref.String(),
+		e.logSafe(slog.LevelDebug, "kvpersist: job done", "id", j.id, "kind", j.kind, "ref", j.ref.String(),
 			"written", res.Metrics.WrittenBytes, "reused", res.Metrics.ReusedBytes, "read", res.Metrics.ReadBytes,
 			"elapsed", res.Metrics.Elapsed)
 	}
@@ -358,10 +359,18 @@ func (e *Engine) settle(j *job, res *Result, ran bool) {
 func (e *Engine) sendAck(j *job, res Result) {
 	defer func() {
 		if r := recover(); r != nil {
-			e.log.Error("kvpersist: ack channel closed by its owner; result dropped", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "panic", r)
+			e.logSafe(slog.LevelError, "kvpersist: ack channel closed by its owner; result dropped", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "panic", r)
 		}
 	}()
 	j.ack <- res
+}
+
+// logSafe logs through the caller's Logger, recovering a panic in its
+// handler: the ack and the dispatcher's bookkeeping must not depend on the
+// logger behaving.
+func (e *Engine) logSafe(level slog.Level, msg string, args ...any) {
+	defer func() { _ = recover() }()
+	e.log.Log(context.Background(), level, msg, args...)
 }
 
 // testHook, when set by a test, runs at the start of every job (to inject

@@ -142,7 +142,10 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	if err := cfg.FS.MkdirAll(cfg.Root, layout.DirPerm); err != nil {
+	// The root may itself be a symlink (the operator's choice); anything
+	// below it may not. A new root is created with its parents synced.
+	if st, err := cfg.FS.Lstat(cfg.Root); err == nil && st.Mode()&os.ModeSymlink != 0 {
+	} else if err := layout.MkdirAllSynced(cfg.FS, filepath.Clean(cfg.Root), "", !cfg.NoSync); err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
 	e := &Engine{
@@ -157,7 +160,7 @@ func New(cfg Config) (*Engine, error) {
 		abort:   make(chan struct{}),
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
-		ants.WithPanicHandler(func(r any) { e.log.Error("kvpersist: panic escaped a pool task", "panic", r) }))
+		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}

@@ -9,13 +9,11 @@ import (
 	"os"
 	"path/filepath"
 	"sort"
-	"syscall"
 	"text/tabwriter"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"golang.org/x/sys/unix"
 )
 
 func init() {
@@ -182,7 +180,13 @@ func scanNamespace(fsys vfs.FS, root, name string, decode bool) *scanNS {
 					ns.Skipped = append(ns.Skipped, bpath)
 				}
 			}
-		case e.Type().IsRegular() && layout.ValidName("snapshot", n) == nil:
+		case e.Type().IsRegular():
+			// As collect: any regular file starting with a magic is a
+			// snapshot or manifest, whatever its name; others are skipped.
+			if ok, err := layout.HasMagic(fsys, path); err == nil && !ok {
+				ns.Skipped = append(ns.Skipped, path)
+				continue
+			}
 			s := scanSnap{Name: n, Path: path}
 			info, err := e.Info()
 			if err != nil {
@@ -233,42 +237,28 @@ func logicalBytes(h *layout.Header) int64 {
 }
 
 // lockNamespace takes a namespace's advisory lock (shared, or exclusive as
-// collect does) without creating the lock file: a namespace no kvpersist
-// writer ever touched has none, and then there is nothing to wait for. It
-// polls with LOCK_NB so that ctx (Ctrl-C) interrupts a wait for a long write.
+// collect does) through the vfs seam, without creating the lock file: a
+// namespace no kvpersist writer ever touched has none, and then there is
+// nothing to wait for. ctx (Ctrl-C) interrupts a wait for a long write.
 func lockNamespace(ctx context.Context, c *cli, nsDir string, exclusive bool) (func(), error) {
-	f, err := os.OpenFile(filepath.Join(nsDir, layout.LockName), os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	lockPath := filepath.Join(nsDir, layout.LockName)
+	if _, err := vfs.Default.Lstat(lockPath); errors.Is(err, os.ErrNotExist) {
+		return func() {}, nil
+	}
+	waitCtx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	unlock, err := vfs.Default.Lock(waitCtx, lockPath, exclusive, false)
+	cancel()
+	if err != nil && ctx.Err() == nil && errors.Is(err, context.DeadlineExceeded) {
+		c.log.Warn("waiting for the namespace lock (a write or collect is running)", "namespace", nsDir)
+		unlock, err = vfs.Default.Lock(ctx, lockPath, exclusive, false)
+	}
+	if errors.Is(err, os.ErrNotExist) {
+		return func() {}, nil
+	}
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
-			return func() {}, nil
-		}
 		return nil, fmt.Errorf("lock namespace %s: %w", nsDir, err)
 	}
-	how := unix.LOCK_SH
-	if exclusive {
-		how = unix.LOCK_EX
-	}
-	logged := false
-	for {
-		err := unix.Flock(int(f.Fd()), how|unix.LOCK_NB)
-		if err == nil {
-			return func() { f.Close() }, nil // closing drops the flock
-		}
-		if err != unix.EWOULDBLOCK && err != unix.EINTR {
-			f.Close()
-			return nil, fmt.Errorf("lock namespace %s: %w", nsDir, err)
-		}
-		if !logged {
-			c.log.Warn("waiting for the namespace lock (a write or collect is running)", "namespace", nsDir)
-			logged = true
-		}
-		select {
-		case <-ctx.Done():
-			f.Close()
-			return nil, fmt.Errorf("lock namespace %s: %w", nsDir, ctx.Err())
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
+	return func() { _ = unlock() }, nil
 }
 
 // docFlags is c.flags with a longer description printed by --help between

@@ -163,11 +163,18 @@ func (c *collector) namespace(ctx context.Context, nsDir string) error {
 		c.cm.Skipped = append(c.cm.Skipped, nsDir)
 		return nil
 	}
-	unlock, err := lockNamespace(c.cfg, nsDir, true, true)
-	if err != nil {
-		return err
+	// Only a directory with blocks/ has anything to sweep, and only such a
+	// directory gets a lock file: a collect pointed one level too high must
+	// not litter unrelated directories with .lock files.
+	if _, err := fsys.Lstat(layout.BlocksDir(nsDir)); err == nil {
+		unlock, err := lockNamespace(ctx, c.cfg, nsDir, true, true)
+		if err != nil {
+			return err
+		}
+		defer unlock()
+	} else if !vfs.IsNotExist(err) {
+		return fmt.Errorf("jobs: collect %s: %w", nsDir, err)
 	}
-	defer unlock()
 	ents, err := fsys.ReadDir(nsDir)
 	if err != nil {
 		return fmt.Errorf("jobs: collect %s: %w", nsDir, err)
@@ -186,8 +193,15 @@ func (c *collector) namespace(ctx context.Context, nsDir string) error {
 			}
 		case name == layout.BlocksDirName && e.IsDir():
 			hasBlocks = true
-		case e.Type().IsRegular() && layout.ValidName("snapshot", name) == nil:
+		case e.Type().IsRegular():
+			// Any regular file may be a manifest, whatever its name (the
+			// Bun worker accepted any name): decode it. A file that does
+			// not start with a magic is not ours: skipped, never deleted.
 			snap, err := layout.Load(fsys, path)
+			if errors.Is(err, layout.ErrBadMagic) {
+				c.cm.Skipped = append(c.cm.Skipped, path)
+				continue
+			}
 			if err != nil {
 				c.cm.Unreadable = append(c.cm.Unreadable, err.Error())
 				unreadable = true

@@ -12,11 +12,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"path/filepath"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -268,11 +270,11 @@ func parallelWith[W any](ctx context.Context, cfg *Config, n int, newW func() W,
 // lockNamespace takes the namespace's advisory lock: shared for writers and
 // readers, exclusive for collect. create=false skips a missing lock file
 // (reads of a store no writer has touched, e.g. a read-only source).
-func lockNamespace(cfg *Config, nsDir string, exclusive, create bool) (func(), error) {
+func lockNamespace(ctx context.Context, cfg *Config, nsDir string, exclusive, create bool) (func(), error) {
 	if cfg.NoLock {
 		return func() {}, nil
 	}
-	unlock, err := cfg.fs().Lock(nsDir+"/.lock", exclusive, create)
+	unlock, err := cfg.fs().Lock(ctx, filepath.Join(nsDir, layout.LockName), exclusive, create)
 	if err != nil {
 		if !create && vfs.IsNotExist(err) {
 			return func() {}, nil

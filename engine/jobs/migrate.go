@@ -695,7 +695,7 @@ func writeKeptBlocks(ctx context.Context, cfg *Config, dst string, src *layout.H
 	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
 		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
 	}
-	unlock, err := lockNamespace(cfg, nsDir, false, true)
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
 	if err != nil {
 		return m, err
 	}

@@ -109,7 +109,7 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 	var m Metrics
 	fsys := cfg.fs()
 	nsDir := filepath.Dir(spec.Path)
-	unlock, err := lockNamespace(cfg, nsDir, false, false)
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
 	if err != nil {
 		return nil, m, err
 	}

@@ -96,6 +96,9 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 		if s.t.View.ItemSize != size {
 			return nil, nil, fmt.Errorf("%w: %s %s: view itemsize %d bytes, dtype %s has %d", ErrInvalidRequest, spec.Path, s.name, s.t.View.ItemSize, s.t.DType, size)
 		}
+		if len(s.t.View.Shape) > layout.MaxRank {
+			return nil, nil, fmt.Errorf("%w: %s %s: %d axes (readers accept at most %d)", ErrInvalidRequest, spec.Path, s.name, len(s.t.View.Shape), layout.MaxRank)
+		}
 		if err := s.t.View.Validate(); err != nil {
 			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 		}
@@ -115,9 +118,18 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 
 // Write saves a snapshot and returns its header as published (offsets,
 // hashes, block lists). The previous snapshot at spec.Path, if any, stays
-// intact and readable until the new one is durably renamed over it; on any
-// error (including ctx's) nothing is published and no temp file is left.
-// The caller's views are not touched after Write returns.
+// intact and readable until the new one, fully written and fdatasynced, is
+// renamed over it; on any error (including ctx's) no temp file is left, and
+// on any error but one nothing is published. The exception: if the rename
+// succeeded but the final fsync of the directory failed, the error is
+// returned and spec.Path already holds the new, complete snapshot (it is
+// readable and verifies, but the rename may not survive a power cut); at no
+// time can a reader see a mix of versions. The caller's views are not
+// touched after Write returns.
+//
+// Errors: ErrInvalidRequest (bad view, dtype, metadata, rank over
+// layout.MaxRank), ErrBlockBytes, ctx's error, or an I/O error naming the
+// operation and path (wrapping the errno: errors.Is(err, syscall.ENOSPC)).
 func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, Metrics, error) {
 	start := time.Now()
 	var m Metrics
@@ -136,7 +148,16 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
-	unlock, err := lockNamespace(cfg, nsDir, false, true)
+	if !cfg.NoSync {
+		// The namespace's entry in the root must be durable before a
+		// snapshot in it is acked: the write that created the directory may
+		// have died (or failed) before syncing the root, in this or another
+		// process. A clean directory syncs in microseconds.
+		if err = cfg.fs().SyncDir(filepath.Dir(nsDir)); err != nil {
+			return nil, m, fmt.Errorf("jobs: write %s: fsync directory %s: %w", spec.Path, filepath.Dir(nsDir), err)
+		}
+	}
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
 	if err != nil {
 		return nil, m, err
 	}
@@ -163,12 +184,20 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 	if err != nil {
 		return nil, err
 	}
-	var end int64
+	// Tensors in slot order at 4 KiB-aligned offsets; an empty tensor has
+	// off 0 (it occupies nothing). The file ends exactly at the end of the
+	// last non-empty tensor, whether or not fallocate is supported.
+	var next, end int64
 	for _, s := range slots {
-		s.out.Off = end
 		s.out.Hash = "0000000000000000" // same length as every real hash
-		end = layout.AlignUp(end+s.out.Bytes, layout.TensorAlign)
 		m.LogicalBytes += s.out.Bytes
+		if s.out.Bytes == 0 {
+			s.out.Off = 0
+			continue
+		}
+		s.out.Off = next
+		end = next + s.out.Bytes
+		next = layout.AlignUp(end, layout.TensorAlign)
 	}
 	js, err := h.Encode()
 	if err != nil {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strings"
 
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
@@ -34,6 +35,14 @@ func Decode(f vfs.File, path string) (*Snapshot, error) {
 	size := st.Size()
 	var pb [PrefixLen]byte
 	if size < PrefixLen {
+		// Too short for a prefix: is it a torn file of ours, or not ours?
+		head := pb[:min(size, int64(len(Magic)))]
+		if err := readFull(f, head, 0); err != nil {
+			return nil, fmt.Errorf("layout: %s: reading prefix: %w", path, err)
+		}
+		if !isMagicPrefix(head) {
+			return nil, fmt.Errorf("layout: %s: %w: starts with %q", path, ErrBadMagic, head)
+		}
 		return nil, fmt.Errorf("layout: %s: %w: %d bytes, the prefix needs %d", path, ErrTruncated, size, PrefixLen)
 	}
 	if err := readFull(f, pb[:], 0); err != nil {
@@ -97,3 +106,30 @@ func readFull(f vfs.File, b []byte, off int64) error {
 
 // ReadFull reads exactly len(b) bytes at off; a short file is ErrTruncated.
 func ReadFull(f vfs.File, b []byte, off int64) error { return readFull(f, b, off) }
+
+// isMagicPrefix reports whether b is a prefix of Magic or LegacyMagic
+// (an empty b is: a zero-length file may be a torn file of ours).
+func isMagicPrefix(b []byte) bool {
+	return strings.HasPrefix(Magic, string(b)) || strings.HasPrefix(LegacyMagic, string(b))
+}
+
+// HasMagic reports whether the file at path begins like a kvpersist or Bun
+// worker file (its first bytes are a prefix of either magic), reading at most
+// 10 bytes. Collect, ls, du and verify take only such files for snapshots
+// and manifests, whatever their names; any other file is not theirs to judge.
+func HasMagic(fsys vfs.FS, path string) (bool, error) {
+	f, err := fsys.Open(path)
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return false, err
+	}
+	head := make([]byte, min(st.Size(), int64(len(Magic))))
+	if err := readFull(f, head, 0); err != nil {
+		return false, err
+	}
+	return isMagicPrefix(head), nil
+}

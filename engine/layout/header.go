@@ -313,6 +313,9 @@ func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, err
 		}
 		return nil, nil
 	}
+	if isNull(raw) {
+		return nil, fmt.Errorf("%w: %q is null", ErrInvalidHeader, name)
+	}
 	var list []map[string]json.RawMessage
 	if err := json.Unmarshal(raw, &list); err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrInvalidHeader, name, err)
@@ -327,7 +330,7 @@ func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, err
 			return nil, fmt.Errorf("%w: %s is not an object", ErrInvalidHeader, where)
 		}
 		var ts []map[string]json.RawMessage
-		if err := json.Unmarshal(obj["tensors"], &ts); err != nil || obj["tensors"] == nil {
+		if err := json.Unmarshal(obj["tensors"], &ts); err != nil || obj["tensors"] == nil || isNull(obj["tensors"]) {
 			return nil, fmt.Errorf("%w: %s.tensors: missing or not a list", ErrInvalidHeader, where)
 		}
 		e := Entry{Meta: Meta{}, Tensors: make([]Tensor, len(ts))}
@@ -361,15 +364,15 @@ func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
 			}
 			return nil
 		}
+		if isNull(v) {
+			return fmt.Errorf("%w: %s.%s is null", ErrInvalidHeader, where, k)
+		}
 		if err := json.Unmarshal(v, dst); err != nil {
 			return fmt.Errorf("%w: %s.%s: %v", ErrInvalidHeader, where, k, err)
 		}
 		return nil
 	}
-	var blocks []struct {
-		Hash  *string `json:"hash"`
-		Bytes *int64  `json:"bytes"`
-	}
+	var blocks []map[string]json.RawMessage
 	for _, f := range []struct {
 		k        string
 		dst      any
@@ -385,10 +388,14 @@ func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
 	if _, ok := t["blocks"]; ok {
 		x.Blocks = make([]BlockRef, len(blocks))
 		for i, b := range blocks {
-			if b.Hash == nil || b.Bytes == nil {
-				return x, fmt.Errorf("%w: %s.blocks[%d] needs hash and bytes", ErrInvalidHeader, where, i)
+			// Exactly {"hash": string, "bytes": integer}: keys are matched
+			// exactly (encoding/json's struct matching ignores case).
+			hv, bv := b["hash"], b["bytes"]
+			if len(b) != 2 || hv == nil || bv == nil ||
+				json.Unmarshal(hv, &x.Blocks[i].Hash) != nil || isNull(hv) ||
+				json.Unmarshal(bv, &x.Blocks[i].Bytes) != nil || isNull(bv) {
+				return x, fmt.Errorf("%w: %s.blocks[%d] must be exactly {\"hash\": string, \"bytes\": integer}", ErrInvalidHeader, where, i)
 			}
-			x.Blocks[i] = BlockRef{Hash: *b.Hash, Bytes: *b.Bytes}
 		}
 	}
 	x.Meta = Meta{}
@@ -401,3 +408,6 @@ func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
 	}
 	return x, nil
 }
+
+// isNull reports whether a JSON value is the literal null.
+func isNull(v json.RawMessage) bool { return string(bytes.TrimSpace(v)) == "null" }

@@ -5,11 +5,13 @@
 package vfs
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io/fs"
 	"os"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -48,7 +50,8 @@ type FS interface {
 	// O_NOFOLLOW) with the given permission bits.
 	Create(name string, perm os.FileMode) (File, error)
 	// Open opens an existing file read-only without following a symlink
-	// in its last element (O_NOFOLLOW).
+	// in its last element (O_NOFOLLOW), and without blocking on a FIFO
+	// (O_NONBLOCK).
 	Open(name string) (File, error)
 	Rename(oldname, newname string) error
 	Remove(name string) error
@@ -61,9 +64,10 @@ type FS interface {
 	SyncDir(name string) error
 	// Lock takes an advisory lock (flock) on the file name: shared when
 	// exclusive is false. It creates the file when create is true; otherwise
-	// a missing file is an fs.ErrNotExist error. It blocks until granted.
-	// The returned unlock releases it.
-	Lock(name string, exclusive, create bool) (unlock func() error, err error)
+	// a missing file is an fs.ErrNotExist error. It waits until the lock is
+	// granted or ctx is done (then ctx's error). The returned unlock releases
+	// it.
+	Lock(ctx context.Context, name string, exclusive, create bool) (unlock func() error, err error)
 }
 
 // Default is the real operating system.
@@ -134,7 +138,10 @@ func (osFS) Create(name string, perm os.FileMode) (File, error) {
 }
 
 func (osFS) Open(name string) (File, error) {
-	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC, 0)
+	// O_NONBLOCK: a FIFO named like a snapshot or block must not hang the
+	// open (callers then refuse it as not a regular file); it has no effect
+	// on regular files.
+	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		if errors.Is(err, syscall.ELOOP) {
 			return nil, &os.PathError{Op: "open", Path: name, Err: fmt.Errorf("refusing to follow a symlink: %w", syscall.ELOOP)}
@@ -161,7 +168,7 @@ func (osFS) SyncDir(name string) error {
 	return err
 }
 
-func (osFS) Lock(name string, exclusive, create bool) (func() error, error) {
+func (osFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
 	flag := os.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
 	if create {
 		flag |= os.O_CREATE
@@ -174,17 +181,28 @@ func (osFS) Lock(name string, exclusive, create bool) (func() error, error) {
 	if exclusive {
 		how = unix.LOCK_EX
 	}
+	// Poll with LOCK_NB so that ctx can interrupt a wait for a lock held by
+	// another process (a long gc, say): a blocking flock cannot be cancelled.
+	wait := 100 * time.Microsecond
 	for {
-		err = unix.Flock(int(f.Fd()), how)
-		if err != syscall.EINTR {
-			break
+		err = unix.Flock(int(f.Fd()), how|unix.LOCK_NB)
+		if err == nil {
+			return func() error { return f.Close() }, nil // closing drops the flock
 		}
+		if err != syscall.EWOULDBLOCK && err != syscall.EINTR {
+			f.Close()
+			return nil, &os.PathError{Op: "flock", Path: name, Err: err}
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			f.Close()
+			return nil, fmt.Errorf("vfs: waiting for lock %s: %w", name, context.Cause(ctx))
+		case <-t.C:
+		}
+		wait = min(2*wait, 20*time.Millisecond)
 	}
-	if err != nil {
-		f.Close()
-		return nil, &os.PathError{Op: "flock", Path: name, Err: err}
-	}
-	return func() error { return f.Close() }, nil // closing drops the flock
 }
 
 // IsNotExist reports whether err says a file does not exist.

@@ -1,6 +1,7 @@
 package testutil
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -342,11 +343,11 @@ func (f *FaultFS) SyncDir(name string) error {
 }
 
 // Lock implements vfs.FS.
-func (f *FaultFS) Lock(name string, exclusive, create bool) (func() error, error) {
+func (f *FaultFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
 	if _, err := f.check(OpLock, name); err != nil {
 		return nil, err
 	}
-	return f.inner.Lock(name, exclusive, create)
+	return f.inner.Lock(ctx, name, exclusive, create)
 }
 
 // faultFile is a file handle of a FaultFS.

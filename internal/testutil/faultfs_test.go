@@ -2,6 +2,7 @@ package testutil
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
@@ -77,7 +78,7 @@ func TestFaultFSCountsEveryOp(t *testing.T) {
 	if _, err := fs.Lstat(b); err != nil {
 		t.Fatal(err)
 	}
-	unlock, err := fs.Lock(filepath.Join(dir, ".lock"), true, true)
+	unlock, err := fs.Lock(context.Background(), filepath.Join(dir, ".lock"), true, true)
 	if err != nil {
 		t.Fatal(err)
 	}
