@@ -174,9 +174,9 @@ func overlaps(a, b *job) bool {
 func nsExclusive(k Kind) bool { return k == KindCollect || k == KindMigrate }
 
 // eligible applies the ordering rules to a pending job:
-//   - per path, in submission order: a write waits for every earlier job
-//     on its path; a read waits for earlier writes on its path (reads of
-//     one path may run together);
+//   - per path, in submission order: a write (or delete) waits for every
+//     earlier job on its path; a read waits for earlier writes and deletes
+//     on its path (reads of one path may run together);
 //   - a collect or a migrate (a write to whole namespaces) waits for every
 //     earlier job in its namespaces, and every later job in those
 //     namespaces waits for it.
@@ -186,7 +186,7 @@ func (d *dispatcher) eligible(j *job) bool {
 			if x == j {
 				break
 			}
-			if j.kind == KindWrite || x.kind == KindWrite {
+			if j.kind != KindRead || x.kind != KindRead { // a write or a delete
 				return false
 			}
 		}
@@ -399,6 +399,8 @@ func (e *Engine) execute(j *job, res *Result) {
 		if err == nil {
 			res.Header = snap.Header
 		}
+	case *DeleteRequest:
+		res.Metrics, err = jobs.Delete(j.ctx, &cfg, j.path)
 	case *CollectRequest:
 		res.Metrics, err = jobs.Collect(j.ctx, &cfg, &jobs.CollectSpec{
 			Root: e.cfg.Root, Namespaces: r.Namespaces, DryRun: r.DryRun,

@@ -179,6 +179,9 @@ func New(cfg Config) (*Engine, error) {
 		},
 		Yield: e.waiting.Load,
 	}
+	if cfg.Workers == 1 {
+		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool
+	}
 	d := newDispatcher(e)
 	go d.run()
 	return e, nil
@@ -256,9 +259,10 @@ const (
 	KindRead
 	KindCollect
 	KindMigrate
+	KindDelete
 )
 
-// String is the kind's name: "write", "read", "collect" or "migrate".
+// String is the kind's name: "write", "read", "collect", "migrate" or "delete".
 func (k Kind) String() string {
 	switch k {
 	case KindWrite:
@@ -269,6 +273,8 @@ func (k Kind) String() string {
 		return "collect"
 	case KindMigrate:
 		return "migrate"
+	case KindDelete:
+		return "delete"
 	}
 	return fmt.Sprintf("Kind(%d)", int(k))
 }
@@ -281,12 +287,13 @@ type Job struct {
 	Ack <-chan Result
 }
 
-// Request is a *WriteRequest, *ReadRequest, *CollectRequest or
-// *MigrateRequest.
+// Request is a *WriteRequest, *ReadRequest, *CollectRequest,
+// *MigrateRequest or *DeleteRequest.
 type Request interface{ request() }
 
-// WriteRequest saves a KV cache. The views' memory must stay valid and
-// unchanged until the ack.
+// WriteRequest saves a KV cache. The views' memory, and the request itself
+// (its Meta maps included), must stay valid and unchanged until the ack. The
+// Result's Header shares the request's Meta values (they are immutable JSON).
 type WriteRequest struct {
 	Ref
 	Layout      layout.Layout // layout.Single or layout.Blocks
@@ -326,6 +333,15 @@ type CollectRequest struct {
 func (*WriteRequest) request()   {}
 func (*ReadRequest) request()    {}
 func (*CollectRequest) request() {}
+func (*DeleteRequest) request()  {}
+
+// DeleteRequest removes a snapshot file or manifest (jobs.Delete). It is
+// ordered like a write of its path: it waits for every earlier job on the
+// path, and later ones wait for it. Its blocks stay until a collect.
+type DeleteRequest struct {
+	Ref
+	Ack chan<- Result // see WriteRequest.Ack
+}
 
 // job is the engine's record of an accepted request.
 type job struct {
@@ -381,6 +397,10 @@ func requestAck(req Request) chan<- Result {
 		if r != nil {
 			return r.Ack
 		}
+	case *DeleteRequest:
+		if r != nil {
+			return r.Ack
+		}
 	}
 	return nil
 }
@@ -420,10 +440,15 @@ func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, erro
 		if err := e.prepareMigrate(j, r); err != nil {
 			return nil, err
 		}
+	case *DeleteRequest:
+		if r == nil {
+			return nil, fmt.Errorf("%w: nil *DeleteRequest", ErrPath)
+		}
+		j.kind, j.ref = KindDelete, r.Ref
 	default:
 		return nil, fmt.Errorf("engine: unknown request type %T", req)
 	}
-	if j.kind == KindWrite || j.kind == KindRead {
+	if j.kind == KindWrite || j.kind == KindRead || j.kind == KindDelete {
 		p, err := e.Path(j.ref)
 		if err != nil {
 			return nil, err

@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"path/filepath"
 	"text/tabwriter"
 	"time"
 
@@ -118,8 +117,8 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	// frees the blocks no remaining manifest names.
 	if !*keep {
 		for _, n := range names[:len(names)-1] {
-			if err := os.Remove(filepath.Join(dir, ns, n)); err != nil {
-				return c.fail("%v", err)
+			if r := e.Do(ctx, &engine.DeleteRequest{Ref: engine.Ref{Namespace: ns, Name: n}}); r.Err != nil {
+				return c.fail("delete %s: %v", n, r.Err)
 			}
 		}
 	}

@@ -1,0 +1,52 @@
+package jobs
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+)
+
+// Delete removes a snapshot file or manifest and fsyncs its directory, so
+// the removal survives a power cut. Its blocks stay until a collect finds
+// them unreferenced. It holds the namespace's lock shared, like a write, so
+// it never interleaves with a collect in another process. A missing file is
+// an error wrapping fs.ErrNotExist; a file that does not start with a
+// kvpersist or Bun-worker magic is refused (layout.ErrBadMagic), so Delete
+// only removes what kvpersist would read as a snapshot.
+func Delete(ctx context.Context, cfg *Config, path string) (Metrics, error) {
+	start := time.Now()
+	var m Metrics
+	fsys := cfg.fs()
+	nsDir := filepath.Dir(path)
+	if err := checkDir(fsys, nsDir); err != nil {
+		return m, fmt.Errorf("jobs: delete %s: %w", path, err)
+	}
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	if err != nil {
+		return m, err
+	}
+	defer unlock()
+	ok, err := layout.HasMagic(fsys, path)
+	if err != nil {
+		return m, fmt.Errorf("jobs: delete: %w", err)
+	}
+	if !ok {
+		return m, fmt.Errorf("jobs: delete %s: %w: not a snapshot or manifest; left alone", path, layout.ErrBadMagic)
+	}
+	if err := ctx.Err(); err != nil {
+		return m, err
+	}
+	if err := fsys.Remove(path); err != nil {
+		return m, fmt.Errorf("jobs: delete: %w", err)
+	}
+	if !cfg.NoSync {
+		if err := fsys.SyncDir(nsDir); err != nil {
+			return m, fmt.Errorf("jobs: delete %s: fsync directory %s: %w", path, nsDir, err)
+		}
+	}
+	m.Elapsed = time.Since(start)
+	return m, nil
+}
