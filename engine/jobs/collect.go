@@ -37,9 +37,11 @@ type CollectSpec struct {
 	// DefaultTempGrace; a negative value removes every temp file (only when
 	// no writer can be running).
 	TempGrace time.Duration
-	// BlockGrace: unreferenced blocks younger than this are kept (a second
-	// line of defence, as git prune's, for writers that do not take the
-	// namespace lock). 0 keeps none back.
+	// BlockGrace: unreferenced blocks whose file was written less than this
+	// long ago (by mtime) are kept: a second line of defence for writers that
+	// do not take the namespace lock, covering blocks they just wrote. It does
+	// not cover an old block such a writer decides to reuse (its mtime is
+	// not refreshed); only the lock protects reuse. 0 keeps none back.
 	BlockGrace time.Duration
 	// Now is the clock for the grace periods; zero means time.Now().
 	Now time.Time
