@@ -1,0 +1,134 @@
+package vfs_test
+
+import (
+	"context"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"go.uber.org/goleak"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// TestLockExclusionAndCancel: a shared lock excludes an exclusive one (even
+// in one process: flock locks belong to open file descriptions), the waiting
+// Lock returns ctx's cause when ctx ends, and gets the lock once the holder
+// releases it.
+func TestLockExclusionAndCancel(t *testing.T) {
+	name := filepath.Join(t.TempDir(), ".lock")
+	fsys := vfs.Default
+	unlockShared, err := fsys.Lock(context.Background(), name, false, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock2, err := fsys.Lock(context.Background(), name, false, false)
+	if err != nil {
+		t.Fatalf("second shared lock: %v", err)
+	}
+	unlock2()
+	ctx, cancel := context.WithTimeoutCause(context.Background(), 30*time.Millisecond, errors.New("gave up waiting"))
+	defer cancel()
+	if _, err := fsys.Lock(ctx, name, true, false); !errors.Is(err, context.Cause(ctx)) {
+		t.Fatalf("exclusive lock while a shared one is held: %v, want the ctx cause", err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		unlock, err := fsys.Lock(context.Background(), name, true, false)
+		if err == nil {
+			unlock()
+		}
+		done <- err
+	}()
+	time.Sleep(10 * time.Millisecond) // the goroutine is polling
+	if err := unlockShared(); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("exclusive lock after release: %v", err)
+	}
+	if _, err := fsys.Lock(context.Background(), filepath.Join(t.TempDir(), "missing"), false, false); !errors.Is(err, fs.ErrNotExist) {
+		t.Fatalf("lock of a missing file without create: %v, want fs.ErrNotExist", err)
+	}
+}
+
+// TestOpenRefusesSymlinkAndDoesNotBlockOnFIFO: Open does not follow a final
+// symlink (ELOOP) and returns at once for a FIFO with no writer.
+func TestOpenRefusesSymlinkAndDoesNotBlockOnFIFO(t *testing.T) {
+	dir := t.TempDir()
+	target := filepath.Join(dir, "target")
+	if err := os.WriteFile(target, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vfs.Default.Open(link); !errors.Is(err, syscall.ELOOP) {
+		t.Fatalf("open of a symlink: %v, want ELOOP", err)
+	}
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	f, err := vfs.Default.Open(fifo) // would block forever without O_NONBLOCK
+	if err != nil {
+		t.Fatalf("open of a FIFO: %v", err)
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil || st.Mode().IsRegular() {
+		t.Fatalf("FIFO stat: %v, regular %v", err, st.Mode().IsRegular())
+	}
+}
+
+// TestCreateWriteSyncReadBack: Create is exclusive, the file has the mode
+// asked for (umask permitting), and bytes written with WriteAt, Sync'd and
+// StartWriteback'd read back with ReadAt.
+func TestCreateWriteSyncReadBack(t *testing.T) {
+	name := filepath.Join(t.TempDir(), "f")
+	f, err := vfs.Default.Create(name, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []byte("kvpersist block bytes")
+	if n, err := f.WriteAt(want, 4096); err != nil || n != len(want) {
+		t.Fatalf("WriteAt: %d, %v", n, err)
+	}
+	if err := f.Allocate(8192); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.StartWriteback(0, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := vfs.Default.Create(name, 0o640); !errors.Is(err, fs.ErrExist) {
+		t.Fatalf("second Create: %v, want fs.ErrExist", err)
+	}
+	r, err := vfs.Default.Open(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	got := make([]byte, len(want))
+	if _, err := r.ReadAt(got, 4096); err != nil || string(got) != string(want) {
+		t.Fatalf("ReadAt: %q, %v", got, err)
+	}
+	st, _ := r.Stat()
+	if st.Mode().Perm()&^0o640 != 0 {
+		t.Fatalf("mode %v, want within 0640", st.Mode().Perm())
+	}
+	if err := vfs.Default.SyncDir(filepath.Dir(name)); err != nil {
+		t.Fatal(err)
+	}
+}
