@@ -1,0 +1,675 @@
+package bench
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"runtime/metrics"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/minio/sha256-simd"
+	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
+)
+
+// tmpfsMagic is the f_type statfs(2) reports for tmpfs (TMPFS_MAGIC).
+const tmpfsMagic = 0x01021994
+
+// growTokens is how many tokens the "grown" save adds: one mlx-lm step.
+const growTokens = testutil.Step
+
+// benchRoot is the directory every benchmark and test of this package works
+// in: a fresh subdirectory of diskDir(), removed by TestMain.
+var benchRoot string
+
+func TestMain(m *testing.M) {
+	leaks := goleak.IgnoreCurrent() // ants' default pool, started at import
+	flag.Parse()
+	base, err := diskDir()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	benchRoot, err = os.MkdirTemp(base, "kvpersist-bench-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "bench:", err)
+		os.Exit(2)
+	}
+	if f := flag.Lookup("test.bench"); f != nil && f.Value.String() != "" {
+		// A configuration line of the benchmark output (benchstat keeps it;
+		// the same in every run, so it does not split benchstat's tables).
+		fmt.Printf("kvpersist-bench-dir: %s (%s)\n", base, fsName(base))
+	}
+	code := m.Run()
+	freeWorkloads()
+	if collectTpl != nil {
+		_ = collectTpl.mem.free()
+	}
+	if err := os.RemoveAll(benchRoot); err != nil {
+		fmt.Fprintln(os.Stderr, "bench: cleanup:", err)
+		code = max(code, 1)
+	}
+	if code == 0 {
+		if err := goleak.Find(leaks); err != nil {
+			fmt.Fprintln(os.Stderr, "bench: goroutine leak:", err)
+			code = 1
+		}
+	}
+	os.Exit(code)
+}
+
+// isTmpfs reports whether dir lives on tmpfs.
+func isTmpfs(dir string) (bool, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return false, fmt.Errorf("statfs %s: %w", dir, err)
+	}
+	return st.Type == tmpfsMagic, nil
+}
+
+// fsName names the file system holding dir (by its statfs magic).
+func fsName(dir string) string {
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return "unknown: " + err.Error()
+	}
+	switch uint64(st.Type) {
+	case 0xEF53:
+		return "ext2/3/4"
+	case 0x58465342:
+		return "xfs"
+	case 0x9123683E:
+		return "btrfs"
+	case 0x2FC12FC1:
+		return "zfs"
+	case tmpfsMagic:
+		return "tmpfs"
+	case 0x794C7630:
+		return "overlayfs"
+	}
+	return fmt.Sprintf("statfs magic %#x", st.Type)
+}
+
+// diskDir picks the directory to benchmark in: $KVPERSIST_BENCH_DIR (created
+// if missing; refused if tmpfs), else the first of os.TempDir() and the
+// package directory that is not tmpfs.
+func diskDir() (string, error) {
+	if d := os.Getenv("KVPERSIST_BENCH_DIR"); d != "" {
+		if err := os.MkdirAll(d, 0o750); err != nil {
+			return "", err
+		}
+		tmp, err := isTmpfs(d)
+		if err != nil {
+			return "", err
+		}
+		if tmp {
+			return "", fmt.Errorf("KVPERSIST_BENCH_DIR=%s is tmpfs: the suite measures a real disk", d)
+		}
+		return d, nil
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for _, d := range []string{os.TempDir(), wd} {
+		if tmp, err := isTmpfs(d); err == nil && !tmp {
+			return d, nil
+		}
+	}
+	return "", fmt.Errorf("both %s and %s are tmpfs: set KVPERSIST_BENCH_DIR to a directory on a disk", os.TempDir(), wd)
+}
+
+// settle flushes every dirty page and journal entry of dir's file system
+// (syncfs), so that the write-back of one iteration's files (or of their
+// deletion) does not run into the next timed region.
+func settle(tb testing.TB, dir string) {
+	tb.Helper()
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		tb.Fatalf("settle: open %s: %v", dir, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Syncfs(fd); err != nil {
+		tb.Fatalf("settle: syncfs %s: %v", dir, err)
+	}
+}
+
+// mkdir makes a fresh directory under benchRoot.
+func mkdir(tb testing.TB, name string) string {
+	tb.Helper()
+	d := filepath.Join(benchRoot, name)
+	if err := os.RemoveAll(d); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.MkdirAll(d, 0o750); err != nil {
+		tb.Fatal(err)
+	}
+	return d
+}
+
+// arena is anonymous mmap'd memory handed out in page-aligned pieces: the
+// cache, the contiguous copy and the restore buffers live outside the Go
+// heap, as pinned host memory does next to a real inference server, so the
+// heap figures measure the engine alone.
+type arena struct {
+	mem []byte
+	off int
+}
+
+const pageBytes = 4096
+
+func alignPage(n int) int { return (n + pageBytes - 1) &^ (pageBytes - 1) }
+
+func newArena(bytes int) (*arena, error) {
+	mem, err := unix.Mmap(-1, 0, max(alignPage(bytes), pageBytes), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %d bytes: %w", bytes, err)
+	}
+	return &arena{mem: mem}, nil
+}
+
+// alloc returns n bytes (capacity n) at the next page boundary; it panics
+// when the arena is exhausted (a sizing bug of this package).
+func (a *arena) alloc(n int) []byte {
+	off := alignPage(a.off)
+	if off+n > len(a.mem) {
+		panic(fmt.Sprintf("bench: arena of %d bytes exhausted (at %d, asked %d)", len(a.mem), off, n))
+	}
+	a.off = off + n
+	return a.mem[off : off+n : off+n]
+}
+
+func (a *arena) free() error {
+	if a == nil || a.mem == nil {
+		return nil
+	}
+	err := unix.Munmap(a.mem)
+	a.mem = nil
+	return err
+}
+
+// cacheArenaBytes is the mmap size NewCache needs for model m at tokens
+// tokens, padded, with every piece page-aligned.
+func cacheArenaBytes(m testutil.Model, tokens int) int {
+	return 2*m.Layers*alignPage(m.TensorBytes(testutil.Capacity(tokens))) + alignPage(tokens*testutil.IDSize)
+}
+
+// workload is the benchmarked KV cache: model m at tokens tokens, held in a
+// padded cache of tokens+growTokens tokens (so the grown save has its
+// tokens), all mmap'd.
+type workload struct {
+	model   testutil.Model
+	tokens  int
+	mem     *arena
+	cache   *testutil.Cache
+	views   []gather.View // ViewsAt(tokens)
+	logical int           // bytes of views
+	// contig is the logical bytes of views, slot after slot (the bytes a
+	// raw limit writes or hashes); slots[i] is slot i's part of it.
+	contigMem *arena
+	contig    []byte
+	slots     [][]byte
+	// dest is one restore buffer per slot (mmap'd, page-aligned).
+	destMem *arena
+	dest    [][]byte
+}
+
+var (
+	workloadsMu sync.Mutex
+	workloads   = map[string]*workload{}
+)
+
+// getWorkload builds (once per process) the workload of model m at tokens.
+func getWorkload(tb testing.TB, m testutil.Model, tokens int) *workload {
+	tb.Helper()
+	workloadsMu.Lock()
+	defer workloadsMu.Unlock()
+	key := m.Name + "/" + strconv.Itoa(tokens)
+	if w := workloads[key]; w != nil {
+		return w
+	}
+	w, err := newWorkload(m, tokens)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	workloads[key] = w
+	return w
+}
+
+func newWorkload(m testutil.Model, tokens int) (w *workload, err error) {
+	w = &workload{model: m, tokens: tokens}
+	defer func() {
+		if err != nil {
+			w.free()
+		}
+	}()
+	all := tokens + growTokens
+	if w.mem, err = newArena(cacheArenaBytes(m, all)); err != nil {
+		return nil, err
+	}
+	w.cache = testutil.NewCache(m, all, true, w.mem.alloc)
+	w.views = w.cache.ViewsAt(tokens)
+	arenaBytes := 0
+	for _, v := range w.views {
+		w.logical += v.Bytes()
+		arenaBytes += alignPage(v.Bytes())
+	}
+	if w.contigMem, err = newArena(w.logical); err != nil {
+		return nil, err
+	}
+	w.contig = w.contigMem.alloc(w.logical)
+	off := 0
+	for _, v := range w.views {
+		dst := w.contig[off : off+v.Bytes() : off+v.Bytes()]
+		out, copied, err := v.Gather(dst)
+		if err != nil {
+			return nil, err
+		}
+		if !copied {
+			copy(dst, out)
+		}
+		w.slots = append(w.slots, dst)
+		off += v.Bytes()
+	}
+	if w.destMem, err = newArena(arenaBytes); err != nil {
+		return nil, err
+	}
+	for _, v := range w.views {
+		w.dest = append(w.dest, w.destMem.alloc(v.Bytes()))
+	}
+	return w, nil
+}
+
+func (w *workload) free() {
+	for _, a := range []*arena{w.mem, w.contigMem, w.destMem} {
+		_ = a.free()
+	}
+}
+
+func freeWorkloads() {
+	workloadsMu.Lock()
+	defer workloadsMu.Unlock()
+	for k, w := range workloads {
+		w.free()
+		delete(workloads, k)
+	}
+}
+
+// request is the write request of the workload's cache at tokens tokens
+// (see cacheRequest).
+func (w *workload) request(ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
+	return cacheRequest(w.cache, ref, lay, tokens)
+}
+
+// cacheRequest is the write request of the first tokens tokens of c, shaped
+// as the CLI's synth and demo build it (cmd/kvpersist cacheRequest): per
+// layer one entry {"type":"KVCache","offset":T} with K and V, one attachment
+// {"name":"tokens"} with the int32 token ids, the model as metadata.
+func cacheRequest(c *testutil.Cache, ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
+	views := c.ViewsAt(tokens)
+	dtypes := c.DTypes()
+	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(tokens))}
+	var caches []jobs.EntrySpec
+	for l := 0; l < c.Model.Layers; l++ {
+		caches = append(caches, jobs.EntrySpec{Meta: off, Tensors: []jobs.TensorSpec{
+			{DType: dtypes[2*l], View: views[2*l]}, {DType: dtypes[2*l+1], View: views[2*l+1]},
+		}})
+	}
+	last := len(views) - 1
+	atts := []jobs.EntrySpec{{Meta: layout.Meta{"name": []byte(`"tokens"`)},
+		Tensors: []jobs.TensorSpec{{DType: dtypes[last], View: views[last]}}}}
+	meta := layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": []byte(strconv.Itoa(tokens))}
+	return &engine.WriteRequest{Ref: ref, Layout: lay, Meta: meta, Caches: caches, Attachments: atts}
+}
+
+// viewOf is a row-major view of buf.
+func viewOf(buf []byte, shape []int, itemSize int) gather.View {
+	return gather.View{Base: buf, Shape: shape, Strides: gather.RowMajor(shape), ItemSize: itemSize}
+}
+
+// quietLogger drops the engine's debug events (and keeps warnings).
+var quietLogger = slog.New(slog.NewTextHandler(io.Discard, nil))
+
+// newEngine opens an engine on root (fsync on unless noSync).
+func newEngine(tb testing.TB, root string, noSync bool) *engine.Engine {
+	tb.Helper()
+	e, err := engine.New(engine.Config{Root: root, NoSync: noSync, Logger: quietLogger})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return e
+}
+
+func closeEngine(tb testing.TB, e *engine.Engine) {
+	tb.Helper()
+	if err := e.Close(context.Background()); err != nil {
+		tb.Errorf("engine close: %v", err)
+	}
+}
+
+// do runs req on e and fails tb on error.
+func do(tb testing.TB, e *engine.Engine, req engine.Request) engine.Result {
+	tb.Helper()
+	res := e.Do(context.Background(), req)
+	if res.Err != nil {
+		tb.Fatalf("%T: %v", req, res.Err)
+	}
+	return res
+}
+
+// ---- the limits ----
+
+// rawWrite is the write limit: b from one contiguous buffer into a new file
+// at path, fdatasync, close.
+func rawWrite(path string, b []byte) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY|unix.O_CLOEXEC, 0o640)
+	if err != nil {
+		return err
+	}
+	if _, err := f.Write(b); err != nil {
+		f.Close()
+		return err
+	}
+	for {
+		err = unix.Fdatasync(int(f.Fd()))
+		if err != unix.EINTR {
+			break
+		}
+	}
+	if err != nil {
+		f.Close()
+		return fmt.Errorf("fdatasync %s: %w", path, err)
+	}
+	return f.Close()
+}
+
+// parallelFor runs fn(i) for i in [0, n) on GOMAXPROCS goroutines, the
+// limits' way of using every core, and returns the first error.
+func parallelFor(n int, fn func(i int) error) error {
+	var next atomic.Int64
+	var first error
+	var once sync.Once
+	var wg sync.WaitGroup
+	for range min(runtime.GOMAXPROCS(0), n) {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= n {
+					return
+				}
+				if err := fn(i); err != nil {
+					once.Do(func() { first = err })
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return first
+}
+
+// blockCuts returns the extents (offset, length) in the contiguous logical
+// bytes of every block a block manifest names, in order: the same bytes the
+// engine hashed.
+func blockCuts(h *layout.Header) (offs, lens []int) {
+	off := 0
+	for _, t := range h.Slots() {
+		for _, b := range t.Blocks {
+			offs = append(offs, off)
+			lens = append(lens, int(b.Bytes))
+			off += int(b.Bytes)
+		}
+	}
+	return offs, lens
+}
+
+// shaLimit is the hashing limit: SHA-256 (minio/sha256-simd Sum256) of each
+// extent of b on every core. sums receives the digests (len(offs)).
+func shaLimit(b []byte, offs, lens []int, sums [][32]byte) {
+	_ = parallelFor(len(offs), func(i int) error {
+		sums[i] = sha256.Sum256(b[offs[i] : offs[i]+lens[i]])
+		return nil
+	})
+}
+
+// preadLimit is the warm-read limit: pread of each extent of the file into
+// dest[i] (file offset offs[i]) on every core, no hashing.
+func preadLimit(path string, dest [][]byte, offs []int64) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	fd := int(f.Fd())
+	return parallelFor(len(dest), func(i int) error {
+		b, off := dest[i], offs[i]
+		for len(b) > 0 {
+			n, err := unix.Pread(fd, b, off)
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil {
+				return err
+			}
+			if n == 0 {
+				return io.ErrUnexpectedEOF
+			}
+			b, off = b[n:], off+int64(n)
+		}
+		return nil
+	})
+}
+
+// unlinkLimit is the collect limit: readdir blocksDir and each of its
+// fan-out directories, then unlink (on every core) every entry whose name is
+// in victims. It returns how many files it removed.
+func unlinkLimit(blocksDir string, victims map[string]bool) (int, error) {
+	fan, err := os.ReadDir(blocksDir)
+	if err != nil {
+		return 0, err
+	}
+	var paths []string
+	for _, d := range fan {
+		if !d.IsDir() {
+			continue
+		}
+		dir := filepath.Join(blocksDir, d.Name())
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			return 0, err
+		}
+		for _, e := range ents {
+			if victims[e.Name()] {
+				paths = append(paths, filepath.Join(dir, e.Name()))
+			}
+		}
+	}
+	err = parallelFor(len(paths), func(i int) error { return unix.Unlink(paths[i]) })
+	return len(paths), err
+}
+
+// ---- measuring ----
+
+// allocCounts returns the cumulative heap objects and bytes allocated by
+// the process. It uses runtime.ReadMemStats (a short stop-the-world), whose
+// counts are exact: runtime/metrics' "/gc/heap/allocs:objects" counts a
+// span's objects when a P caches the span, which makes it jump by hundreds.
+func allocCounts() (objects, bytes uint64) {
+	memStatsMu.Lock()
+	defer memStatsMu.Unlock()
+	runtime.ReadMemStats(&memStats)
+	return memStats.Mallocs, memStats.TotalAlloc
+}
+
+var (
+	memStatsMu sync.Mutex
+	memStats   runtime.MemStats // package-level: 5 KiB that must not count as an allocation
+)
+
+// heapSampler records the largest Go heap (objects, in bytes) seen every
+// millisecond between start and stop.
+type heapSampler struct {
+	stopc chan struct{}
+	done  chan struct{}
+	peak  uint64
+}
+
+func startHeapSampler() *heapSampler {
+	s := &heapSampler{stopc: make(chan struct{}), done: make(chan struct{})}
+	sample := []metrics.Sample{{Name: "/memory/classes/heap/objects:bytes"}}
+	read := func() {
+		metrics.Read(sample)
+		s.peak = max(s.peak, sample[0].Value.Uint64())
+	}
+	read()
+	go func() {
+		defer close(s.done)
+		t := time.NewTicker(time.Millisecond)
+		defer t.Stop()
+		for {
+			select {
+			case <-s.stopc:
+				read()
+				return
+			case <-t.C:
+				read()
+			}
+		}
+	}()
+	return s
+}
+
+// stop ends the sampling and returns the peak heap in bytes.
+func (s *heapSampler) stop() uint64 {
+	close(s.stopc)
+	<-s.done
+	return s.peak
+}
+
+// measured is what alternate accumulates over a benchmark's iterations.
+type measured struct {
+	ours, limit time.Duration
+	peakHeap    uint64 // bytes, largest over every run of ours
+	objects     uint64 // heap objects allocated during ours, summed
+	allocBytes  uint64 // heap bytes allocated during ours, summed
+	n           int
+}
+
+// steps are the parts of one benchmark iteration. Only ours runs with the
+// benchmark timer on; limit is timed apart; the others are not timed.
+type steps struct {
+	prepOurs, prepLimit func(i int) // before ours / limit
+	ours, limit         func(i int)
+	cleanup             func(i int) // after both
+}
+
+// alternate runs one untimed warm-up iteration of s (index -1; only the
+// first time a benchmark runs in the process), then b.N
+// iterations, ours and limit in alternating order (ours first on even
+// iterations) so that drift on a noisy machine hits both, sampling the heap
+// while ours runs.
+func alternate(b *testing.B, s steps) measured {
+	var m measured
+	runOurs := func(i int) {
+		if s.prepOurs != nil {
+			s.prepOurs(i)
+		}
+		hs := startHeapSampler()
+		o0, a0 := allocCounts()
+		b.StartTimer()
+		t0 := time.Now()
+		s.ours(i)
+		m.ours += time.Since(t0)
+		b.StopTimer()
+		o1, a1 := allocCounts()
+		m.objects += o1 - o0
+		m.allocBytes += a1 - a0
+		m.peakHeap = max(m.peakHeap, hs.stop())
+	}
+	runLimit := func(i int) {
+		if s.prepLimit != nil {
+			s.prepLimit(i)
+		}
+		t0 := time.Now()
+		s.limit(i)
+		m.limit += time.Since(t0)
+	}
+	// One untimed iteration first (index -1), once per benchmark and
+	// process: on a VM, page-cache pages the guest has never used cost a
+	// host fault on first touch, which would otherwise land on whichever
+	// side of the first iteration runs first.
+	b.StopTimer()
+	b.ResetTimer()
+	if _, done := warmed.LoadOrStore(b.Name(), true); !done {
+		warmUp(s)
+	}
+	for i := 0; i < b.N; i++ {
+		if i%2 == 0 {
+			runOurs(i)
+			runLimit(i)
+		} else {
+			runLimit(i)
+			runOurs(i)
+		}
+		if s.cleanup != nil {
+			s.cleanup(i)
+		}
+	}
+	m.n = b.N
+	b.StartTimer()
+	return m
+}
+
+// warmed holds the names of the benchmarks whose warm-up iteration ran.
+var warmed sync.Map
+
+// warmUp runs one untimed iteration of s, numbered -1.
+func warmUp(s steps) {
+	if s.prepOurs != nil {
+		s.prepOurs(-1)
+	}
+	s.ours(-1)
+	if s.prepLimit != nil {
+		s.prepLimit(-1)
+	}
+	s.limit(-1)
+	if s.cleanup != nil {
+		s.cleanup(-1)
+	}
+}
+
+// report publishes x-limit (limit time / our time), the limit's own
+// throughput in MB/s for limitBytes per iteration (0: not reported), and
+// the peak heap in MiB.
+func (m measured) report(b *testing.B, limitBytes int64) {
+	if m.ours > 0 && m.limit > 0 {
+		b.ReportMetric(float64(m.limit)/float64(m.ours), "x-limit")
+	}
+	if limitBytes > 0 && m.limit > 0 {
+		b.ReportMetric(float64(limitBytes)*float64(m.n)/m.limit.Seconds()/1e6, "limit-MB/s")
+	}
+	b.ReportMetric(float64(m.peakHeap)/(1<<20), "peak-heap-MiB")
+}
+
+// removeAll removes path and fails tb on error.
+func removeAll(tb testing.TB, path string) {
+	tb.Helper()
+	if err := os.RemoveAll(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		tb.Fatal(err)
+	}
+}

@@ -1,0 +1,167 @@
+package bench
+
+import (
+	"bytes"
+	cryptosha256 "crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// The limits are only fair if they handle the same bytes as the engine:
+// these tests check each against the engine on a small cache.
+
+const limitTokens = 300
+
+// TestWorkloadBytes: the workload's contiguous copy holds every slot's
+// logical bytes, as computed independently of the views by testutil.
+func TestWorkloadBytes(t *testing.T) {
+	w := getWorkload(t, testutil.Tiny, limitTokens)
+	c := testutil.NewCache(testutil.Tiny, limitTokens, false, nil)
+	if got, want := w.logical, testutil.Tiny.CacheBytes(limitTokens); got != want {
+		t.Fatalf("workload has %d logical bytes, want %d", got, want)
+	}
+	for i := range w.slots {
+		if !bytes.Equal(w.slots[i], c.Expected(i)) {
+			t.Fatalf("contiguous slot %d differs from testutil.Expected", i)
+		}
+	}
+}
+
+// TestRawWriteLimit: rawWrite and rawWriteN (cycling past the buffer) leave
+// exactly the bytes asked for.
+func TestRawWriteLimit(t *testing.T) {
+	dir := t.TempDir()
+	buf := []byte("0123456789")
+	if err := rawWrite(filepath.Join(dir, "a"), buf); err != nil {
+		t.Fatal(err)
+	}
+	if err := rawWriteN(filepath.Join(dir, "b"), buf, 25); err != nil {
+		t.Fatal(err)
+	}
+	for name, want := range map[string]string{"a": "0123456789", "b": "0123456789012345678901234"} {
+		got, err := os.ReadFile(filepath.Join(dir, name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(got) != want {
+			t.Errorf("%s holds %q, want %q", name, got, want)
+		}
+	}
+	if err := rawWrite(filepath.Join(dir, "a"), buf); !errors.Is(err, fs.ErrExist) {
+		t.Errorf("rawWrite over an existing file: %v, want fs.ErrExist", err)
+	}
+}
+
+// TestReadAndHashLimits: preadLimit restores a single-file snapshot's
+// tensors exactly, and shaLimit computes the block manifest's hashes.
+func TestReadAndHashLimits(t *testing.T) {
+	w := getWorkload(t, testutil.Tiny, limitTokens)
+	root := mkdir(t, "limits")
+	defer removeAll(t, root)
+	e := newEngine(t, root, true)
+	defer closeEngine(t, e)
+
+	single := engine.Ref{Namespace: "ns", Name: "single"}
+	do(t, e, w.request(single, layout.Single, w.tokens))
+	snap, err := e.Stat(single)
+	if err != nil {
+		t.Fatal(err)
+	}
+	path, err := e.Path(single)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var offs []int64
+	dest := make([][]byte, len(w.slots))
+	for i, s := range snap.Header.Slots() {
+		offs = append(offs, int64(snap.DataStart)+s.Off)
+		dest[i] = make([]byte, s.Bytes)
+	}
+	if err := preadLimit(path, dest, offs); err != nil {
+		t.Fatal(err)
+	}
+	for i := range dest {
+		if !bytes.Equal(dest[i], w.slots[i]) {
+			t.Fatalf("pread limit: slot %d differs from the bytes saved", i)
+		}
+	}
+
+	blocks := do(t, e, w.request(engine.Ref{Namespace: "ns", Name: "blk"}, layout.Blocks, w.tokens))
+	bo, bl := blockCuts(blocks.Header)
+	if len(bo) != int(blocks.Metrics.BlocksWritten) || len(bo) == 0 {
+		t.Fatalf("%d block extents, the save wrote %d blocks", len(bo), blocks.Metrics.BlocksWritten)
+	}
+	sums := make([][32]byte, len(bo))
+	shaLimit(w.contig, bo, bl, sums)
+	k := 0
+	for _, s := range blocks.Header.Slots() {
+		for _, ref := range s.Blocks {
+			want := cryptosha256.Sum256(w.contig[bo[k] : bo[k]+bl[k]])
+			if sums[k] != want || hex.EncodeToString(sums[k][:]) != ref.Hash {
+				t.Fatalf("block %d: limit %x, crypto/sha256 %x, manifest %s", k, sums[k], want, ref.Hash)
+			}
+			k++
+		}
+	}
+}
+
+// TestUnlinkLimit: on two copies of the same store, collect and the unlink
+// limit leave exactly the same files.
+func TestUnlinkLimit(t *testing.T) {
+	const blocks = 40
+	tpl, err := buildCollectTemplate(filepath.Join(benchRoot, "unlink-template"), blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tpl.mem.free()
+	if len(tpl.victims) != blocks/2 {
+		t.Fatalf("template has %d unreferenced blocks, want %d", len(tpl.victims), blocks/2)
+	}
+	root, lim := mkdir(t, "unlink"), mkdir(t, "unlink-limit")
+	defer removeAll(t, root)
+	defer removeAll(t, lim)
+	tpl.materialize(t, filepath.Join(root, "ns"))
+	tpl.materialize(t, filepath.Join(lim, "ns"))
+	e := newEngine(t, root, true)
+	defer closeEngine(t, e)
+	res := do(t, e, &engine.CollectRequest{Namespaces: []string{"ns"}})
+	if got := res.Metrics.Collect.BlocksDeleted; got != blocks/2 {
+		t.Fatalf("collect deleted %d blocks, want %d", got, blocks/2)
+	}
+	n, err := unlinkLimit(layout.BlocksDir(filepath.Join(lim, "ns")), tpl.victims)
+	if err != nil || n != blocks/2 {
+		t.Fatalf("unlink limit removed %d files (want %d): %v", n, blocks/2, err)
+	}
+	a, b := listFiles(t, filepath.Join(root, "ns")), listFiles(t, filepath.Join(lim, "ns"))
+	if !slices.Equal(a, b) || len(a) != blocks/2+2 {
+		t.Fatalf("after collect: %d files %v\nafter the limit: %d files %v", len(a), a, len(b), b)
+	}
+}
+
+// listFiles returns the regular files under dir, relative, sorted.
+func listFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, p)
+		out = append(out, rel)
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	slices.Sort(out)
+	return out
+}

@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Runs kvpersist's benchmark suite (package ./bench) against the machine's
+# limits, writes bench/results/<date>-<hostname>.txt (benchstat input) and
+# prints a summary: per row the median throughput and x-limit (limit time /
+# engine time) against its target.
+#
+# Environment:
+#   COUNT=6                 runs of every benchmark (6 is enough for benchstat)
+#   BIG_BENCHTIME=1x        iterations per run of the 1 GiB saves (T=8192)
+#   SMALL_BENCHTIME=1x      iterations per run of the 256 MiB saves and collect
+#   RESTORE_BENCHTIME=10x   iterations per run of the restores (0.1-0.5 s each:
+#                           one alone is too short on a noisy machine)
+#                           (each benchmark also runs one untimed warm-up
+#                           iteration, once per process; Nx with N > 1 adds
+#                           the testing package's N=1 probe run)
+#   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
+#   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
+#                           temp dir unless tmpfs, else bench/); never tmpfs
+#   BENCHSTAT=1             also print `benchstat` of the results (fetched with
+#                           go run golang.org/x/perf/cmd/benchstat@latest;
+#                           skipped if that fails); 0 to skip
+# With the defaults the suite takes about 15-25 minutes on the project's
+# 2-core machine (a count-1 run about 4-5 minutes; the disk's speed decides).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+COUNT=${COUNT:-6}
+BIG_BENCHTIME=${BIG_BENCHTIME:-1x}
+SMALL_BENCHTIME=${SMALL_BENCHTIME:-1x}
+RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
+FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
+BENCHSTAT=${BENCHSTAT:-1}
+GO=${GO:-go}
+
+mkdir -p bench/results
+out="bench/results/$(date +%Y-%m-%d-%H%M)-$(hostname -s 2>/dev/null || hostname).txt"
+bin=$(mktemp -t kvpersist-bench.XXXXXX)
+trap 'rm -f "$bin"' EXIT
+"$GO" test -c -o "$bin" ./bench
+
+{
+	echo "kvpersist-commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo -dirty)"
+	echo "date: $(date -Iseconds)"
+	echo "host: $(hostname)"
+	echo "kernel: $(uname -sr)"
+	echo "go: $("$GO" env GOVERSION)"
+	echo "cores: $(nproc)"
+	echo "cpu-model: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+	echo "load-start: $(cut -d' ' -f1-3 /proc/loadavg)"
+} >"$out"
+
+run() { # pattern benchtime
+	local t0=$SECONDS
+	echo "== -bench '$1' -benchtime $2 -count $COUNT" >&2
+	(cd bench && "$bin" -test.run '^$' -test.bench "$1" -test.benchtime "$2" \
+		-test.count "$COUNT" -test.timeout 90m) | tee -a "$out"
+	echo "== $((SECONDS - t0)) s" >&2
+}
+
+start=$(date +%s)
+run '^BenchmarkSave$//^T=8192$' "$BIG_BENCHTIME"
+run '^BenchmarkSave$//^T=2048$' "$SMALL_BENCHTIME"
+run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
+run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
+run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
+echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
+echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
+
+echo
+echo "results: $out ($(($(date +%s) - start)) s; load average at start $(grep '^load-start' "$out" | cut -d' ' -f2-), at end $(cut -d' ' -f1-3 /proc/loadavg))"
+echo
+# Summary: medians over the runs of each row.
+awk '
+function median(key,    n, i, j, t, a) {
+	n = cnt[key]
+	for (i = 1; i <= n; i++) a[i] = val[key, i]
+	for (i = 2; i <= n; i++) { t = a[i]; for (j = i - 1; j >= 1 && a[j] > t; j--) a[j + 1] = a[j]; a[j + 1] = t }
+	if (n % 2) return a[(n + 1) / 2]
+	return (a[n / 2] + a[n / 2 + 1]) / 2
+}
+function target(name) {
+	if (name ~ /^BenchmarkSave\/single\//) return 0.9
+	if (name ~ /^BenchmarkSave\/blocks-first\//) return 0.8
+	if (name ~ /^BenchmarkSave\/blocks-dedup\//) return 0.85
+	if (name ~ /^BenchmarkRestore\/single\//) return 0.75
+	if (name ~ /^BenchmarkRestore\/blocks\//) return 0.8
+	if (name ~ /^BenchmarkCollect/) return 0.5
+	return ""
+}
+/^Benchmark/ {
+	name = $1; sub(/-[0-9]+$/, "", name)
+	if (!(name in seen)) { seen[name] = 1; order[++rows] = name }
+	for (i = 3; i < NF; i += 2) { k = name SUBSEP $(i + 1); cnt[k]++; val[k, cnt[k]] = $i; has[k] = 1 }
+}
+END {
+	printf "%-40s %4s %10s %10s %8s %7s %6s %9s  %s\n", "row", "runs", "MB/s", "limit-MB/s", "x-limit", "target", "", "heap-MiB", "other"
+	for (r = 1; r <= rows; r++) {
+		n = order[r]; tg = target(n); x = ""; verdict = ""
+		if (has[n, "x-limit"]) x = median(n SUBSEP "x-limit")
+		if (tg != "" && x != "") verdict = (x >= tg) ? "ok" : "BELOW"
+		other = ""
+		if (has[n, "p99-ns"]) other = sprintf("%.0f ns/op, p99 %.0f ns, direct call %.0f ns", median(n SUBSEP "ns/op"), median(n SUBSEP "p99-ns"), median(n SUBSEP "direct-ns"))
+		if (has[n, "minio-GB/s"]) other = sprintf("sha256-simd %.2f GB/s, crypto/sha256 %.2f GB/s", median(n SUBSEP "minio-GB/s"), median(n SUBSEP "crypto-GB/s"))
+		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
+		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
+		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
+		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
+		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
+			has[n, "MB/s"] ? sprintf("%.0f", median(n SUBSEP "MB/s")) : "-",
+			has[n, "limit-MB/s"] ? sprintf("%.0f", median(n SUBSEP "limit-MB/s")) : "-",
+			x != "" ? sprintf("%.3f", x) : "-", tg != "" ? ">= " tg : "report", verdict,
+			has[n, "peak-heap-MiB"] ? sprintf("%.1f", median(n SUBSEP "peak-heap-MiB")) : "-", other
+	}
+}' "$out"
+
+if [ "$BENCHSTAT" != 0 ]; then
+	echo
+	"$GO" run golang.org/x/perf/cmd/benchstat@latest "$out" 2>/dev/null ||
+		echo "(benchstat unavailable: skipped)"
+fi
