@@ -217,7 +217,7 @@ func readTensor(ctx context.Context, f vfs.File, snap *layout.Snapshot, t *layou
 		if o > 0 && ctx.Err() != nil {
 			return ctx.Err()
 		}
-		n := min(ChunkBytes, len(dst)-o)
+		n := min(readChunk, len(dst)-o)
 		if err := layout.ReadFull(f, dst[o:o+n], base+int64(o)); err != nil {
 			return err
 		}
@@ -302,3 +302,7 @@ func checkDir(fsys vfs.FS, dir string) error {
 	}
 	return nil
 }
+
+// readChunk is the unit, in bytes, in which a single-file read preads and
+// hashes a tensor (measured: 256 KiB to 4 MiB perform alike here).
+const readChunk = 1 << 20
