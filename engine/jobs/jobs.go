@@ -1,9 +1,12 @@
-// Package jobs holds kvpersist's three jobs as plain synchronous functions:
-// Write (single-file or block layout), Read (verified, into caller-owned
-// buffers) and Collect (garbage collection of unreferenced blocks). They
-// never start goroutines of their own: a job that can use more cores hands
-// tasks to Config.Spawn (the engine's bounded pool) and does the rest itself,
-// so a job makes progress even when the pool is full. The engine (package
+// Package jobs holds kvpersist's jobs as plain synchronous functions: Write
+// (single-file or block layout), Read (verified, into caller-owned buffers),
+// Collect (garbage collection of unreferenced blocks), Delete, and Migrate
+// (of stores written by the Bun worker). They start no CPU goroutines of
+// their own: a job that can use more cores hands tasks to Config.Spawn (the
+// engine's bounded pool) and does the rest itself, so a job makes progress
+// even when the pool is full. The one exception waits on the disk, not the
+// CPU: a block Write runs up to 32 fdatasync waiters, joined before it
+// returns. The engine (package
 // engine) schedules them; tools and tests may call them directly.
 package jobs
 
