@@ -3,7 +3,6 @@ package engine
 import (
 	"bytes"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"io/fs"
@@ -15,6 +14,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // Stores written by the original Bun worker (testdata/bun-worker, see its
@@ -72,35 +72,10 @@ func bunT40(t testing.TB) [][]byte {
 	return [][]byte{raw[0:1280], raw[1280:2560], raw[2560:3840], raw[3840:5120], raw[5120:]}
 }
 
-// bunFormula is the README's cache at T tokens: slots l0K, l0V, l1K, l1V of
-// shape [1, 2, T, 8], element u16 LE l*4096 + kv*2048 + h*512 + t*8 + d; then
-// the tokens, i32 LE 1000 + 7i.
-func bunFormula(T int) [][]byte {
-	var out [][]byte
-	for l := 0; l < 2; l++ {
-		for kv := 0; kv < 2; kv++ {
-			var b []byte
-			for h := 0; h < 2; h++ {
-				for tk := 0; tk < T; tk++ {
-					for d := 0; d < 8; d++ {
-						b = binary.LittleEndian.AppendUint16(b, uint16(l*4096+kv*2048+h*512+tk*8+d))
-					}
-				}
-			}
-			out = append(out, b)
-		}
-	}
-	var tok []byte
-	for i := 0; i < T; i++ {
-		tok = binary.LittleEndian.AppendUint32(tok, uint32(int32(1000+7*i)))
-	}
-	return append(out, tok)
-}
-
 // bunWant is the content of each fixture snapshot.
 func bunWant(t testing.TB, ref Ref) [][]byte {
 	if ref == bunGrown {
-		return bunFormula(48)
+		return testutil.BunFormula(48)
 	}
 	return bunT40(t)
 }

@@ -739,7 +739,7 @@ func TestInspect(t *testing.T) {
 	}
 
 	// A file of the Bun worker.
-	legacy := filepath.Join("..", "..", "engine", "layout", "testdata", "bun-single.mlxkv")
+	legacy := filepath.Join(testutil.BunFixtures, "single", "snapshot.mlxkv")
 	js = inspectJSON{}
 	runJSON(t, exitOK, &js, "inspect", legacy)
 	if js.Magic != magicLegacy || !js.Legacy || !js.HeaderHashOK || js.FormatVersion != nil || js.Layout != "single" || len(js.Tensors) != 5 {
@@ -754,7 +754,7 @@ func TestInspect(t *testing.T) {
 // flat blocks/<sha>, legacy magic, Bun.hash tensor hashes.
 func TestVerifyBunWorkerStore(t *testing.T) {
 	root := t.TempDir()
-	src := filepath.Join("..", "..", "engine", "jobs", "testdata", "bun-worker")
+	src := testutil.BunFixtures
 	if err := os.CopyFS(filepath.Join(root, "legacy"), os.DirFS(filepath.Join(src, "blocks"))); err != nil {
 		t.Fatal(err)
 	}

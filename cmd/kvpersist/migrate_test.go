@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
-	"encoding/binary"
 	"encoding/hex"
 	"io/fs"
 	"os"
@@ -13,10 +12,11 @@ import (
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // The original Bun worker's files (see testdata/bun-worker/README.md).
-const migFixtures = "../../testdata/bun-worker"
+const migFixtures = testutil.BunFixtures
 
 func migCopy(t *testing.T, src, dst string) {
 	t.Helper()
@@ -65,25 +65,7 @@ func migWant(t *testing.T, T int) [][]byte {
 		}
 		return [][]byte{raw[0:1280], raw[1280:2560], raw[2560:3840], raw[3840:5120], raw[5120:]}
 	}
-	var out [][]byte
-	for l := 0; l < 2; l++ {
-		for kv := 0; kv < 2; kv++ {
-			var b []byte
-			for h := 0; h < 2; h++ {
-				for tk := 0; tk < T; tk++ {
-					for d := 0; d < 8; d++ {
-						b = binary.LittleEndian.AppendUint16(b, uint16(l*4096+kv*2048+h*512+tk*8+d))
-					}
-				}
-			}
-			out = append(out, b)
-		}
-	}
-	var tok []byte
-	for i := 0; i < T; i++ {
-		tok = binary.LittleEndian.AppendUint32(tok, uint32(int32(1000+7*i)))
-	}
-	return append(out, tok)
+	return testutil.BunFormula(T)
 }
 
 var migRefs = []struct {

@@ -9,6 +9,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // The Bun worker accepted any file name (its own collect marks every
@@ -19,7 +20,7 @@ import (
 func TestReviewCollectDeletesBlocksOfLegacyManifestWithUnusualName(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "bun")
-	copyTree(t, "testdata/bun-worker/blocks", ns)
+	copyTree(t, filepath.Join(testutil.BunFixtures, "blocks"), ns)
 	if err := os.Rename(filepath.Join(ns, "grown.mlxkv"), filepath.Join(ns, "turn 2.mlxkv")); err != nil {
 		t.Fatal(err)
 	}

@@ -20,11 +20,12 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // migFixtures holds the files written by the original Bun worker (see its
 // README.md).
-const migFixtures = "../../testdata/bun-worker"
+const migFixtures = testutil.BunFixtures
 
 // migCopy copies one file, creating its directory.
 func migCopy(t testing.TB, src, dst string) {
@@ -62,31 +63,6 @@ func migSource(t testing.TB) string {
 		migCopy(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
 	}
 	return root
-}
-
-// migFormula computes the README's cache at T tokens, slot by slot:
-// l0K, l0V, l1K, l1V (u16 LE l*4096 + kv*2048 + h*512 + t*8 + d over
-// [1, 2, T, 8]) and the tokens (i32 LE 1000 + 7i).
-func migFormula(T int) [][]byte {
-	var out [][]byte
-	for l := 0; l < 2; l++ {
-		for kv := 0; kv < 2; kv++ {
-			b := make([]byte, 0, 2*T*8*2)
-			for h := 0; h < 2; h++ {
-				for tk := 0; tk < T; tk++ {
-					for d := 0; d < 8; d++ {
-						b = binary.LittleEndian.AppendUint16(b, uint16(l*4096+kv*2048+h*512+tk*8+d))
-					}
-				}
-			}
-			out = append(out, b)
-		}
-	}
-	tok := make([]byte, 0, 4*T)
-	for i := 0; i < T; i++ {
-		tok = binary.LittleEndian.AppendUint32(tok, uint32(int32(1000+7*i)))
-	}
-	return append(out, tok)
 }
 
 // migExpected40 splits expected.T40.bin at the README's offsets
@@ -255,7 +231,7 @@ func itemByRef(t testing.TB, rep *jobs.MigrateReport, ref string) jobs.MigrateIt
 // The formula of the README and the original's output agree: the test's
 // T=48 expectation is computed the way expected.T40.bin was made.
 func TestLegacyFormulaMatchesFixture(t *testing.T) {
-	migEqual(t, "formula at T=40 vs expected.T40.bin", migFormula(40), migExpected40(t))
+	migEqual(t, "formula at T=40 vs expected.T40.bin", testutil.BunFormula(40), migExpected40(t))
 }
 
 // The fixtures read back through jobs.Read, verified (Bun.hash per tensor,
@@ -270,7 +246,7 @@ func TestReadLegacyFixtures(t *testing.T) {
 	}{
 		{filepath.Join(src, "bun-single", "snapshot.mlxkv"), layout.Single, migExpected40(t)},
 		{filepath.Join(src, "bun-blocks", "snapshot.mlxkv"), layout.Blocks, migExpected40(t)},
-		{filepath.Join(src, "bun-blocks", "grown.mlxkv"), layout.Blocks, migFormula(48)},
+		{filepath.Join(src, "bun-blocks", "grown.mlxkv"), layout.Blocks, testutil.BunFormula(48)},
 	} {
 		got, snap := migRead(t, withHelpers(2), c.path)
 		if !snap.Legacy || snap.Layout != c.lay {
@@ -337,7 +313,7 @@ func TestMigrateFixtures(t *testing.T) {
 	}{
 		{"bun-single/snapshot.mlxkv", layout.Single, migExpected40(t)},
 		{"bun-blocks/snapshot.mlxkv", layout.Blocks, migExpected40(t)},
-		{"bun-blocks/grown.mlxkv", layout.Blocks, migFormula(48)},
+		{"bun-blocks/grown.mlxkv", layout.Blocks, testutil.BunFormula(48)},
 	} {
 		got, snap := migRead(t, noSync(), filepath.Join(dst, c.rel))
 		if snap.Legacy || snap.Layout != c.lay {
@@ -434,7 +410,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 		t.Fatalf("report %+v", rep)
 	}
 	got, _ := migRead(t, noSync(), filepath.Join(dst, "bun-blocks", "grown.mlxkv"))
-	migEqual(t, "repaired grown", got, migFormula(48))
+	migEqual(t, "repaired grown", got, testutil.BunFormula(48))
 
 	// Force re-migrates everything (the same bytes).
 	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Force: true})
@@ -487,7 +463,7 @@ func TestMigrateCorruptSourcesReported(t *testing.T) {
 			want := map[string][][]byte{
 				"bun-single/snapshot.mlxkv": migExpected40(t),
 				"bun-blocks/snapshot.mlxkv": migExpected40(t),
-				"bun-blocks/grown.mlxkv":    migFormula(48),
+				"bun-blocks/grown.mlxkv":    testutil.BunFormula(48),
 			}
 			for rel, w := range want {
 				if rel == c.bad {
@@ -520,7 +496,7 @@ func TestMigrateRecut(t *testing.T) {
 		}
 	}
 	got, snap := migRead(t, noSync(), filepath.Join(dst, "bun-blocks", "grown.mlxkv"))
-	migEqual(t, "re-cut grown", got, migFormula(48))
+	migEqual(t, "re-cut grown", got, testutil.BunFormula(48))
 	for i, tn := range snap.Header.Slots() {
 		wantBlocks := 2 // two heads, one 768-byte row each
 		if i == 4 {
@@ -557,7 +533,7 @@ func TestMigrateKeepsMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	got, snap := migRead(t, noSync(), filepath.Join(dst, "bun-blocks", "grown.mlxkv"))
-	migEqual(t, "grown with metadata", got, migFormula(48))
+	migEqual(t, "grown with metadata", got, testutil.BunFormula(48))
 	h := snap.Header
 	if string(h.Meta["model"]) != `"tiny-test"` || string(h.Meta["turn"]) != `7` || len(h.Meta) != 2 {
 		t.Fatalf("top-level metadata %v", h.Meta)

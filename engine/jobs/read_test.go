@@ -3,7 +3,6 @@ package jobs_test
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"errors"
 	"os"
 	"path/filepath"
@@ -91,29 +90,6 @@ func TestReadNeverWritesPastDestination(t *testing.T) {
 	}
 }
 
-// bunValue is the fixture's documented content (README of the fixtures).
-func bunExpected(T int) [][]byte {
-	var out [][]byte
-	for l := 0; l < 2; l++ {
-		for kv := 0; kv < 2; kv++ {
-			var b []byte
-			for h := 0; h < 2; h++ {
-				for tk := 0; tk < T; tk++ {
-					for d := 0; d < 8; d++ {
-						b = binary.LittleEndian.AppendUint16(b, uint16(l*4096+kv*2048+h*512+tk*8+d))
-					}
-				}
-			}
-			out = append(out, b)
-		}
-	}
-	var ids []byte
-	for i := 0; i < T; i++ {
-		ids = binary.LittleEndian.AppendUint32(ids, uint32(1000+7*i))
-	}
-	return append(out, ids)
-}
-
 func copyTree(t *testing.T, src, dst string) {
 	t.Helper()
 	err := filepath.Walk(src, func(p string, info os.FileInfo, err error) error {
@@ -139,12 +115,12 @@ func copyTree(t *testing.T, src, dst string) {
 // file and flat block store), verified with Bun.hash and SHA-256.
 func TestReadBunWorkerStores(t *testing.T) {
 	root := t.TempDir()
-	copyTree(t, "testdata/bun-worker", root)
+	copyTree(t, testutil.BunFixtures, root)
 	golden, err := os.ReadFile(filepath.Join(root, "expected.T40.bin"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(slices.Concat(bunExpected(40)...), golden) {
+	if !bytes.Equal(slices.Concat(testutil.BunFormula(40)...), golden) {
 		t.Fatal("the fixture's documented formula disagrees with expected.T40.bin")
 	}
 	for _, c := range []struct {
@@ -156,10 +132,10 @@ func TestReadBunWorkerStores(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", c.path, err)
 		}
-		if !snap.Legacy || snap.Layout != c.lay || m.ReadBytes != int64(len(slices.Concat(bunExpected(c.T)...))) {
+		if !snap.Legacy || snap.Layout != c.lay || m.ReadBytes != int64(len(slices.Concat(testutil.BunFormula(c.T)...))) {
 			t.Fatalf("%s: legacy %v layout %v metrics %+v", c.path, snap.Legacy, snap.Layout, m)
 		}
-		mustEqualExpected(t, got, bunExpected(c.T))
+		mustEqualExpected(t, got, testutil.BunFormula(c.T))
 	}
 	// A flipped byte in a Bun single file fails Bun.hash verification.
 	snap, err := layout.Load(vfs.Default, filepath.Join(root, "single/snapshot.mlxkv"))
@@ -178,7 +154,7 @@ func TestReadBunWorkerStores(t *testing.T) {
 func TestCollectBunWorkerStore(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "bun")
-	copyTree(t, "testdata/bun-worker/blocks", ns)
+	copyTree(t, testutil.BunFixtures+"/blocks", ns)
 	old, err := layout.Load(vfs.Default, filepath.Join(ns, "snapshot.mlxkv"))
 	if err != nil {
 		t.Fatal(err)
@@ -216,7 +192,7 @@ func TestCollectBunWorkerStore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustEqualExpected(t, got, bunExpected(48))
+	mustEqualExpected(t, got, testutil.BunFormula(48))
 }
 
 // TestReadRefusesSymlinkedDirectories: a read does not follow a symlinked

@@ -57,11 +57,11 @@ func TestDecodeValidFiles(t *testing.T) {
 }
 
 func TestDecodeLegacyBunFile(t *testing.T) {
-	raw, err := os.ReadFile("testdata/bun-single.mlxkv")
+	raw, err := os.ReadFile("../../testdata/bun-worker/single/snapshot.mlxkv")
 	if err != nil {
 		t.Fatal(err)
 	}
-	snap, err := layout.Load(vfs.Default, "testdata/bun-single.mlxkv")
+	snap, err := layout.Load(vfs.Default, "../../testdata/bun-worker/single/snapshot.mlxkv")
 	if err != nil {
 		t.Fatalf("Load: %v", err)
 	}

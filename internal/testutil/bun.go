@@ -1,0 +1,35 @@
+package testutil
+
+import "encoding/binary"
+
+// BunFixtures is the path of the Bun worker's stores (testdata/bun-worker at
+// the repository root; see its README) relative to a package directory two
+// levels down (engine/jobs, cmd/kvpersist); engine's tests use one level.
+const BunFixtures = "../../testdata/bun-worker"
+
+// BunFormula computes, slot by slot, the cache the Bun worker's fixtures
+// hold at T tokens (testdata/bun-worker/README.md): 2 layers' K and V of
+// shape [1, 2, T, 8] float16, element u16 LE l*4096 + kv*2048 + h*512 +
+// t*8 + d, in slot order l0K, l0V, l1K, l1V; then the token ids, int32 LE
+// 1000 + 7i.
+func BunFormula(T int) [][]byte {
+	var out [][]byte
+	for l := 0; l < 2; l++ {
+		for kv := 0; kv < 2; kv++ {
+			b := make([]byte, 0, 2*T*8*2)
+			for h := 0; h < 2; h++ {
+				for tk := 0; tk < T; tk++ {
+					for d := 0; d < 8; d++ {
+						b = binary.LittleEndian.AppendUint16(b, uint16(l*4096+kv*2048+h*512+tk*8+d))
+					}
+				}
+			}
+			out = append(out, b)
+		}
+	}
+	tok := make([]byte, 0, 4*T)
+	for i := 0; i < T; i++ {
+		tok = binary.LittleEndian.AppendUint32(tok, uint32(int32(1000+7*i)))
+	}
+	return append(out, tok)
+}
