@@ -7,10 +7,10 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"sort"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/gather"
@@ -343,15 +343,16 @@ func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *
 	fsys := w.cfg.fs()
 	path := w.spec.Path
 	if !w.cfg.NoSync {
-		dirs := []string{w.blocksDir}
+		var dirs []string
 		for d := range w.needSync.Range {
 			dirs = append(dirs, d.(string))
 		}
-		sort.Strings(dirs[1:])
-		if err := parallel(ctx, w.cfg, len(dirs), 0, func(i int, _ []byte) error {
-			return syncDir(fsys, dirs[i], path)
-		}); err != nil {
+		sort.Strings(dirs)
+		if err := syncDirs(ctx, fsys, dirs, path); err != nil {
 			return err
+		}
+		if err := fsys.SyncDir(w.blocksDir); err != nil {
+			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.blocksDir, err)
 		}
 	}
 	js, err := h.Encode()
@@ -388,43 +389,40 @@ type blockWriter struct {
 	copied, peak      atomic.Int64
 }
 
-// dirSynced remembers, per directory path, when the last successful fsync of
-// it started (process-wide). A block whose ctime (set by the rename that put
-// it in place) is older than that, by more than dirSyncMargin, was in the
-// directory when it was synced: a manifest reusing it needs no new fsync of
-// the directory. Any block renamed in later, by this process or another,
-// has a newer ctime and makes the directory be synced again. This turns the
-// 256 fan-out fsyncs of a save whose blocks all exist into almost none.
-var dirSynced sync.Map
-
-// dirSyncMargin covers the kernel's coarse file timestamps (one jiffy, at
-// most 10 ms) and small clock adjustments. A variable for tests only.
-var dirSyncMargin = 50 * time.Millisecond
-
-// syncDir fsyncs dir and records when that sync started (see dirSynced).
-func syncDir(fsys vfs.FS, dir, forPath string) error {
-	start := time.Now()
-	if err := fsys.SyncDir(dir); err != nil {
-		dirSynced.Delete(dir)
-		return fmt.Errorf("jobs: %s: fsync directory %s: %w", forPath, dir, err)
+// syncDirs fsyncs every directory in dirs, with up to blockSyncers
+// goroutines that only wait on the disk (an fsync of a directory with
+// nothing dirty returns in a fraction of a millisecond, but 256 of them one
+// after another add up), joined before it returns. First error wins.
+func syncDirs(ctx context.Context, fsys vfs.FS, dirs []string, forPath string) error {
+	var (
+		next  atomic.Int64
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		first error
+	)
+	for range min(blockSyncers, len(dirs)) {
+		wg.Go(func() {
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= len(dirs) || ctx.Err() != nil {
+					return
+				}
+				if err := fsys.SyncDir(dirs[i]); err != nil {
+					mu.Lock()
+					if first == nil {
+						first = fmt.Errorf("jobs: %s: fsync directory %s: %w", forPath, dirs[i], err)
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		})
 	}
-	dirSynced.Store(dir, start)
-	return nil
-}
-
-// durableEntry reports whether the block fi in dir is known to have been in
-// dir when dir was last fsynced (its ctime predates that sync by the margin).
-func durableEntry(dir string, fi os.FileInfo) bool {
-	v, ok := dirSynced.Load(dir)
-	if !ok {
-		return false
+	wg.Wait()
+	if first != nil {
+		return first
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return false
-	}
-	ctime := time.Unix(st.Ctim.Sec, st.Ctim.Nsec)
-	return ctime.Before(v.(time.Time).Add(-dirSyncMargin))
+	return ctx.Err()
 }
 
 type dirOnce struct {
@@ -473,24 +471,36 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 		errMu   sync.Mutex
 		syncErr error
 	)
+	fail := func(err error) {
+		errMu.Lock()
+		if syncErr == nil {
+			syncErr = err
+		}
+		errMu.Unlock()
+		abort.Store(true)
+	}
+	commit := func(sb stagedBlock) {
+		defer func() {
+			if r := recover(); r != nil { // a panicking FS must not kill the process
+				sb.s.Abort()
+				fail(fmt.Errorf("%w: committing a block of %s: %v\n%s", ErrPanic, w.spec.Path, r, debug.Stack()))
+			}
+		}()
+		if abort.Load() || ctx.Err() != nil {
+			sb.s.Abort()
+			return
+		}
+		if err := sb.s.Commit(layout.PublishOptions{Sync: !w.cfg.NoSync}); err != nil {
+			fail(fmt.Errorf("jobs: %s: %w", w.spec.Path, err))
+			return
+		}
+		w.written.Add(sb.n)
+		w.nWritten.Add(1)
+	}
 	for range min(blockSyncers, total) {
 		wg.Go(func() {
 			for sb := range staged {
-				if abort.Load() || ctx.Err() != nil {
-					sb.s.Abort()
-					continue
-				}
-				if err := sb.s.Commit(layout.PublishOptions{Sync: !w.cfg.NoSync}); err != nil {
-					errMu.Lock()
-					if syncErr == nil {
-						syncErr = fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
-					}
-					errMu.Unlock()
-					abort.Store(true)
-					continue
-				}
-				w.written.Add(sb.n)
-				w.nWritten.Add(1)
+				commit(sb)
 			}
 		})
 	}
@@ -569,11 +579,9 @@ func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockR
 	if fi, err := fsys.Lstat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == int64(len(data)) {
 		w.reused.Add(int64(len(data)))
 		w.nReused.Add(1)
-		// Its directory entry may not be durable yet (renamed by a writer
-		// that has not synced): sync the directory unless known durable.
-		if !durableEntry(dir, fi) {
-			w.needSync.Store(dir, struct{}{})
-		}
+		// Its directory entry may not be durable yet (renamed in by a
+		// writer that has not synced): its directory is synced too.
+		w.needSync.Store(dir, struct{}{})
 		return ref, nil
 	} else if err != nil && !vfs.IsNotExist(err) {
 		return ref, fmt.Errorf("jobs: %s: stat block %s: %w", w.spec.Path, path, err)
@@ -585,16 +593,21 @@ func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockR
 	if err != nil {
 		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
+	handed := false
+	defer func() {
+		if !handed { // an error or a panic before the hand-off
+			s.Abort()
+		}
+	}()
 	if err := layout.WriteFull(s.File, data, 0); err != nil {
-		s.Abort()
 		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
 	if !w.cfg.NoSync {
 		if err := s.File.StartWriteback(0, 0); err != nil {
-			s.Abort()
 			return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 		}
 	}
 	staged <- stagedBlock{s: s, n: int64(len(data))}
+	handed = true
 	return ref, nil
 }
