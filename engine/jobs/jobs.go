@@ -5,8 +5,8 @@
 // their own: a job that can use more cores hands tasks to Config.Spawn (the
 // engine's bounded pool) and does the rest itself, so a job makes progress
 // even when the pool is full. The one exception waits on the disk, not the
-// CPU: a block Write runs up to 32 fdatasync waiters, joined before it
-// returns. The engine (package
+// CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
+// fsync waiters), joined before it returns. The engine (package
 // engine) schedules them; tools and tests may call them directly.
 package jobs
 
