@@ -243,6 +243,9 @@ func (c *collector) namespace(ctx context.Context, nsDir string) error {
 
 func (c *collector) staleTemp(path string, e os.DirEntry) (victim, bool) {
 	info, err := e.Info()
+	if vfs.IsNotExist(err) {
+		return victim{}, false // renamed into place (or removed) by its writer since the listing
+	}
 	if err != nil || !info.Mode().IsRegular() {
 		c.cm.Skipped = append(c.cm.Skipped, path)
 		return victim{}, false
@@ -277,6 +280,9 @@ func (c *collector) sweepList(nsDir string, live map[string]struct{}) ([]victim,
 			return
 		}
 		info, err := e.Info()
+		if vfs.IsNotExist(err) {
+			return // removed since the listing: nothing to sweep
+		}
 		if err != nil {
 			c.cm.Skipped = append(c.cm.Skipped, path)
 			return
