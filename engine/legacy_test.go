@@ -2,8 +2,6 @@ package engine
 
 import (
 	"bytes"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"io/fs"
 	"os"
@@ -80,30 +78,6 @@ func bunWant(t testing.TB, ref Ref) [][]byte {
 	return bunT40(t)
 }
 
-// bunTree maps every path under root to the SHA-256 of its content.
-func bunTree(t testing.TB, root string) map[string]string {
-	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if d.IsDir() {
-			out[rel] = "dir"
-			return nil
-		}
-		b, err := os.ReadFile(p)
-		s := sha256.Sum256(b)
-		out[rel] = hex.EncodeToString(s[:])
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 func bunSameTree(t testing.TB, what string, a, b map[string]string) {
 	t.Helper()
 	if len(a) != len(b) {
@@ -147,7 +121,7 @@ func bunFlip(t testing.TB, path string, off int) {
 func TestLegacyReadThroughEngine(t *testing.T) {
 	root := t.TempDir()
 	bunStore(t, root)
-	before := bunTree(t, root)
+	before := testutil.TreeDigest(t, root)
 	e := newEngine(t, Config{Root: root})
 	for _, c := range []struct {
 		ref Ref
@@ -171,7 +145,7 @@ func TestLegacyReadThroughEngine(t *testing.T) {
 		}
 	}
 	// Reading takes no lock file and leaves no temp file in a legacy store.
-	bunSameTree(t, "legacy store after reads", before, bunTree(t, root))
+	bunSameTree(t, "legacy store after reads", before, testutil.TreeDigest(t, root))
 }
 
 // Legacy files are validated as strictly as kvpersist's own: each
@@ -263,7 +237,7 @@ func bunBlockPath(t testing.TB, root string, ref Ref, s, b int) string {
 func TestMigrateThroughEngine(t *testing.T) {
 	src := filepath.Join(t.TempDir(), "legacy")
 	bunStore(t, src)
-	before := bunTree(t, src)
+	before := testutil.TreeDigest(t, src)
 	e := newEngine(t, Config{Root: filepath.Join(t.TempDir(), "kv")})
 	var rep jobs.MigrateReport
 	var items []string
@@ -301,7 +275,7 @@ func TestMigrateThroughEngine(t *testing.T) {
 	if cm := col.Metrics.Collect; cm.BlocksDeleted != 0 || cm.BlocksKept != 34 || len(cm.Unreadable) != 0 {
 		t.Fatalf("collect after migrate: %+v", cm)
 	}
-	bunSameTree(t, "legacy source", before, bunTree(t, src))
+	bunSameTree(t, "legacy source", before, testutil.TreeDigest(t, src))
 }
 
 // A corrupt legacy snapshot fails the job with a *jobs.MigrateError; the

@@ -133,15 +133,10 @@ not allocated disk blocks):
 Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`)
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, namespaces: [row], total: row, skipped}, byte counts exact")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
-	pos, code := c.parse(fs, args)
+	root, code := c.parseOne(fs, args)
 	if code >= 0 {
 		return code
 	}
-	if len(pos) != 1 {
-		fs.Usage()
-		return exitUsage
-	}
-	root := pos[0]
 	names, skipped, err := scanRootDir(vfs.Default, root)
 	if err != nil {
 		return c.fail("du: %v", err)

@@ -252,15 +252,10 @@ tensor rows as unverified, and exits 1. Exit status: 0 when every check
 passed, 1 when one failed, 2 on usage or I/O errors.`)
 	asJSON := fs.Bool("json", false, "print the prefix fields, the header as stored (\"header\"), the caller metadata and the tensor rows as JSON")
 	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256 and bytes) of every tensor of a manifest")
-	pos, code := c.parse(fs, args)
+	path, code := c.parseOne(fs, args)
 	if code >= 0 {
 		return code
 	}
-	if len(pos) != 1 {
-		fs.Usage()
-		return exitUsage
-	}
-	path := pos[0]
 	rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
 	if ioErr != nil {
 		return c.fail("inspect %s: %v", path, ioErr)

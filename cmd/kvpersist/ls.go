@@ -319,15 +319,10 @@ listed with its error. Entries kvpersist does not recognise are listed as
 skipped. Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O
 errors.`)
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, snapshots: [{namespace, name, path, layout, legacy, tensors, logicalBytes, fileBytes, modified, error}], skipped}")
-	pos, code := c.parse(fs, args)
+	root, code := c.parseOne(fs, args)
 	if code >= 0 {
 		return code
 	}
-	if len(pos) != 1 {
-		fs.Usage()
-		return exitUsage
-	}
-	root := pos[0]
 	names, skipped, err := scanRootDir(vfs.Default, root)
 	if err != nil {
 		return c.fail("ls: %v", err)

@@ -115,6 +115,20 @@ func (c *cli) parse(fs *flag.FlagSet, args []string) ([]string, int) {
 	}
 }
 
+// parseOne is parse for commands that take exactly one positional argument
+// (a path or root): anything else prints the usage and exits 2.
+func (c *cli) parseOne(fs *flag.FlagSet, args []string) (string, int) {
+	pos, code := c.parse(fs, args)
+	if code >= 0 {
+		return "", code
+	}
+	if len(pos) != 1 {
+		fs.Usage()
+		return "", exitUsage
+	}
+	return pos[0], -1
+}
+
 func (c *cli) fail(format string, a ...any) int {
 	fmt.Fprintf(c.stderr, "kvpersist: "+format+"\n", a...)
 	return exitUsage

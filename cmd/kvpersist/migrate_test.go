@@ -3,9 +3,6 @@ package main
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"io/fs"
 	"os"
 	"path/filepath"
 	"strings"
@@ -117,30 +114,6 @@ func migCheckStore(t *testing.T, root string, only ...string) {
 	}
 }
 
-// migTree maps every path under root to the SHA-256 of its content.
-func migTree(t *testing.T, root string) map[string]string {
-	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if d.IsDir() {
-			out[rel] = "dir"
-			return nil
-		}
-		b, err := os.ReadFile(p)
-		s := sha256.Sum256(b)
-		out[rel] = hex.EncodeToString(s[:])
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 func migSameTree(t *testing.T, what string, a, b map[string]string) {
 	t.Helper()
 	if len(a) != len(b) {
@@ -173,7 +146,7 @@ func migContains(t *testing.T, what, s string, subs ...string) {
 func TestMigrateCommand(t *testing.T) {
 	src := migLegacyStore(t)
 	dst := filepath.Join(t.TempDir(), "kv")
-	before := migTree(t, src)
+	before := testutil.TreeDigest(t, src)
 	code, out, errs := migCLI(t, false, "migrate", src, dst, "--no-sync")
 	if code != exitOK || errs != "" {
 		t.Fatalf("exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errs)
@@ -186,18 +159,18 @@ func TestMigrateCommand(t *testing.T) {
 		"3 snapshot(s): 3 migrated, 0 skipped, 0 failed; 16.5 KiB of tensors migrated",
 		"4.0 KiB reused (dedup); 0 other entries left alone")
 	migCheckStore(t, dst)
-	migSameTree(t, "source", before, migTree(t, src))
+	migSameTree(t, "source", before, testutil.TreeDigest(t, src))
 
 	// A re-run skips everything and changes nothing.
-	after := migTree(t, dst)
+	after := testutil.TreeDigest(t, dst)
 	code, out, errs = migCLI(t, false, "migrate", "--no-sync", src, dst)
 	if code != exitOK || errs != "" {
 		t.Fatalf("re-run: exit %d\n%s\n%s", code, out, errs)
 	}
 	migContains(t, "re-run stdout", out, "skipped  bun-single/snapshot.mlxkv  single  5.2 KiB  already migrated",
 		"3 snapshot(s): 0 migrated, 3 skipped, 0 failed; 0 B of tensors migrated, 0 B written")
-	migSameTree(t, "destination after a re-run", after, migTree(t, dst))
-	migSameTree(t, "source", before, migTree(t, src))
+	migSameTree(t, "destination after a re-run", after, testutil.TreeDigest(t, dst))
+	migSameTree(t, "source", before, testutil.TreeDigest(t, src))
 }
 
 // A corrupt source snapshot is reported (exit 1) and the others migrate.

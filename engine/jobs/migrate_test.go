@@ -3,9 +3,7 @@ package jobs_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"io/fs"
@@ -106,34 +104,6 @@ func migEqual(t testing.TB, what string, got, want [][]byte) {
 			t.Fatalf("%s: slot %d differs (%d bytes, want %d)", what, i, len(got[i]), len(want[i]))
 		}
 	}
-}
-
-// migTree maps every path under root (relative) to the SHA-256 of its
-// content ("dir" for a directory).
-func migTree(t testing.TB, root string) map[string]string {
-	t.Helper()
-	out := map[string]string{}
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(root, p)
-		if d.IsDir() {
-			out[rel] = "dir"
-			return nil
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		s := sha256.Sum256(b)
-		out[rel] = hex.EncodeToString(s[:])
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
 }
 
 func migSameTree(t testing.TB, what string, before, after map[string]string) {
@@ -238,7 +208,7 @@ func TestLegacyFormulaMatchesFixture(t *testing.T) {
 // SHA-256 per block).
 func TestReadLegacyFixtures(t *testing.T) {
 	src := migSource(t)
-	before := migTree(t, src)
+	before := testutil.TreeDigest(t, src)
 	for _, c := range []struct {
 		path string
 		lay  layout.Layout
@@ -254,13 +224,13 @@ func TestReadLegacyFixtures(t *testing.T) {
 		}
 		migEqual(t, c.path, got, c.want)
 	}
-	migSameTree(t, "source after reads", before, migTree(t, src))
+	migSameTree(t, "source after reads", before, testutil.TreeDigest(t, src))
 }
 
 func TestMigrateFixtures(t *testing.T) {
 	src := migSource(t)
 	dst := filepath.Join(t.TempDir(), "kv")
-	before := migTree(t, src)
+	before := testutil.TreeDigest(t, src)
 	var planN int
 	var planBytes int64
 	var seen []string
@@ -304,7 +274,7 @@ func TestMigrateFixtures(t *testing.T) {
 			t.Fatalf("%s: %+v", it.Ref(), it)
 		}
 	}
-	migSameTree(t, "source after migrate", before, migTree(t, src))
+	migSameTree(t, "source after migrate", before, testutil.TreeDigest(t, src))
 
 	for _, c := range []struct {
 		rel  string
@@ -374,7 +344,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst}); err != nil {
 		t.Fatal(err)
 	}
-	after1 := migTree(t, dst)
+	after1 := testutil.TreeDigest(t, dst)
 	rep, m, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
 	if err != nil {
 		t.Fatal(err)
@@ -387,7 +357,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 			t.Fatalf("%s: %v", it.Ref(), it.Status)
 		}
 	}
-	migSameTree(t, "destination after a re-run", after1, migTree(t, dst))
+	migSameTree(t, "destination after a re-run", after1, testutil.TreeDigest(t, dst))
 
 	// A block of the destination goes missing: that manifest is migrated
 	// again (the block comes back), the others are skipped.
@@ -417,7 +387,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	if err != nil || rep.Migrated != 3 {
 		t.Fatalf("forced: %+v, %v", rep, err)
 	}
-	migSameTree(t, "destination after a forced run", after1, migTree(t, dst))
+	migSameTree(t, "destination after a forced run", after1, testutil.TreeDigest(t, dst))
 }
 
 func TestMigrateCorruptSourcesReported(t *testing.T) {
@@ -443,7 +413,7 @@ func TestMigrateCorruptSourcesReported(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			src := migSource(t)
 			c.corrupt(t, src)
-			before := migTree(t, src)
+			before := testutil.TreeDigest(t, src)
 			dst := filepath.Join(t.TempDir(), "kv")
 			rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
 			var merr *jobs.MigrateError
@@ -472,7 +442,7 @@ func TestMigrateCorruptSourcesReported(t *testing.T) {
 				got, _ := migRead(t, noSync(), filepath.Join(dst, rel))
 				migEqual(t, rel, got, w)
 			}
-			migSameTree(t, "corrupt source after migrate", before, migTree(t, src))
+			migSameTree(t, "corrupt source after migrate", before, testutil.TreeDigest(t, src))
 		})
 	}
 }
@@ -565,12 +535,12 @@ func TestMigrateDestinationConflict(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	before := migTree(t, filepath.Join(dst, "bun-single"))
+	before := testutil.TreeDigest(t, filepath.Join(dst, "bun-single"))
 	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
 	if !errors.Is(err, jobs.ErrDestinationExists) || rep.Failed != 1 || rep.Migrated != 2 {
 		t.Fatalf("got %v, report %+v; want ErrDestinationExists for 1", err, rep)
 	}
-	migSameTree(t, "conflicting destination", before, migTree(t, filepath.Join(dst, "bun-single")))
+	migSameTree(t, "conflicting destination", before, testutil.TreeDigest(t, filepath.Join(dst, "bun-single")))
 	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Force: true})
 	if err != nil || rep.Migrated != 3 {
 		t.Fatalf("forced: %v, %+v", err, rep)
@@ -612,7 +582,7 @@ func TestMigrateScan(t *testing.T) {
 		t.Fatal(err)
 	}
 	migCopy(t, filepath.Join(kv, "bun-single", "snapshot.mlxkv"), filepath.Join(ns, "already.kv"))
-	before := migTree(t, src)
+	before := testutil.TreeDigest(t, src)
 
 	dst := filepath.Join(t.TempDir(), "kv")
 	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
@@ -641,7 +611,7 @@ func TestMigrateScan(t *testing.T) {
 	}
 	got, _ := migRead(t, noSync(), filepath.Join(dst, "single", "snapshot.mlxkv"))
 	migEqual(t, "single", got, migExpected40(t))
-	migSameTree(t, "fixture source", before, migTree(t, src))
+	migSameTree(t, "fixture source", before, testutil.TreeDigest(t, src))
 	if ents, _ := os.ReadDir(dst); len(ents) != 1 {
 		t.Fatalf("destination has %d namespaces, want 1 (single)", len(ents))
 	}

@@ -1,6 +1,13 @@
 package testutil
 
-import "encoding/binary"
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
+	"io/fs"
+	"os"
+	"path/filepath"
+)
 
 // BunFixtures is the path of the Bun worker's stores (testdata/bun-worker at
 // the repository root; see its README) relative to a package directory two
@@ -32,4 +39,40 @@ func BunFormula(T int) [][]byte {
 		tok = binary.LittleEndian.AppendUint32(tok, uint32(int32(1000+7*i)))
 	}
 	return append(out, tok)
+}
+
+// TreeDigest maps every path under root (relative to it) to the SHA-256 of
+// its content as hex, and every directory to "dir": comparing two digests
+// shows whether anything under root was created, removed or changed.
+func TreeDigest(tb TB, root string) map[string]string {
+	tb.Helper()
+	out := map[string]string{}
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(root, p)
+		if d.IsDir() {
+			out[rel] = "dir"
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		s := sha256.Sum256(b)
+		out[rel] = hex.EncodeToString(s[:])
+		return nil
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return out
+}
+
+// TB is the part of testing.TB the helpers use (so that the demo binary,
+// which imports this package, does not link the testing package).
+type TB interface {
+	Helper()
+	Fatal(args ...any)
 }
