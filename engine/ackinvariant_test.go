@@ -408,7 +408,7 @@ wait:
 	if s := e.Stats(); s.Queued != 0 || s.Running != 0 || s.Completed != int64(acked)+int64(len(paths)) {
 		t.Errorf("Stats %+v after %d acks (+%d setup writes)", s, acked, len(paths))
 	}
-	if tmp := tempFiles(t, root); len(tmp) != 0 {
+	if tmp := testutil.TempFiles(t, root); len(tmp) != 0 {
 		t.Errorf("temp files left: %v", tmp)
 	}
 	// Every path still reads back and verifies (its last successful write,

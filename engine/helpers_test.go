@@ -3,9 +3,7 @@ package engine
 import (
 	"bytes"
 	"context"
-	"io/fs"
 	"log/slog"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -217,25 +215,6 @@ func readBack(t testing.TB, e *Engine, ref Ref, m testutil.Model, tokens int) {
 	if r.Metrics.ReadBytes != int64(m.CacheBytes(tokens)) {
 		t.Fatalf("read %s: ReadBytes %d, want %d", ref, r.Metrics.ReadBytes, m.CacheBytes(tokens))
 	}
-}
-
-// tempFiles lists every kvpersist temp file under dir.
-func tempFiles(t testing.TB, dir string) []string {
-	t.Helper()
-	var out []string
-	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if layout.IsTemp(d.Name()) {
-			out = append(out, p)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatalf("walk %s: %v", dir, err)
-	}
-	return out
 }
 
 // hookLog is a testHook that records, in order, every job entering and

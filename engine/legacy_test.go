@@ -27,35 +27,21 @@ var (
 	bunLogical = int64(5280 + 5280 + 6336)
 )
 
-func bunCopy(t testing.TB, src, dst string) {
-	t.Helper()
-	b, err := os.ReadFile(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(dst, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // bunStore lays the fixtures out under root as a store of the original
 // worker: root/bun-single/snapshot.mlxkv, root/bun-blocks/{snapshot.mlxkv,
 // grown.mlxkv, blocks/<sha256>} (34 blocks).
 func bunStore(t testing.TB, root string) {
 	t.Helper()
-	bunCopy(t, filepath.Join(bunFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
+	testutil.CopyFile(t, filepath.Join(bunFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
 	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		bunCopy(t, filepath.Join(bunFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
+		testutil.CopyFile(t, filepath.Join(bunFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
 	}
 	ents, err := os.ReadDir(filepath.Join(bunFixtures, "blocks", "blocks"))
 	if err != nil || len(ents) != 34 {
 		t.Fatalf("fixture blocks: %d, %v (want 34)", len(ents), err)
 	}
 	for _, e := range ents {
-		bunCopy(t, filepath.Join(bunFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
+		testutil.CopyFile(t, filepath.Join(bunFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
 	}
 }
 

@@ -199,7 +199,7 @@ func TestCancelRunning(t *testing.T) {
 				t.Fatalf("the cancelled write went on: %d WriteAt calls", n)
 			}
 			cfs.at.Store(0)
-			if tmp := tempFiles(t, e.Root()); len(tmp) != 0 {
+			if tmp := testutil.TempFiles(t, e.Root()); len(tmp) != 0 {
 				t.Fatalf("temp files left: %v", tmp)
 			}
 			readBack(t, e, ref, m, oldT)
@@ -237,7 +237,7 @@ func TestPanicRecovered(t *testing.T) {
 	if s := e.Stats(); s.Failed != 3 || s.Running != 0 {
 		t.Fatalf("Stats: %+v", s)
 	}
-	if tmp := tempFiles(t, e.Root()); len(tmp) != 0 {
+	if tmp := testutil.TempFiles(t, e.Root()); len(tmp) != 0 {
 		t.Fatalf("temp files left: %v", tmp)
 	}
 	readBack(t, e, ref, m, 40)
@@ -365,7 +365,7 @@ func TestCloseAbort(t *testing.T) {
 	if s := e.Stats(); s.Completed != 5 || s.Failed != 4 || s.Queued != 0 || s.Running != 0 {
 		t.Fatalf("Stats: %+v", s)
 	}
-	if tmp := tempFiles(t, root); len(tmp) != 0 {
+	if tmp := testutil.TempFiles(t, root); len(tmp) != 0 {
 		t.Fatalf("temp files left: %v", tmp)
 	}
 	// The previous version is intact.

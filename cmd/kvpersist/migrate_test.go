@@ -15,36 +15,22 @@ import (
 // The original Bun worker's files (see testdata/bun-worker/README.md).
 const migFixtures = testutil.BunFixtures
 
-func migCopy(t *testing.T, src, dst string) {
-	t.Helper()
-	b, err := os.ReadFile(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(dst, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // migLegacyStore lays the fixtures out as a store of the original worker:
 // bun-single/snapshot.mlxkv (T=40) and bun-blocks/{snapshot.mlxkv (T=40),
 // grown.mlxkv (T=48), blocks/<sha256>}.
 func migLegacyStore(t *testing.T) string {
 	t.Helper()
 	root := filepath.Join(t.TempDir(), "legacy")
-	migCopy(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
+	testutil.CopyFile(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
 	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		migCopy(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
+		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
 	}
 	ents, err := os.ReadDir(filepath.Join(migFixtures, "blocks", "blocks"))
 	if err != nil || len(ents) != 34 {
 		t.Fatalf("fixture blocks: %d, %v", len(ents), err)
 	}
 	for _, e := range ents {
-		migCopy(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
+		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
 	}
 	return root
 }

@@ -153,25 +153,6 @@ func fxReadVerify(t testing.TB, path string, want [][]byte) {
 	}
 }
 
-// fxTemps lists every temp file (layout.IsTemp) under root.
-func fxTemps(t testing.TB, root string) []string {
-	t.Helper()
-	var out []string
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if layout.IsTemp(d.Name()) {
-			out = append(out, p)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return out
-}
-
 // fxCheckReferenced decodes every snapshot file of every namespace under
 // root and fails if a block one of them names is missing or has the wrong
 // size. It returns the set of referenced block paths.
@@ -498,7 +479,7 @@ func TestFaultInjection(t *testing.T) {
 					k.check(t, root, inj[0], m, err)
 					refs := fxCheckReferenced(t, root)
 					if !k.plantedTemps {
-						if tmp := fxTemps(t, root); len(tmp) > 0 {
+						if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
 							t.Fatalf("temp files left after %v: %v", inj[0], tmp)
 						}
 					}
@@ -509,7 +490,7 @@ func TestFaultInjection(t *testing.T) {
 					if err != nil {
 						t.Fatalf("collect after the fault: %v", err)
 					}
-					if tmp := fxTemps(t, root); len(tmp) > 0 {
+					if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
 						t.Fatalf("temp files left after a clean collect: %v", tmp)
 					}
 					if files := fxBlockFiles(t, root); len(files) != len(refs) {
@@ -580,7 +561,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {
 				t.Fatalf("snapshot published after a failed fsync: %v", err)
 			}
-			tmp := fxTemps(t, root)
+			tmp := testutil.TempFiles(t, root)
 			if len(tmp) != 1 {
 				t.Fatalf("temp files %v, want the one that could not be removed", tmp)
 			}
@@ -588,7 +569,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 			if err != nil || !slices.Contains(m.Collect.Deleted, tmp[0]) {
 				t.Fatalf("collect: %v, deleted %v, want %s", err, m.Collect.Deleted, tmp[0])
 			}
-			if tmp := fxTemps(t, root); len(tmp) != 0 {
+			if tmp := testutil.TempFiles(t, root); len(tmp) != 0 {
 				t.Fatalf("temp files left after collect: %v", tmp)
 			}
 		})
@@ -618,7 +599,7 @@ func TestFaultConcurrentBlockWrite(t *testing.T) {
 			if r := ffs.RepeatedSyncs(); len(r) > 0 {
 				t.Fatalf("Sync retried on %v", r)
 			}
-			if tmp := fxTemps(t, root); len(tmp) > 0 {
+			if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
 				t.Fatalf("temp files left: %v", tmp)
 			}
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
+	"strings"
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
@@ -236,20 +237,9 @@ func blockFiles(t testing.TB, nsDir string) map[string]int64 {
 // temps lists every temp file (by IsTemp) under root.
 func temps(t testing.TB, root string) []string {
 	t.Helper()
-	var out []string
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if layout.IsTemp(d.Name()) || bytes.Contains([]byte(d.Name()), []byte(".tmp")) {
-			out = append(out, p)
-		}
-		return nil
+	return testutil.FilesMatching(t, root, func(name string) bool {
+		return layout.IsTemp(name) || strings.Contains(name, ".tmp")
 	})
-	if err != nil && !os.IsNotExist(err) {
-		t.Fatal(err)
-	}
-	return out
 }
 
 func sortedKeys[V any](m map[string]V) []string {

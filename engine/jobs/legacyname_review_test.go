@@ -20,7 +20,7 @@ import (
 func TestReviewCollectDeletesBlocksOfLegacyManifestWithUnusualName(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "bun")
-	copyTree(t, filepath.Join(testutil.BunFixtures, "blocks"), ns)
+	testutil.CopyTree(t, filepath.Join(testutil.BunFixtures, "blocks"), ns)
 	if err := os.Rename(filepath.Join(ns, "grown.mlxkv"), filepath.Join(ns, "turn 2.mlxkv")); err != nil {
 		t.Fatal(err)
 	}

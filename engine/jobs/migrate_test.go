@@ -25,30 +25,15 @@ import (
 // README.md).
 const migFixtures = testutil.BunFixtures
 
-// migCopy copies one file, creating its directory.
-func migCopy(t testing.TB, src, dst string) {
-	t.Helper()
-	b, err := os.ReadFile(src)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(dst, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
-}
-
 // migSource lays the fixtures out as a legacy store root:
 // root/bun-single/snapshot.mlxkv (T=40) and root/bun-blocks/{snapshot.mlxkv
 // (T=40), grown.mlxkv (T=48), blocks/<sha256>}.
 func migSource(t testing.TB) string {
 	t.Helper()
 	root := filepath.Join(t.TempDir(), "legacy")
-	migCopy(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
+	testutil.CopyFile(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
 	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		migCopy(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
+		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
 	}
 	ents, err := os.ReadDir(filepath.Join(migFixtures, "blocks", "blocks"))
 	if err != nil {
@@ -58,7 +43,7 @@ func migSource(t testing.TB) string {
 		t.Fatalf("%d fixture blocks, the README says 34", len(ents))
 	}
 	for _, e := range ents {
-		migCopy(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
+		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
 	}
 	return root
 }
@@ -560,14 +545,14 @@ func TestMigrateScan(t *testing.T) {
 			return err
 		}
 		rel, _ := filepath.Rel(migFixtures, p)
-		migCopy(t, p, filepath.Join(src, rel))
+		testutil.CopyFile(t, p, filepath.Join(src, rel))
 		return nil
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	ns := filepath.Join(src, "single")
-	migCopy(t, filepath.Join(ns, "snapshot.mlxkv"), filepath.Join(ns, "snapshot.mlxkv.tmp")) // the original's temp name
+	testutil.CopyFile(t, filepath.Join(ns, "snapshot.mlxkv"), filepath.Join(ns, "snapshot.mlxkv.tmp")) // the original's temp name
 	if err := os.WriteFile(filepath.Join(ns, "notes.txt"), []byte("hello"), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -581,7 +566,7 @@ func TestMigrateScan(t *testing.T) {
 	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: migSource(t), DstRoot: kv, Namespaces: []string{"bun-single"}}); err != nil {
 		t.Fatal(err)
 	}
-	migCopy(t, filepath.Join(kv, "bun-single", "snapshot.mlxkv"), filepath.Join(ns, "already.kv"))
+	testutil.CopyFile(t, filepath.Join(kv, "bun-single", "snapshot.mlxkv"), filepath.Join(ns, "already.kv"))
 	before := testutil.TreeDigest(t, src)
 
 	dst := filepath.Join(t.TempDir(), "kv")

@@ -90,32 +90,11 @@ func TestReadNeverWritesPastDestination(t *testing.T) {
 	}
 }
 
-func copyTree(t *testing.T, src, dst string) {
-	t.Helper()
-	err := filepath.Walk(src, func(p string, info os.FileInfo, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, _ := filepath.Rel(src, p)
-		if info.IsDir() {
-			return os.MkdirAll(filepath.Join(dst, rel), 0o755)
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		return os.WriteFile(filepath.Join(dst, rel), b, 0o644)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
-
 // TestReadBunWorkerStores reads the files the original worker wrote (single
 // file and flat block store), verified with Bun.hash and SHA-256.
 func TestReadBunWorkerStores(t *testing.T) {
 	root := t.TempDir()
-	copyTree(t, testutil.BunFixtures, root)
+	testutil.CopyTree(t, testutil.BunFixtures, root)
 	golden, err := os.ReadFile(filepath.Join(root, "expected.T40.bin"))
 	if err != nil {
 		t.Fatal(err)
@@ -154,7 +133,7 @@ func TestReadBunWorkerStores(t *testing.T) {
 func TestCollectBunWorkerStore(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "bun")
-	copyTree(t, testutil.BunFixtures+"/blocks", ns)
+	testutil.CopyTree(t, testutil.BunFixtures+"/blocks", ns)
 	old, err := layout.Load(vfs.Default, filepath.Join(ns, "snapshot.mlxkv"))
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,73 @@
+package testutil
+
+import (
+	"errors"
+	"io/fs"
+	"os"
+	"path/filepath"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+)
+
+// CopyFile copies src to dst, creating dst's directory.
+func CopyFile(tb TB, src, dst string) {
+	tb.Helper()
+	b, err := os.ReadFile(src)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(dst, b, 0o644); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// CopyTree copies every file and directory under src to dst.
+func CopyTree(tb TB, src, dst string) {
+	tb.Helper()
+	err := filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(src, p)
+		if d.IsDir() {
+			return os.MkdirAll(filepath.Join(dst, rel), 0o755)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		return os.WriteFile(filepath.Join(dst, rel), b, 0o644)
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// FilesMatching lists every path under root whose base name satisfies
+// match; a missing root lists nothing.
+func FilesMatching(tb TB, root string, match func(name string) bool) []string {
+	tb.Helper()
+	var out []string
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if match(d.Name()) {
+			out = append(out, p)
+		}
+		return nil
+	})
+	if err != nil && !errors.Is(err, fs.ErrNotExist) {
+		tb.Fatal(err)
+	}
+	return out
+}
+
+// TempFiles lists every kvpersist temp file (layout.IsTemp) under root.
+func TempFiles(tb TB, root string) []string {
+	tb.Helper()
+	return FilesMatching(tb, root, layout.IsTemp)
+}
