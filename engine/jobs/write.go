@@ -135,16 +135,25 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	var h *layout.Header
 	var err error
 	// Validate the whole request before anything is created on disk.
-	if _, _, err = buildHeader(spec, 0); err != nil {
-		return nil, m, err
-	}
-	if spec.Layout == layout.Blocks && spec.BlockBytes != 0 {
-		if err = CheckBlockBytes(spec.BlockBytes); err != nil {
+	version, bb := layout.FormatSingle, 0
+	switch spec.Layout {
+	case layout.Single:
+	case layout.Blocks:
+		version, bb = layout.FormatBlocks, spec.BlockBytes
+		if bb == 0 {
+			bb = DefaultBlockBytes
+		}
+		if err = CheckBlockBytes(bb); err != nil {
 			return nil, m, fmt.Errorf("jobs: %s: %w", spec.Path, err)
 		}
+	default:
+		return nil, m, fmt.Errorf("%w: %s: unknown layout %v", ErrInvalidRequest, spec.Path, spec.Layout)
+	}
+	h, slots, err := buildHeader(spec, version)
+	if err != nil {
+		return nil, m, err
 	}
 	nsDir := filepath.Dir(spec.Path)
 	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
@@ -164,13 +173,10 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 		return nil, m, err
 	}
 	defer unlock()
-	switch spec.Layout {
-	case layout.Single:
-		h, err = writeSingle(ctx, cfg, spec, &m)
-	case layout.Blocks:
-		h, err = writeBlocks(ctx, cfg, spec, &m)
-	default:
-		err = fmt.Errorf("%w: %s: unknown layout %v", ErrInvalidRequest, spec.Path, spec.Layout)
+	if spec.Layout == layout.Single {
+		err = writeSingle(ctx, cfg, spec, h, slots, &m)
+	} else {
+		err = writeBlocks(ctx, cfg, spec, h, slots, bb, &m)
 	}
 	m.Elapsed = time.Since(start)
 	if err != nil {
@@ -181,11 +187,9 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 
 var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
 
-func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) (*layout.Header, error) {
-	h, slots, err := buildHeader(spec, layout.FormatSingle)
-	if err != nil {
-		return nil, err
-	}
+// writeSingle writes the single-file snapshot of the validated header h
+// (slots from buildHeader), filling in offsets and hashes.
+func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	// Tensors in slot order at 4 KiB-aligned offsets; an empty tensor has
 	// off 0 (it occupies nothing). The file ends exactly at the end of the
 	// last non-empty tensor, whether or not fallocate is supported.
@@ -203,10 +207,10 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 	}
 	js, err := h.Encode()
 	if err != nil {
-		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
 	}
 	if len(js) > layout.MaxHeaderLen {
-		return nil, fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
+		return fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
 	}
 	dataStart := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
 	var copied, peak atomic.Int64
@@ -272,10 +276,10 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 		})
 	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
 	if err != nil {
-		return nil, err
+		return err
 	}
 	m.WrittenBytes = dataStart + end
-	return h, nil
+	return nil
 }
 
 // blockTask locates one block: the slot and the block's index in its plan.
@@ -286,23 +290,14 @@ type blockSlot struct {
 	first int // global index of the slot's first block
 }
 
-func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) (*layout.Header, error) {
-	bb := spec.BlockBytes
-	if bb == 0 {
-		bb = DefaultBlockBytes
-	}
-	if err := CheckBlockBytes(bb); err != nil {
-		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
-	}
-	h, slots, err := buildHeader(spec, layout.FormatBlocks)
-	if err != nil {
-		return nil, err
-	}
+// writeBlocks stores the blocks of the validated header h (slots from
+// buildHeader) in blocks of bb bytes and publishes its manifest.
+func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
 	fsys := cfg.fs()
 	nsDir := filepath.Dir(spec.Path)
 	blocksDir := layout.BlocksDir(nsDir)
 	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
-		return nil, fmt.Errorf("jobs: %s: %w", spec.Path, err)
+		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
 	}
 	w := &blockWriter{cfg: cfg, spec: spec, blocksDir: blocksDir, nsDir: nsDir}
 	bs := make([]blockSlot, len(slots))
@@ -311,7 +306,7 @@ func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 	for i, s := range slots {
 		p, err := gather.NewPlan(s.t.View.Shape, s.t.View.ItemSize, bb)
 		if err != nil {
-			return nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 		}
 		bs[i] = blockSlot{view: s.t.View, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
 		total += p.Len()
@@ -322,16 +317,16 @@ func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, m *Metrics) 
 	if spec.Packed {
 		for i := range bs {
 			if err := w.packed(ctx, &bs[i], slots[i].name); err != nil {
-				return nil, err
+				return err
 			}
 		}
 	} else if err := w.run(ctx, bs, total); err != nil {
-		return nil, err
+		return err
 	}
 	for i, s := range slots {
 		s.out.Blocks = bs[i].refs
 	}
-	return h, w.publishManifest(ctx, h, m)
+	return w.publishManifest(ctx, h, m)
 }
 
 // publishManifest publishes the manifest h once every block it names is
