@@ -17,6 +17,9 @@ type Snapshot struct {
 	Size   int64  // file size in bytes
 	Header *Header
 	JSON   []byte // the header JSON as stored
+	// Page is the page object of a page file (FormatPage), nil otherwise;
+	// it is removed from Header.Meta.
+	Page *Page
 }
 
 // Decode reads and validates the prefix and header of an open file, before
@@ -70,7 +73,13 @@ func Decode(f vfs.File, path string) (*Snapshot, error) {
 	if err != nil {
 		return nil, fmt.Errorf("layout: %s: %w", path, err)
 	}
-	return &Snapshot{Path: path, Prefix: p, Layout: lay, Size: size, Header: h, JSON: js}, nil
+	snap := &Snapshot{Path: path, Prefix: p, Layout: lay, Size: size, Header: h, JSON: js}
+	if h.FormatVersion == FormatPage {
+		if snap.Page, err = parsePage(h); err != nil {
+			return nil, fmt.Errorf("layout: %s: %w", path, err)
+		}
+	}
+	return snap, nil
 }
 
 // Load opens path (not following a final symlink), decodes it and closes it.

@@ -211,12 +211,12 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 	switch {
 	case h.FormatVersion == FormatBlocks:
 		lay = Blocks
-	case h.FormatVersion == FormatSingle && !p.Legacy:
-		lay = Single
+	case (h.FormatVersion == FormatSingle || h.FormatVersion == FormatPage) && !p.Legacy:
+		lay = Single // a page file is a single file with a "page" object
 	case h.FormatVersion == 0 && p.Legacy:
 		lay = Single
 	default:
-		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d and %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocks)
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d, %d and %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocks, FormatPage)
 	}
 	if lay == Single && !p.Legacy && p.DataStart%DataAlign != 0 {
 		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)

@@ -1,0 +1,263 @@
+package layout
+
+import (
+	"bytes"
+	"encoding/binary"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"path/filepath"
+
+	"github.com/minio/sha256-simd"
+)
+
+// Token pages: the prefix cache's unit of storage (ARCHITECTURE.md, "Token
+// pages"). A page holds the KV of PageTokens consecutive tokens for every
+// tensor of a cache, and is named by a chained SHA-256 over the token ids of
+// every page up to and including it, so a page's key determines the whole
+// prefix that produced its KV.
+
+// FormatPage is the formatVersion of a page file: a single-file snapshot
+// (same prefix, data alignment and tensor hashes) whose header also carries
+// the "page" object.
+const FormatPage = 6
+
+// Page size bounds, in tokens.
+const (
+	MinPageTokens     = 16
+	MaxPageTokens     = 4096
+	DefaultPageTokens = 256
+	// MaxIdentityBytes caps the identity string, in bytes.
+	MaxIdentityBytes = 4096
+)
+
+// PagesDirName is the directory of a namespace holding its page files.
+const PagesDirName = "pages"
+
+// pageKeyDomain starts the root of every key chain (version 1 of the rule).
+const pageKeyDomain = "kvpersist/page/v1\n"
+
+// Sentinel errors of pages, usable with errors.Is.
+var (
+	// ErrPageTokens: PageTokens is not a power of two from 16 to 4096.
+	ErrPageTokens = errors.New("invalid page size")
+	// ErrIdentity: the identity is empty or longer than MaxIdentityBytes.
+	ErrIdentity = errors.New("invalid identity")
+)
+
+// CheckPageTokens validates a page size in tokens: a power of two from
+// MinPageTokens (16) to MaxPageTokens (4096).
+func CheckPageTokens(p int) error {
+	if p < MinPageTokens || p > MaxPageTokens || p&(p-1) != 0 {
+		return fmt.Errorf("%w: %d tokens (want a power of two from %d to %d)", ErrPageTokens, p, MinPageTokens, MaxPageTokens)
+	}
+	return nil
+}
+
+// CheckIdentity validates an identity: 1 to MaxIdentityBytes bytes (any
+// bytes; the caller decides what it names).
+func CheckIdentity(id string) error {
+	if len(id) == 0 || len(id) > MaxIdentityBytes {
+		return fmt.Errorf("%w: %d bytes (want 1 to %d)", ErrIdentity, len(id), MaxIdentityBytes)
+	}
+	return nil
+}
+
+// PageKey is a page's key: 32 bytes of SHA-256.
+type PageKey [32]byte
+
+// String is the key as 64 lowercase hex digits: the page file's name.
+func (k PageKey) String() string { return hex.EncodeToString(k[:]) }
+
+// ParsePageKey parses 64 lowercase hex digits (ValidBlockHash's rule).
+func ParsePageKey(s string) (PageKey, error) {
+	var k PageKey
+	if !ValidBlockHash(s) {
+		return k, fmt.Errorf("%w: page key %q is not 64 lowercase hex digits", ErrInvalidHeader, s)
+	}
+	_, _ = hex.Decode(k[:], []byte(s))
+	return k, nil
+}
+
+// PageRoot returns k_0 = SHA-256("kvpersist/page/v1\n" ‖ u32 LE
+// len(identity) ‖ identity ‖ u32 LE pageTokens), the parent of a chain's
+// first page. Arguments are not validated (see CheckIdentity,
+// CheckPageTokens).
+func PageRoot(identity string, pageTokens int) PageKey {
+	buf := make([]byte, 0, len(pageKeyDomain)+8+len(identity))
+	buf = append(buf, pageKeyDomain...)
+	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(identity)))
+	buf = append(buf, identity...)
+	buf = binary.LittleEndian.AppendUint32(buf, uint32(pageTokens))
+	return sha256.Sum256(buf)
+}
+
+// PageNext returns k_i = SHA-256(k_{i-1} as 32 raw bytes ‖ each token id of
+// page i as u32 LE). len(tokens) must be at most MaxPageTokens (it panics
+// otherwise, like an out-of-range index). It does not allocate.
+func PageNext(parent PageKey, tokens []uint32) PageKey {
+	var buf [32 + 4*MaxPageTokens]byte
+	copy(buf[:32], parent[:])
+	b := buf[32 : 32+4*len(tokens)]
+	for i, t := range tokens {
+		binary.LittleEndian.PutUint32(b[4*i:], t)
+	}
+	return sha256.Sum256(buf[:32+4*len(tokens)])
+}
+
+// PageChain returns the keys of the pages of tokens: one per full page of
+// pageTokens tokens, then, when len(tokens) is not a multiple of pageTokens,
+// the key of the partial last page (a leaf: chained over its fewer tokens).
+// full is the number of full pages. Errors: ErrIdentity, ErrPageTokens.
+func PageChain(identity string, pageTokens int, tokens []uint32) (keys []PageKey, full int, err error) {
+	if err := CheckIdentity(identity); err != nil {
+		return nil, 0, err
+	}
+	if err := CheckPageTokens(pageTokens); err != nil {
+		return nil, 0, err
+	}
+	full = len(tokens) / pageTokens
+	n := (len(tokens) + pageTokens - 1) / pageTokens
+	keys = make([]PageKey, n)
+	k := PageRoot(identity, pageTokens)
+	for i := range n {
+		k = PageNext(k, tokens[i*pageTokens:min(len(tokens), (i+1)*pageTokens)])
+		keys[i] = k
+	}
+	return keys, full, nil
+}
+
+// PagesDir is nsDir/pages.
+func PagesDir(nsDir string) string { return filepath.Join(nsDir, PagesDirName) }
+
+// PagePath is where a page is stored: nsDir/pages/<k[0:2]>/<k> with k the
+// key in lowercase hex (a 256-way fan-out, as blocks).
+func PagePath(nsDir string, k PageKey) string {
+	s := k.String()
+	return filepath.Join(nsDir, PagesDirName, s[:2], s)
+}
+
+// Page is the "page" object of a page file's header.
+type Page struct {
+	Key      PageKey // SHA-256(Parent ‖ Tokens as u32 LE)
+	Parent   PageKey // the previous page's key, or PageRoot for a first page
+	Identity string
+	// PageTokens is P, the chain's page size in tokens.
+	PageTokens int
+	// Tokens are the page's token ids: PageTokens of them for a full page,
+	// 1 to PageTokens-1 for a leaf (a partial last page).
+	Tokens []uint32
+}
+
+// Leaf reports whether the page is a partial last page (never a parent).
+func (p *Page) Leaf() bool { return len(p.Tokens) < p.PageTokens }
+
+// pageJSON is the wire form of Page.
+type pageJSON struct {
+	Key        string   `json:"key"`
+	Parent     string   `json:"parent"`
+	Identity   string   `json:"identity"`
+	PageTokens int      `json:"pageTokens"`
+	TokenCount int      `json:"tokenCount"`
+	Tokens     []uint32 `json:"tokens"`
+}
+
+var pageFields = []string{"key", "parent", "identity", "pageTokens", "tokenCount", "tokens"}
+
+// MetaJSON is the "page" object as compact JSON, keys in the order key,
+// parent, identity, pageTokens, tokenCount, tokens.
+func (p *Page) MetaJSON() json.RawMessage {
+	b, _ := json.Marshal(pageJSON{
+		Key: p.Key.String(), Parent: p.Parent.String(), Identity: p.Identity,
+		PageTokens: p.PageTokens, TokenCount: len(p.Tokens), Tokens: p.Tokens,
+	})
+	return b
+}
+
+// Check validates a page's fields: identity, page size, token count (1 to
+// PageTokens), and that Key is the chain step from Parent over Tokens.
+// Errors wrap ErrInvalidHeader.
+func (p *Page) Check() error {
+	if err := CheckIdentity(p.Identity); err != nil {
+		return fmt.Errorf("%w: page: %w", ErrInvalidHeader, err)
+	}
+	if err := CheckPageTokens(p.PageTokens); err != nil {
+		return fmt.Errorf("%w: page: %w", ErrInvalidHeader, err)
+	}
+	if len(p.Tokens) < 1 || len(p.Tokens) > p.PageTokens {
+		return fmt.Errorf("%w: page holds %d tokens (want 1 to %d)", ErrInvalidHeader, len(p.Tokens), p.PageTokens)
+	}
+	if got := PageNext(p.Parent, p.Tokens); got != p.Key {
+		return fmt.Errorf("%w: page key %s is not the chain of its parent %s and tokens (%s)", ErrInvalidHeader, p.Key, p.Parent, got)
+	}
+	return nil
+}
+
+// parsePage extracts and strictly validates the "page" object of a page
+// file's header h (FormatPage), removing it from h.Meta. A page file holds
+// exactly one cache entry and no attachments, no caller metadata at any
+// level, and every tensor has at least 2 axes with axis -2 (tokens) equal
+// to the page's token count.
+func parsePage(h *Header) (*Page, error) {
+	raw, ok := h.Meta["page"]
+	if !ok || isNull(raw) {
+		return nil, fmt.Errorf("%w: page file without a \"page\" object", ErrInvalidHeader)
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil || obj == nil {
+		return nil, fmt.Errorf("%w: \"page\" is not an object", ErrInvalidHeader)
+	}
+	if len(obj) != len(pageFields) {
+		return nil, fmt.Errorf("%w: \"page\" must have exactly the keys %v", ErrInvalidHeader, pageFields)
+	}
+	var w pageJSON
+	dsts := []any{&w.Key, &w.Parent, &w.Identity, &w.PageTokens, &w.TokenCount, &w.Tokens}
+	for i, k := range pageFields {
+		v, ok := obj[k]
+		if !ok || isNull(v) {
+			return nil, fmt.Errorf("%w: page.%s is missing or null", ErrInvalidHeader, k)
+		}
+		d := json.NewDecoder(bytes.NewReader(v))
+		if err := d.Decode(dsts[i]); err != nil {
+			return nil, fmt.Errorf("%w: page.%s: %v", ErrInvalidHeader, k, err)
+		}
+	}
+	delete(h.Meta, "page")
+	if len(h.Meta) != 0 {
+		return nil, fmt.Errorf("%w: a page file carries no caller metadata (found %d keys)", ErrInvalidHeader, len(h.Meta))
+	}
+	var p Page
+	var err error
+	if p.Key, err = ParsePageKey(w.Key); err != nil {
+		return nil, err
+	}
+	if p.Parent, err = ParsePageKey(w.Parent); err != nil {
+		return nil, err
+	}
+	p.Identity, p.PageTokens, p.Tokens = w.Identity, w.PageTokens, w.Tokens
+	if w.TokenCount != len(w.Tokens) {
+		return nil, fmt.Errorf("%w: page.tokenCount %d but %d token ids", ErrInvalidHeader, w.TokenCount, len(w.Tokens))
+	}
+	if err := p.Check(); err != nil {
+		return nil, err
+	}
+	if len(h.Caches) != 1 || h.Attachments != nil {
+		return nil, fmt.Errorf("%w: a page file has exactly one cache entry and no attachments", ErrInvalidHeader)
+	}
+	if len(h.Caches[0].Meta) != 0 {
+		return nil, fmt.Errorf("%w: a page file's entry carries no metadata", ErrInvalidHeader)
+	}
+	if len(h.Caches[0].Tensors) == 0 {
+		return nil, fmt.Errorf("%w: a page file holds at least one tensor", ErrInvalidHeader)
+	}
+	for i, t := range h.Caches[0].Tensors {
+		if len(t.Meta) != 0 {
+			return nil, fmt.Errorf("%w: page tensor %d carries metadata", ErrInvalidHeader, i)
+		}
+		if len(t.Shape) < 2 || t.Shape[len(t.Shape)-2] != int64(len(p.Tokens)) {
+			return nil, fmt.Errorf("%w: page tensor %d has shape %v; axis -2 must be the page's %d tokens", ErrInvalidHeader, i, t.Shape, len(p.Tokens))
+		}
+	}
+	return &p, nil
+}
