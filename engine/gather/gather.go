@@ -78,7 +78,8 @@ const maxAxes = 64
 // Element zero starts at byte Base[Offset]. Strides count elements, not
 // bytes, and may be zero (broadcast) or negative (reversed axes); an element
 // with multi-index idx starts at byte Offset + ItemSize*sum(idx[i]*Strides[i]).
-// The package never writes to Base and never retains it.
+// The package never retains Base and writes to it only in Scatter,
+// ScatterRange and through the pieces RunsRange hands out (scatter.go).
 type View struct {
 	Base     []byte // backing memory (caller owned); bytes
 	Offset   int    // byte offset of element zero inside Base; bytes
@@ -356,16 +357,17 @@ func (l *layout) gather(base []byte, start, count int, dst []byte) ([]byte, bool
 	if len(dst) < need {
 		return nil, false, fmt.Errorf("gather: %w: need %d bytes (%d elements of %d bytes), have %d", ErrScratch, need, count, l.item, len(dst))
 	}
-	l.copyRuns(base, dst[:need], q, r)
+	l.copyRuns(base, dst[:need], q, r, false)
 	return dst[:need], true, nil
 }
 
 // copyRuns fills dst (len = count*item, count > run-r) with the elements
-// starting at element r of run q. The starting multi-index is computed once
-// with divisions; after that an odometer walks the outer axes, copying one
-// line (all runs along the innermost outer axis) at a time.
-func (l *layout) copyRuns(base, dst []byte, q, r int) {
-	if q == 0 && r == 0 && len(dst) == l.elems*l.item && l.nax >= 2 && l.runB >= reorderMinRunBytes {
+// starting at element r of run q; with toBase it copies the other way, dst's
+// bytes into those elements of base (scatter). The starting multi-index is
+// computed once with divisions; after that an odometer walks the outer axes,
+// copying one line (all runs along the innermost outer axis) at a time.
+func (l *layout) copyRuns(base, dst []byte, q, r int, toBase bool) {
+	if !toBase && q == 0 && r == 0 && len(dst) == l.elems*l.item && l.nax >= 2 && l.runB >= reorderMinRunBytes {
 		l.copyAll(base, dst)
 		return
 	}
@@ -388,7 +390,11 @@ func (l *layout) copyRuns(base, dst []byte, q, r int) {
 	w := 0
 	if r > 0 {
 		skip := r * l.item
-		w = copy(dst, base[off+skip:off+runB])
+		if toBase {
+			w = copy(base[off+skip:off+runB], dst)
+		} else {
+			w = copy(dst, base[off+skip:off+runB])
+		}
 		off += sL
 		if iL++; iL == nL {
 			iL = 0
@@ -400,7 +406,11 @@ func (l *layout) copyRuns(base, dst []byte, q, r int) {
 		m := min(nL-iL, full)
 		full -= m
 		iL += m
-		copyLine(dst, w, runB, base, off, sL, m, runB)
+		if toBase {
+			copyLine(base, off, sL, dst, w, runB, m, runB)
+		} else {
+			copyLine(dst, w, runB, base, off, sL, m, runB)
+		}
 		w += m * runB
 		off += m * sL
 		if iL == nL {
@@ -409,7 +419,11 @@ func (l *layout) copyRuns(base, dst []byte, q, r int) {
 		}
 	}
 	if w < need {
-		copy(dst[w:], base[off:off+need-w])
+		if toBase {
+			copy(base[off:off+need-w], dst[w:])
+		} else {
+			copy(dst[w:], base[off:off+need-w])
+		}
 	}
 }
 
