@@ -190,13 +190,36 @@ var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
 func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
-	// Tensors in slot order at 4 KiB-aligned offsets; an empty tensor has
-	// off 0 (it occupies nothing). The file ends exactly at the end of the
-	// last non-empty tensor, whether or not fallocate is supported.
-	var next, end int64
+	jsLen, dataStart, end, err := planSingle(spec.Path, h, slots)
+	if err != nil {
+		return err
+	}
+	for _, s := range slots {
+		m.LogicalBytes += s.out.Bytes
+	}
+	var copied, peak atomic.Int64
+	err = layout.Publish(cfg.fs(), spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true, Size: dataStart + end},
+		func(f vfs.File) error {
+			return fillSingle(ctx, cfg, spec.Path, h, slots, jsLen, dataStart, f, &copied, &peak)
+		})
+	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
+	if err != nil {
+		return err
+	}
+	m.WrittenBytes = dataStart + end
+	return nil
+}
+
+// planSingle lays out a single file (also a page file): tensors in slot
+// order at 4 KiB-aligned offsets, an empty tensor at off 0 (it occupies
+// nothing), hash placeholders of the final length. It returns the header
+// JSON's length, the data start and the end of the last non-empty tensor
+// relative to it (the file's size is dataStart+end, whether or not
+// fallocate is supported), all in bytes.
+func planSingle(path string, h *layout.Header, slots []slotIn) (jsLen int, dataStart, end int64, err error) {
+	var next int64
 	for _, s := range slots {
 		s.out.Hash = "0000000000000000" // same length as every real hash
-		m.LogicalBytes += s.out.Bytes
 		if s.out.Bytes == 0 {
 			s.out.Off = 0
 			continue
@@ -207,79 +230,76 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.He
 	}
 	js, err := h.Encode()
 	if err != nil {
-		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
+		return 0, 0, 0, fmt.Errorf("jobs: %s: %w", path, err)
 	}
 	if len(js) > layout.MaxHeaderLen {
-		return fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, spec.Path, len(js), layout.MaxHeaderLen)
+		return 0, 0, 0, fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, path, len(js), layout.MaxHeaderLen)
 	}
-	dataStart := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
-	var copied, peak atomic.Int64
-	err = layout.Publish(cfg.fs(), spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true, Size: dataStart + end},
-		func(f vfs.File) error {
-			err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
-				s := slots[i]
-				hs := hasherPool.Get().(*xxh3.Hasher)
-				defer hasherPool.Put(hs)
-				hs.Reset()
-				v := s.t.View
-				n := v.Elements()
-				chunk := max(1, ChunkBytes/v.ItemSize)
-				run := v.RunElements()
-				for e := 0; e < n; {
-					if e > 0 {
-						if err := ctx.Err(); err != nil {
-							return err
-						}
-					}
-					count := min(chunk, n-e)
-					// Stop at the end of a long contiguous run so the chunk
-					// is a zero-copy slice of the caller's memory.
-					if run*v.ItemSize >= 64<<10 {
-						count = min(count, (e/run+1)*run-e)
-					}
-					b, wasCopied, err := v.GatherRange(e, count, scratch)
-					if err != nil {
-						return fmt.Errorf("jobs: %s %s: %w", spec.Path, s.name, err)
-					}
-					if wasCopied {
-						copied.Add(int64(len(b)))
-						maxInt64(&peak, int64(len(b)))
-					}
-					hs.Write(b)
-					at := dataStart + s.out.Off + int64(e)*int64(v.ItemSize)
-					if err := layout.WriteFull(f, b, at); err != nil {
-						return err
-					}
-					if !cfg.NoSync {
-						// Start write-back now so the final fdatasync
-						// finds most of the file already on its way.
-						if err := f.StartWriteback(at, int64(len(b))); err != nil {
-							return err
-						}
-					}
-					e += count
+	return len(js), layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign), end, nil
+}
+
+// fillSingle writes the tensors of a planned single file into f (every
+// tensor a task: chunks gathered zero-copy or into scratch, hashed,
+// pwritten, write-back started), then its real header at offset 0. copied
+// and peak collect the scratch metrics.
+func fillSingle(ctx context.Context, cfg *Config, path string, h *layout.Header, slots []slotIn, jsLen int, dataStart int64, f vfs.File, copied, peak *atomic.Int64) error {
+	err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
+		s := slots[i]
+		hs := hasherPool.Get().(*xxh3.Hasher)
+		defer hasherPool.Put(hs)
+		hs.Reset()
+		v := s.t.View
+		n := v.Elements()
+		chunk := max(1, ChunkBytes/v.ItemSize)
+		run := v.RunElements()
+		for e := 0; e < n; {
+			if e > 0 {
+				if err := ctx.Err(); err != nil {
+					return err
 				}
-				s.out.Hash = layout.TensorHash(hs.Sum64())
-				return nil
-			})
+			}
+			count := min(chunk, n-e)
+			// Stop at the end of a long contiguous run so the chunk
+			// is a zero-copy slice of the caller's memory.
+			if run*v.ItemSize >= 64<<10 {
+				count = min(count, (e/run+1)*run-e)
+			}
+			b, wasCopied, err := v.GatherRange(e, count, scratch)
 			if err != nil {
+				return fmt.Errorf("jobs: %s %s: %w", path, s.name, err)
+			}
+			if wasCopied {
+				copied.Add(int64(len(b)))
+				maxInt64(peak, int64(len(b)))
+			}
+			hs.Write(b)
+			at := dataStart + s.out.Off + int64(e)*int64(v.ItemSize)
+			if err := layout.WriteFull(f, b, at); err != nil {
 				return err
 			}
-			js2, err := h.Encode()
-			if err != nil {
-				return err
+			if !cfg.NoSync {
+				// Start write-back now so the final fdatasync
+				// finds most of the file already on its way.
+				if err := f.StartWriteback(at, int64(len(b))); err != nil {
+					return err
+				}
 			}
-			if len(js2) != len(js) {
-				return fmt.Errorf("jobs: %s: header length changed from %d to %d bytes while hashing", spec.Path, len(js), len(js2))
-			}
-			return layout.WriteFull(f, layout.EncodePrefix(js2, uint32(dataStart)), 0)
-		})
-	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
+			e += count
+		}
+		s.out.Hash = layout.TensorHash(hs.Sum64())
+		return nil
+	})
 	if err != nil {
 		return err
 	}
-	m.WrittenBytes = dataStart + end
-	return nil
+	js, err := h.Encode()
+	if err != nil {
+		return err
+	}
+	if len(js) != jsLen {
+		return fmt.Errorf("jobs: %s: header length changed from %d to %d bytes while hashing", path, jsLen, len(js))
+	}
+	return layout.WriteFull(f, layout.EncodePrefix(js, uint32(dataStart)), 0)
 }
 
 // blockTask locates one block: the slot and the block's index in its plan.
@@ -447,10 +467,12 @@ const blockSyncers = 32
 // blockState is one CPU goroutine's state in a block save: its scratch.
 type blockState struct{ scratch []byte }
 
-// stagedBlock is a written block file waiting for its fdatasync and rename.
+// stagedBlock is a written file (a block or a page) waiting for its
+// fdatasync and rename; done, when set, runs after a successful commit.
 type stagedBlock struct {
-	s *layout.Staged
-	n int64
+	s    *layout.Staged
+	n    int64
+	done func()
 }
 
 func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error {
@@ -458,51 +480,11 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 	for _, b := range bs {
 		maxBlock = max(maxBlock, b.plan.MaxBlockBytes())
 	}
-	// The syncers, owned by this call and joined before it returns.
-	staged := make(chan stagedBlock, blockSyncers)
-	var (
-		wg      sync.WaitGroup
-		abort   atomic.Bool
-		errMu   sync.Mutex
-		syncErr error
-	)
-	fail := func(err error) {
-		errMu.Lock()
-		if syncErr == nil {
-			syncErr = err
-		}
-		errMu.Unlock()
-		abort.Store(true)
-	}
-	commit := func(sb stagedBlock) {
-		defer func() {
-			if r := recover(); r != nil { // a panicking FS must not kill the process
-				sb.s.Abort()
-				fail(fmt.Errorf("%w: committing a block of %s: %v\n%s", ErrPanic, w.spec.Path, r, debug.Stack()))
-			}
-		}()
-		if abort.Load() || ctx.Err() != nil {
-			sb.s.Abort()
-			return
-		}
-		if err := sb.s.Commit(layout.PublishOptions{Sync: !w.cfg.NoSync}); err != nil {
-			fail(fmt.Errorf("jobs: %s: %w", w.spec.Path, err))
-			return
-		}
-		w.written.Add(sb.n)
-		w.nWritten.Add(1)
-	}
-	for range min(blockSyncers, total) {
-		wg.Go(func() {
-			for sb := range staged {
-				commit(sb)
-			}
-		})
-	}
+	c := newCommitter(ctx, w.cfg, w.spec.Path, total)
 	err := parallelWith(ctx, w.cfg, total,
 		func() *blockState { return &blockState{scratch: *getScratch(maxBlock)} },
 		func(g int, st *blockState) error {
-			if abort.Load() {
+			if c.failed() {
 				return errSyncerFailed
 			}
 			i := sort.Search(len(bs), func(i int) bool { return bs[i].first+bs[i].plan.Len() > g })
@@ -515,7 +497,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 				w.copied.Add(int64(len(data)))
 				maxInt64(&w.peak, int64(len(data)))
 			}
-			ref, err := w.put(data, staged)
+			ref, err := w.put(data, c)
 			s.refs[g-s.first] = ref
 			return err
 		},
@@ -523,15 +505,95 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 			putScratch(&st.scratch)
 			return nil
 		})
-	if err != nil {
-		abort.Store(true) // the syncers discard what is still queued
-	}
-	close(staged)
-	wg.Wait()
+	syncErr := c.stop(err != nil) // on error the syncers discard what is still queued
+	w.written.Add(c.written.Load())
+	w.nWritten.Add(c.files.Load())
 	if syncErr != nil && (err == nil || err == errSyncerFailed) {
 		return syncErr
 	}
 	return err
+}
+
+// committer fdatasyncs, closes and renames staged files (blocks, pages) on
+// up to blockSyncers goroutines that only wait on the disk, owned by the
+// save that made it and joined by stop. Many syncs in flight let the file
+// system batch them into few journal commits.
+type committer struct {
+	ctx     context.Context
+	cfg     *Config
+	forPath string // for error messages: the snapshot or namespace saved
+	staged  chan stagedBlock
+	wg      sync.WaitGroup
+	abort   atomic.Bool
+	mu      sync.Mutex
+	err     error
+	// written and files count what was committed: bytes and files.
+	written, files atomic.Int64
+}
+
+// newCommitter starts min(blockSyncers, files) syncers (at least one).
+func newCommitter(ctx context.Context, cfg *Config, forPath string, files int) *committer {
+	c := &committer{ctx: ctx, cfg: cfg, forPath: forPath, staged: make(chan stagedBlock, blockSyncers)}
+	for range max(1, min(blockSyncers, files)) {
+		c.wg.Go(func() {
+			for sb := range c.staged {
+				c.commit(sb)
+			}
+		})
+	}
+	return c
+}
+
+func (c *committer) fail(err error) {
+	c.mu.Lock()
+	if c.err == nil {
+		c.err = err
+	}
+	c.mu.Unlock()
+	c.abort.Store(true)
+}
+
+// failed reports whether a commit failed (or stop discarded the queue).
+func (c *committer) failed() bool { return c.abort.Load() }
+
+func (c *committer) commit(sb stagedBlock) {
+	defer func() {
+		if r := recover(); r != nil { // a panicking FS must not kill the process
+			sb.s.Abort()
+			c.fail(fmt.Errorf("%w: committing a file of %s: %v\n%s", ErrPanic, c.forPath, r, debug.Stack()))
+		}
+	}()
+	if c.abort.Load() || c.ctx.Err() != nil {
+		sb.s.Abort()
+		return
+	}
+	if err := sb.s.Commit(layout.PublishOptions{Sync: !c.cfg.NoSync}); err != nil {
+		c.fail(fmt.Errorf("jobs: %s: %w", c.forPath, err))
+		return
+	}
+	if sb.done != nil {
+		sb.done()
+	}
+	c.written.Add(sb.n)
+	c.files.Add(1)
+}
+
+// hand queues a written file for its commit; it blocks while every syncer
+// is busy (backpressure). The committer owns sb from then on.
+func (c *committer) hand(sb stagedBlock) { c.staged <- sb }
+
+// stop closes the queue and waits for the syncers; with discard, files
+// still queued are removed instead of committed. It returns the first
+// commit error.
+func (c *committer) stop(discard bool) error {
+	if discard {
+		c.abort.Store(true)
+	}
+	close(c.staged)
+	c.wg.Wait()
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
 }
 
 // errSyncerFailed stops the CPU tasks of a block save whose syncer failed;
@@ -561,7 +623,7 @@ func (w *blockWriter) packed(ctx context.Context, s *blockSlot, name string) err
 // A file of that name but another size (torn, or foreign) is rewritten. The
 // new block file is written, its write-back started, and handed to the
 // syncers (which block put when they are all busy: backpressure).
-func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockRef, error) {
+func (w *blockWriter) put(data []byte, c *committer) (layout.BlockRef, error) {
 	sum := sha256.Sum256(data)
 	name := hex.EncodeToString(sum[:])
 	ref := layout.BlockRef{Hash: name, Bytes: int64(len(data))}
@@ -602,7 +664,7 @@ func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockR
 			return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 		}
 	}
-	staged <- stagedBlock{s: s, n: int64(len(data))}
+	c.hand(stagedBlock{s: s, n: int64(len(data))})
 	handed = true
 	return ref, nil
 }
