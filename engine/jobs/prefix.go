@@ -1,0 +1,593 @@
+package jobs
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/zeebo/xxh3"
+)
+
+// The prefix cache's jobs: SavePrefix stores the token pages of a cache
+// (only those not stored yet), LoadPrefix loads the longest stored prefix
+// of a token sequence into strided destinations. See ARCHITECTURE.md,
+// "Token pages".
+
+// SavePrefixSpec describes a save to the prefix cache.
+type SavePrefixSpec struct {
+	// NSDir is the namespace directory, <root>/<namespace>; pages go to
+	// NSDir/pages/<k[0:2]>/<k>.
+	NSDir string
+	// Identity names everything that makes KV incompatible (model weights
+	// digest, KV dtype, layout, tensor-parallel rank: the caller decides);
+	// 1 to layout.MaxIdentityBytes bytes. It roots the key chain.
+	Identity string
+	// Tokens are the token ids whose KV Tensors hold, in order; at least 1.
+	Tokens []uint32
+	// Tensors is every tensor of the cache (all layers, K and V), each a
+	// dtype and a strided view of at least 2 axes whose axis -2 is the
+	// token axis, holding at least len(Tokens) tokens (a capacity-padded
+	// buffer's first len(Tokens) tokens are saved; the rest is ignored).
+	Tensors []TensorSpec
+	// PageTokens is P, tokens per page; 0 means layout.DefaultPageTokens.
+	PageTokens int
+}
+
+// PrefixResult reports a prefix save or load. Counts are pages, sizes
+// bytes of page files (header and data), tokens tokens.
+type PrefixResult struct {
+	// Keys: a save's page keys in chain order (every page of the tokens,
+	// the leaf last); a load's keys of the pages it loaded.
+	Keys []layout.PageKey
+	// Tokens: saved (len(Tokens)) or loaded (the prefix's length).
+	Tokens int
+	// PagesWritten, BytesWritten: pages a save wrote. PagesReused,
+	// BytesReused: pages a save found stored (no gather, hash or write).
+	PagesWritten, PagesReused int
+	BytesWritten, BytesReused int64
+	// Missing, for a load, is the first page key it looked for and found
+	// no file for (nil when every page it looked for was found, or the
+	// load stopped for another reason). The engine drops it from its index.
+	Missing *layout.PageKey
+	// Stop, for a load, is why the prefix ended before a missing page or
+	// the end of the tokens: a page that failed verification (ErrCorrupt),
+	// did not decode, or could not be read. The pages before it are
+	// loaded and counted in Tokens. nil otherwise.
+	Stop error
+}
+
+// LoadPrefixSpec describes a load from the prefix cache.
+type LoadPrefixSpec struct {
+	NSDir      string   // as SavePrefixSpec
+	Identity   string   // as SavePrefixSpec
+	Tokens     []uint32 // the prompt's token ids; at least 1
+	PageTokens int      // 0 means layout.DefaultPageTokens
+	// Dest has one destination per tensor of the cache, in the saved
+	// order: a dtype and a strided view (capacity-padded as mlx-lm keeps
+	// them) of the saved tensor's shape except axis -2, which must hold at
+	// least len(Tokens) tokens. Its elements must not overlap
+	// (gather.View.CheckNoOverlap).
+	Dest []TensorSpec
+	// Verify checks every tensor of every page against its xxh3-64; a page
+	// that fails ends the prefix there (PrefixResult.Stop).
+	Verify bool
+}
+
+func pageTokens(p int) int {
+	if p == 0 {
+		return layout.DefaultPageTokens
+	}
+	return p
+}
+
+// checkPrefixTensors validates the views of a save (kind ErrInvalidRequest)
+// or the destinations of a load (ErrDestination): dtype and itemsize,
+// rank 2 to layout.MaxRank, valid view, at least tokens on axis -2, and for
+// a load no overlapping elements.
+func checkPrefixTensors(ts []TensorSpec, tokens int, kind error, what string, write bool) error {
+	if len(ts) == 0 {
+		return fmt.Errorf("%w: no %s", kind, what)
+	}
+	for i, t := range ts {
+		v := t.View
+		size, err := layout.ItemSize(t.DType)
+		if err != nil {
+			return fmt.Errorf("%w: %s %d: %v", kind, what, i, err)
+		}
+		if v.ItemSize != size {
+			return fmt.Errorf("%w: %s %d: view itemsize %d bytes, dtype %s has %d", kind, what, i, v.ItemSize, t.DType, size)
+		}
+		if len(v.Shape) < 2 || len(v.Shape) > layout.MaxRank {
+			return fmt.Errorf("%w: %s %d: %d axes (want 2 to %d; axis -2 is tokens)", kind, what, i, len(v.Shape), layout.MaxRank)
+		}
+		if err := v.Validate(); err != nil {
+			return fmt.Errorf("%w: %s %d: %v", kind, what, i, err)
+		}
+		if write {
+			if err := v.CheckNoOverlap(); err != nil {
+				return fmt.Errorf("%w: %s %d: %v", kind, what, i, err)
+			}
+		}
+		if c := v.Shape[len(v.Shape)-2]; c < tokens {
+			return fmt.Errorf("%w: %s %d holds %d tokens on axis -2, %d are needed", kind, what, i, c, tokens)
+		}
+	}
+	return nil
+}
+
+// SavePrefix stores the token pages of spec.Tokens: one page file per
+// PageTokens tokens, and the partial last page as a leaf. Keys come from
+// the token ids alone, so a page whose file exists with the expected size
+// costs one lstat: no gather, no hash, no write. Each new page is gathered
+// (zero-copy where the view allows), hashed and written as a single file
+// (layout.FormatPage) to a temp file, then fdatasynced and renamed by the
+// save's syncers (as blocks are); then every fan-out directory holding a
+// page of the save and pages/ are fsynced. When SavePrefix returns nil,
+// every page of the tokens is durable under its key.
+//
+// On error (including ctx's) no temp file is left; pages already renamed
+// stay (each is complete and valid on its own, and reachable by a lookup
+// only through its stored parents). The caller's views are not touched
+// after SavePrefix returns.
+//
+// Errors: ErrInvalidRequest (identity, page size, no tokens, a bad view or
+// dtype, too few tokens on axis -2), ctx's error, or an I/O error naming
+// the operation and path.
+func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	var m Metrics
+	p := pageTokens(spec.PageTokens)
+	n := len(spec.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
+	}
+	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+	}
+	if err := checkPrefixTensors(spec.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
+		return nil, m, fmt.Errorf("save prefix %s: %w", spec.NSDir, err)
+	}
+	fsys := cfg.fs()
+	nsDir := spec.NSDir
+	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", nsDir, err)
+	}
+	if !cfg.NoSync {
+		if err := fsys.SyncDir(filepath.Dir(nsDir)); err != nil {
+			return nil, m, fmt.Errorf("jobs: save prefix %s: fsync directory %s: %w", nsDir, filepath.Dir(nsDir), err)
+		}
+	}
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
+	if err != nil {
+		return nil, m, err
+	}
+	defer unlock()
+	pagesDir := layout.PagesDir(nsDir)
+	if err := layout.MkdirAllSynced(fsys, pagesDir, nsDir, !cfg.NoSync); err != nil {
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", nsDir, err)
+	}
+	res := &PrefixResult{Keys: keys, Tokens: n}
+	c := newCommitter(ctx, cfg, pagesDir, len(keys))
+	var copied, peak atomic.Int64
+	made := map[string]bool{}     // fan-out directories created or checked
+	needSync := map[string]bool{} // fan-out directories to fsync
+	shapes := make([][]int, len(spec.Tensors))
+	for i, t := range spec.Tensors {
+		shapes[i] = make([]int, len(t.View.Shape))
+	}
+	parent := layout.PageRoot(spec.Identity, p)
+	for i, key := range keys {
+		if c.failed() {
+			break
+		}
+		if err = ctx.Err(); err != nil {
+			break
+		}
+		lo, hi := i*p, min(n, (i+1)*p)
+		page := &layout.Page{Key: key, Parent: parent, Identity: spec.Identity, PageTokens: p, Tokens: spec.Tokens[lo:hi]}
+		parent = key
+		path := layout.PagePath(nsDir, key)
+		dir := filepath.Dir(path)
+		if !made[dir] {
+			if err = layout.MkdirAllSynced(fsys, dir, pagesDir, false); err != nil { // synced below
+				err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err)
+				break
+			}
+			made[dir] = true
+		}
+		needSync[dir] = true
+		var size int64
+		var ws *WriteSpec
+		var h *layout.Header
+		var slots []slotIn
+		var jsLen int
+		var dataStart int64
+		ws, h, slots, jsLen, dataStart, size, err = planPage(spec.Tensors, shapes, page, lo, path)
+		if err != nil {
+			break
+		}
+		m.LogicalBytes += size - dataStart
+		fi, serr := fsys.Lstat(path)
+		if serr == nil && fi.Mode().IsRegular() && fi.Size() == size {
+			res.PagesReused++
+			res.BytesReused += size
+			continue
+		}
+		if serr != nil && !vfs.IsNotExist(serr) {
+			err = fmt.Errorf("jobs: save prefix: stat page %s: %w", path, serr)
+			break
+		}
+		if serr == nil && fi.IsDir() {
+			err = fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+			break
+		}
+		if err = stagePage(ctx, cfg, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
+			break
+		}
+	}
+	syncErr := c.stop(err != nil)
+	if err == nil {
+		err = syncErr
+	}
+	if err == nil && !cfg.NoSync {
+		dirs := make([]string, 0, len(needSync))
+		for d := range needSync {
+			dirs = append(dirs, d)
+		}
+		slices.Sort(dirs)
+		if err = syncDirs(ctx, fsys, dirs, pagesDir); err == nil {
+			if serr := fsys.SyncDir(pagesDir); serr != nil {
+				err = fmt.Errorf("jobs: save prefix: fsync directory %s: %w", pagesDir, serr)
+			}
+		}
+	}
+	res.PagesWritten = int(c.files.Load())
+	res.BytesWritten = c.written.Load()
+	m.WrittenBytes, m.ReusedBytes = res.BytesWritten, res.BytesReused
+	m.BlocksWritten, m.BlocksReused = int64(res.PagesWritten), int64(res.PagesReused)
+	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
+	m.Elapsed = time.Since(start)
+	if err != nil {
+		return res, m, err
+	}
+	return res, m, nil
+}
+
+// planPage builds a page's header (layout.FormatPage) and file layout from
+// the save's tensors sliced to tokens [lo, lo+len(page.Tokens)) of axis
+// -2. shapes are per-tensor shape buffers, overwritten. size is the page
+// file's size in bytes, known before any byte is gathered (hashes have a
+// fixed length).
+func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (ws *WriteSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, err error) {
+	sliced := make([]TensorSpec, len(ts))
+	for i, t := range ts {
+		v, err := t.View.SliceAxis(len(t.View.Shape)-2, lo, lo+len(page.Tokens), shapes[i])
+		if err != nil {
+			return nil, nil, nil, 0, 0, 0, fmt.Errorf("%w: save prefix %s tensor %d: %v", ErrInvalidRequest, path, i, err)
+		}
+		sliced[i] = TensorSpec{DType: t.DType, View: v}
+	}
+	ws = &WriteSpec{Path: path, Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}
+	if h, slots, err = buildHeader(ws, layout.FormatPage); err != nil {
+		return nil, nil, nil, 0, 0, 0, err
+	}
+	var end int64
+	if jsLen, dataStart, end, err = planSingle(path, h, slots); err != nil {
+		return nil, nil, nil, 0, 0, 0, err
+	}
+	return ws, h, slots, jsLen, dataStart, dataStart + end, nil
+}
+
+// stagePage writes a planned page to a temp file and hands it to c.
+func stagePage(ctx context.Context, cfg *Config, c *committer, ws *WriteSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
+	st, err := layout.Stage(cfg.fs(), ws.Path, size)
+	if err != nil {
+		return fmt.Errorf("jobs: save prefix: %w", err)
+	}
+	handed := false
+	defer func() {
+		if !handed { // an error or a panic before the hand-off
+			st.Abort()
+		}
+	}()
+	if err := fillSingle(ctx, cfg, ws.Path, h, slots, jsLen, dataStart, st.File, copied, peak); err != nil {
+		return err
+	}
+	c.hand(stagedBlock{s: st, n: size})
+	handed = true
+	return nil
+}
+
+// foundPage is a page file a load opened and checked.
+type foundPage struct {
+	f    vfs.File
+	snap *layout.Snapshot
+	lo   int // first token of the page in the prompt
+}
+
+// LoadPrefix loads the longest stored prefix of spec.Tokens into
+// spec.Dest and reports its length in tokens (PrefixResult.Tokens, a
+// multiple of PageTokens unless the prompt's last, partial page was stored
+// as a leaf with exactly the prompt's remaining tokens).
+//
+// Order of work: (1) the request is checked: identity, page size, at least
+// one token, every destination's dtype, itemsize, rank, validity, no
+// overlapping elements, and room for len(Tokens) tokens on axis -2; (2) the
+// page files of the prefix are opened in chain order until one is missing
+// (a miss, never an error: PrefixResult.Missing) or fails to decode (the
+// prefix ends there: PrefixResult.Stop); each opened page is checked
+// against the request: its key, identity, page size and token ids, and
+// each tensor's dtype and shape (the destination's, axis -2 aside); (3)
+// only then are the destinations written: every tensor of every page is
+// read straight into the destination's token range (pread into each
+// contiguous piece of the view when pieces are at least 64 KiB, else
+// through scratch), and with Verify hashed while hot in cache.
+//
+// What a destination holds afterwards, in its elements on axis -2 (every
+// other byte of the caller's buffers is never written):
+//   - error from step 1 or 2 (ErrInvalidRequest, ErrDestination,
+//     ErrMismatch): nothing was written;
+//   - success with Tokens = t: tokens [0, t) hold the stored KV; tokens
+//     [t, capacity) hold what they held before, except that when Stop is
+//     set (a page j failed verification or its read failed) tokens from
+//     j's first token up to the end of the pages that were found may have
+//     been overwritten with stored or partial data;
+//   - ctx's error or ErrPanic: tokens [0, end of the pages found) are
+//     undefined, the rest untouched.
+//
+// Files are opened without following symlinks; the load holds the
+// namespace's lock shared (when the lock file exists). Destinations are
+// not touched after LoadPrefix returns.
+func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	var m Metrics
+	p := pageTokens(spec.PageTokens)
+	n := len(spec.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
+	}
+	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+	}
+	if err := checkPrefixTensors(spec.Dest, n, ErrDestination, "destination", true); err != nil {
+		return nil, m, fmt.Errorf("load prefix %s: %w", spec.NSDir, err)
+	}
+	fsys := cfg.fs()
+	nsDir := spec.NSDir
+	res := &PrefixResult{}
+	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	if err != nil {
+		return nil, m, err
+	}
+	defer unlock()
+	pagesDir := layout.PagesDir(nsDir)
+	for _, d := range []string{nsDir, pagesDir} {
+		if err := checkDir(fsys, d); err != nil {
+			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", nsDir, err)
+		}
+	}
+	// Step 2: open and check every page of the prefix.
+	var found []foundPage
+	defer func() {
+		for _, fp := range found {
+			fp.f.Close()
+		}
+	}()
+	checked := map[string]error{}
+	for i, key := range keys {
+		if err := ctx.Err(); err != nil {
+			return nil, m, err
+		}
+		path := layout.PagePath(nsDir, key)
+		dir := filepath.Dir(path)
+		derr, ok := checked[dir]
+		if !ok {
+			derr = checkDir(fsys, dir)
+			checked[dir] = derr
+		}
+		if derr != nil {
+			return nil, m, fmt.Errorf("jobs: load prefix: %w", derr)
+		}
+		f, err := fsys.Open(path)
+		if err != nil {
+			if vfs.IsNotExist(err) {
+				k := key
+				res.Missing = &k
+				break
+			}
+			res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
+			break
+		}
+		snap, err := layout.Decode(f, path)
+		if err != nil || snap.Page == nil {
+			f.Close()
+			if err == nil {
+				err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
+			}
+			res.Stop = fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
+			break
+		}
+		lo := i * p
+		found = append(found, foundPage{f: f, snap: snap, lo: lo})
+		if err := checkPage(snap, key, spec, lo, min(n, lo+p)); err != nil {
+			return nil, m, err
+		}
+	}
+	// Step 3: read every tensor of every page found into its destination.
+	nt := len(spec.Dest)
+	var bad atomic.Int64 // the first page that failed, or len(found)
+	bad.Store(int64(len(found)))
+	var mu sync.Mutex
+	stops := map[int]error{}
+	var read atomic.Int64
+	err = parallel(ctx, cfg, len(found)*nt, ChunkBytes, func(k int, scratch []byte) error {
+		pi, ti := k/nt, k%nt
+		if int64(pi) > bad.Load() {
+			return nil // past a failed page: not loaded anyway
+		}
+		fp := &found[pi]
+		t := fp.snap.Header.Caches[0].Tensors[ti]
+		d := spec.Dest[ti].View
+		var shp [layout.MaxRank]int
+		sub, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
+		if err == nil {
+			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, spec.Verify, t.Hash, &read)
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			mu.Lock()
+			if _, dup := stops[pi]; !dup {
+				stops[pi] = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, ti, err)
+			}
+			mu.Unlock()
+			for {
+				old := bad.Load()
+				if int64(pi) >= old || bad.CompareAndSwap(old, int64(pi)) {
+					break
+				}
+			}
+		}
+		return nil
+	})
+	m.ReadBytes = read.Load()
+	m.Elapsed = time.Since(start)
+	if err != nil {
+		return nil, m, err
+	}
+	loaded := int(bad.Load())
+	if loaded < len(found) {
+		res.Stop = stops[loaded]
+		res.Missing = nil
+	}
+	for _, fp := range found[:loaded] {
+		res.Keys = append(res.Keys, fp.snap.Page.Key)
+		res.Tokens = fp.lo + len(fp.snap.Page.Tokens)
+		for _, t := range fp.snap.Header.Caches[0].Tensors {
+			m.LogicalBytes += t.Bytes
+		}
+	}
+	return res, m, nil
+}
+
+// checkPage checks an opened page against the load's request before any
+// destination is touched: the key it is stored under, identity, page size,
+// token ids [lo, hi) of the prompt, and each tensor's dtype and shape (the
+// destination's, axis -2 aside). Errors wrap ErrMismatch.
+func checkPage(snap *layout.Snapshot, key layout.PageKey, spec *LoadPrefixSpec, lo, hi int) error {
+	pg := snap.Page
+	switch {
+	case pg.Key != key:
+		return fmt.Errorf("%w: page %s holds key %s", ErrMismatch, snap.Path, pg.Key)
+	case pg.Identity != spec.Identity:
+		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrMismatch, snap.Path, pg.Identity, spec.Identity)
+	case pg.PageTokens != pageTokens(spec.PageTokens):
+		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrMismatch, snap.Path, pg.PageTokens, pageTokens(spec.PageTokens))
+	case !slices.Equal(pg.Tokens, spec.Tokens[lo:hi]):
+		return fmt.Errorf("%w: page %s holds other token ids than the prompt's [%d, %d)", ErrMismatch, snap.Path, lo, hi)
+	}
+	ts := snap.Header.Caches[0].Tensors
+	if len(ts) != len(spec.Dest) {
+		return fmt.Errorf("%w: page %s has %d tensors, the load %d destinations", ErrMismatch, snap.Path, len(ts), len(spec.Dest))
+	}
+	for i, t := range ts {
+		d := spec.Dest[i]
+		same := t.DType == d.DType && len(t.Shape) == len(d.View.Shape)
+		for a := 0; same && a < len(t.Shape); a++ {
+			same = a == len(t.Shape)-2 || t.Shape[a] == int64(d.View.Shape[a])
+		}
+		if !same {
+			return fmt.Errorf("%w: page %s tensor %d is %s%v, destination %d is %s%v", ErrMismatch, snap.Path, i, t.DType, t.Shape, i, d.DType, d.View.Shape)
+		}
+	}
+	return nil
+}
+
+// pieceMinBytes: destination pieces at least this long are read into
+// directly (one pread each); shorter ones go through scratch and a scatter.
+const pieceMinBytes = 64 << 10
+
+// readPageTensor fills dst, the destination's view of one page tensor's
+// elements, with the tensor's logical bytes stored at off in f, hashing
+// them when verify and checking the hash against want (ErrCorrupt). The
+// only I/O is pageRead.
+func readPageTensor(ctx context.Context, f vfs.File, off int64, dst gather.View, scratch []byte, verify bool, want string, read *atomic.Int64) error {
+	hs := hasherPool.Get().(*xxh3.Hasher)
+	defer hasherPool.Put(hs)
+	hs.Reset()
+	if dst.RunElements()*dst.ItemSize >= pieceMinBytes {
+		err := dst.RunsRange(0, dst.Elements(), func(piece []byte) error {
+			for o := 0; o < len(piece); {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				c := piece[o:min(len(piece), o+readChunk)]
+				if err := pageRead(f, c, off); err != nil {
+					return err
+				}
+				if verify {
+					hs.Write(c)
+				}
+				read.Add(int64(len(c)))
+				off += int64(len(c))
+				o += len(c)
+			}
+			return nil
+		})
+		if err != nil {
+			return err
+		}
+	} else {
+		n := dst.Elements()
+		chunk := max(1, len(scratch)/dst.ItemSize)
+		for e := 0; e < n; {
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			count := min(chunk, n-e)
+			b := scratch[:count*dst.ItemSize]
+			if err := pageRead(f, b, off); err != nil {
+				return err
+			}
+			if verify {
+				hs.Write(b)
+			}
+			if err := dst.ScatterRange(e, count, b); err != nil {
+				return err
+			}
+			read.Add(int64(len(b)))
+			off += int64(len(b))
+			e += count
+		}
+	}
+	if verify {
+		if got := layout.TensorHash(hs.Sum64()); got != want {
+			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
+		}
+	}
+	return nil
+}
+
+// pageRead is the load's one I/O primitive: exactly len(b) bytes of f at
+// off (a short file is layout.ErrTruncated). It is kept apart so the load
+// can move to the shared read primitive (queue depth, O_DIRECT) unchanged.
+func pageRead(f vfs.File, b []byte, off int64) error {
+	if err := layout.ReadFull(f, b, off); err != nil {
+		if errors.Is(err, layout.ErrTruncated) {
+			return fmt.Errorf("%w: %v", ErrCorrupt, err)
+		}
+		return err
+	}
+	return nil
+}
