@@ -83,9 +83,11 @@ func ParsePageKey(s string) (PageKey, error) {
 // PageRoot returns k_0 = SHA-256("kvpersist/page/v1\n" ‖ u32 LE
 // len(identity) ‖ identity ‖ u32 LE pageTokens), the parent of a chain's
 // first page. Arguments are not validated (see CheckIdentity,
-// CheckPageTokens).
+// CheckPageTokens); it does not allocate for an identity of at most
+// MaxIdentityBytes.
 func PageRoot(identity string, pageTokens int) PageKey {
-	buf := make([]byte, 0, len(pageKeyDomain)+8+len(identity))
+	var stack [len(pageKeyDomain) + 8 + MaxIdentityBytes]byte
+	buf := stack[:0] // no allocation for a valid identity
 	buf = append(buf, pageKeyDomain...)
 	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(identity)))
 	buf = append(buf, identity...)

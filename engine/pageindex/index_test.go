@@ -1,0 +1,141 @@
+package pageindex_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+func toks(n int, seed uint32) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = seed*7919 + uint32(i)*31
+	}
+	return out
+}
+
+// save stores the pages of tokens (one tiny tensor, P = 16) with jobs.
+func save(t *testing.T, nsDir, identity string, tokens []uint32) {
+	t.Helper()
+	buf := make([]byte, len(tokens)*4*2)
+	v := gather.View{Base: buf, Shape: []int{1, len(tokens), 4}, Strides: []int{len(tokens) * 4, 4, 1}, ItemSize: 2}
+	_, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.SavePrefixSpec{
+		NSDir: nsDir, Identity: identity, Tokens: tokens, PageTokens: 16,
+		Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+func load(t *testing.T, nsDir, identity string, tokens []uint32) int {
+	t.Helper()
+	buf := make([]byte, len(tokens)*4*2)
+	v := gather.View{Base: buf, Shape: []int{1, len(tokens), 4}, Strides: []int{len(tokens) * 4, 4, 1}, ItemSize: 2}
+	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.LoadPrefixSpec{
+		NSDir: nsDir, Identity: identity, Tokens: tokens, PageTokens: 16, Verify: true,
+		Dest: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return res.Tokens
+}
+
+// The index built from a store answers what a load of the store finds.
+func TestBuildLookupAgreesWithLoad(t *testing.T) {
+	root := t.TempDir()
+	a := toks(100, 1) // 6 full pages and a leaf of 4
+	b := append(slices.Clone(a[:40]), toks(37, 2)...)
+	save(t, filepath.Join(root, "ns1"), "m", a)
+	save(t, filepath.Join(root, "ns1"), "m", b)
+	save(t, filepath.Join(root, "ns2"), "m", a[:50])
+	// Entries that are not pages are skipped, temp files ignored.
+	junk := filepath.Join(root, "ns1", "pages", "zz")
+	if err := os.MkdirAll(junk, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	fan := filepath.Join(root, "ns1", "pages", "ab")
+	if err := os.MkdirAll(fan, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"cd00000000000000000000000000000000000000000000000000000000000000", "README", ".x.tmp-0123456789abcdef"} {
+		if err := os.WriteFile(filepath.Join(fan, n), nil, 0o640); err != nil {
+			t.Fatal(err)
+		}
+	}
+	x, st, err := pageindex.Build(vfs.Default, root)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// a: 7 pages; b: pages 0-1 shared, 2 more full + leaf of 13; ns2: 3 full + leaf of 2.
+	if st.Namespaces != 2 || st.Pages != 7+3+4 || x.Len("ns1") != 10 || x.Len("ns2") != 4 || len(st.Skipped) != 3 {
+		t.Fatalf("build: %+v, ns1 %d ns2 %d", st, x.Len("ns1"), x.Len("ns2"))
+	}
+	prompts := [][]uint32{a, b, a[:96], a[:97], a[:50], a[:40], a[:45], b[:60], toks(50, 9), append(slices.Clone(a), 1, 2, 3)}
+	for _, ns := range []string{"ns1", "ns2", "ns3"} {
+		for i, p := range prompts {
+			got, err := x.Lookup(ns, "m", 16, p)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := load(t, filepath.Join(root, ns), "m", p); got != want {
+				t.Fatalf("%s prompt %d (%d tokens): lookup %d, load %d", ns, i, len(p), got, want)
+			}
+		}
+	}
+	if got, _ := x.Lookup("ns1", "m", 16, a); got != 100 {
+		t.Fatalf("whole conversation: %d", got)
+	}
+	if got, _ := x.Lookup("ns1", "other", 16, a); got != 0 {
+		t.Fatalf("another identity: %d", got)
+	}
+	// Removing page 2 of a (behind no one's back) shortens its prefix.
+	keys, _, _ := layout.PageChain("m", 16, a)
+	x.Remove("ns1", keys[2])
+	if got, _ := x.Lookup("ns1", "m", 16, a); got != 32 {
+		t.Fatalf("after removing page 2: %d", got)
+	}
+	keys50, _, _ := layout.PageChain("m", 16, a[:50])
+	x.Remove("ns2", keys50...)
+	if x.Len("ns2") != 0 {
+		t.Fatalf("ns2 still has %d keys", x.Len("ns2"))
+	}
+	if _, err := x.Lookup("ns1", "", 16, a); !errors.Is(err, layout.ErrIdentity) {
+		t.Fatal(err)
+	}
+	if _, err := x.Lookup("ns1", "m", 12, a); !errors.Is(err, layout.ErrPageTokens) {
+		t.Fatal(err)
+	}
+}
+
+func TestLookupNoAlloc(t *testing.T) {
+	x := pageindex.New()
+	p := toks(4096+100, 3)
+	keys, _, _ := layout.PageChain("m", 256, p)
+	x.Add("ns", keys...)
+	n := testing.AllocsPerRun(50, func() {
+		if got, _ := x.Lookup("ns", "m", 256, p); got != len(p) {
+			panic(got)
+		}
+	})
+	if n != 0 {
+		t.Fatalf("Lookup allocates %v times", n)
+	}
+}
+
+func TestBuildMissingRoot(t *testing.T) {
+	x, st, err := pageindex.Build(vfs.Default, filepath.Join(t.TempDir(), "none"))
+	if err != nil || st.Pages != 0 || x.Len("x") != 0 {
+		t.Fatalf("%+v %v", st, err)
+	}
+}
