@@ -222,7 +222,7 @@ func (d *dispatcher) schedule() (blocked bool) {
 			if !d.eligible(j) {
 				continue
 			}
-			if j.kind == KindRead {
+			if j.kind == KindRead || j.kind == KindLoadPrefix { // restores first
 				if read == nil {
 					read = j
 				}
@@ -244,7 +244,7 @@ func (d *dispatcher) schedule() (blocked bool) {
 			e.waiting.Store(true) // helpers yield so this one can start
 			return true
 		}
-		if pick.kind == KindRead && other != nil {
+		if (pick.kind == KindRead || pick.kind == KindLoadPrefix) && other != nil {
 			d.readRun++
 		} else {
 			d.readRun = 0
@@ -408,6 +408,8 @@ func (e *Engine) execute(j *job, res *Result) {
 		})
 	case *MigrateRequest:
 		res.Metrics, err = e.runMigrate(j.ctx, &cfg, r)
+	default:
+		_, err = e.executePrefix(j.ctx, &cfg, r, res)
 	}
 	if err != nil {
 		res.Header = nil

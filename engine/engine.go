@@ -28,6 +28,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
 )
@@ -95,6 +96,8 @@ type Engine struct {
 	abortMu sync.Once
 
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
+
+	pages *pageindex.Index // the prefix cache's index (prefix.go)
 }
 
 type stats struct {
@@ -148,7 +151,16 @@ func New(cfg Config) (*Engine, error) {
 	} else if err := layout.MkdirAllSynced(cfg.FS, filepath.Clean(cfg.Root), "", !cfg.NoSync); err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
+	// The prefix cache's index, from the page files' names.
+	pages, pst, err := pageindex.Build(cfg.FS, cfg.Root)
+	if err != nil {
+		return nil, fmt.Errorf("engine: page index: %w", err)
+	}
+	if len(pst.Skipped) > 0 {
+		cfg.Logger.Warn("kvpersist: entries under pages/ that are not page files", "count", len(pst.Skipped), "first", pst.Skipped[0])
+	}
 	e := &Engine{
+		pages:   pages,
 		cfg:     cfg,
 		log:     cfg.Logger,
 		mailbox: make(chan *job, cfg.Mailbox),
@@ -247,7 +259,10 @@ type Result struct {
 	// block lists); for a read, the header that was read. nil on error.
 	Header  *layout.Header
 	Metrics jobs.Metrics
-	Err     error
+	// Prefix is the report of a SavePrefixRequest or LoadPrefixRequest
+	// (also on error, when the job got that far); nil for other jobs.
+	Prefix *jobs.PrefixResult
+	Err    error
 }
 
 // Kind is a job's kind.
@@ -260,6 +275,8 @@ const (
 	KindCollect
 	KindMigrate
 	KindDelete
+	KindSavePrefix
+	KindLoadPrefix
 )
 
 // String is the kind's name: "write", "read", "collect", "migrate" or "delete".
@@ -275,6 +292,10 @@ func (k Kind) String() string {
 		return "migrate"
 	case KindDelete:
 		return "delete"
+	case KindSavePrefix:
+		return "save-prefix"
+	case KindLoadPrefix:
+		return "load-prefix"
 	}
 	return fmt.Sprintf("Kind(%d)", int(k))
 }
@@ -288,7 +309,7 @@ type Job struct {
 }
 
 // Request is a *WriteRequest, *ReadRequest, *CollectRequest,
-// *MigrateRequest or *DeleteRequest.
+// *MigrateRequest, *DeleteRequest, *SavePrefixRequest or *LoadPrefixRequest.
 type Request interface{ request() }
 
 // WriteRequest saves a KV cache. The views' memory, and the request itself
@@ -402,7 +423,7 @@ func requestAck(req Request) chan<- Result {
 			return r.Ack
 		}
 	}
-	return nil
+	return prefixAck(req)
 }
 
 func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, error) {
@@ -446,7 +467,11 @@ func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, erro
 		}
 		j.kind, j.ref = KindDelete, r.Ref
 	default:
-		return nil, fmt.Errorf("engine: unknown request type %T", req)
+		if ok, err := e.preparePrefix(j, req); err != nil {
+			return nil, err
+		} else if !ok {
+			return nil, fmt.Errorf("engine: unknown request type %T", req)
+		}
 	}
 	if j.kind == KindWrite || j.kind == KindRead || j.kind == KindDelete {
 		p, err := e.Path(j.ref)

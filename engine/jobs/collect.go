@@ -195,6 +195,9 @@ func (c *collector) namespace(ctx context.Context, nsDir string) error {
 			}
 		case name == layout.BlocksDirName && e.IsDir():
 			hasBlocks = true
+		case name == layout.PagesDirName && e.IsDir():
+			// The prefix cache's pages: all kept for now (live when a
+			// manifest names them, cache entries otherwise).
 		case e.Type().IsRegular():
 			// Any regular file may be a manifest, whatever its name (the
 			// Bun worker accepted any name): decode it. A file that does

@@ -1,0 +1,161 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+)
+
+// The prefix cache through the engine: SavePrefixRequest and
+// LoadPrefixRequest are jobs like the others (mailbox, dispatcher, pool,
+// one ack after the last touch of the caller's views); Lookup answers from
+// the engine's in-memory index (pageindex) on the caller's goroutine.
+//
+// Ordering: a prefix job is scoped to its namespace and has no path. It
+// never runs beside a collect or a migrate of its namespace (each waits for
+// the other, in submission order); prefix jobs run beside each other and
+// beside writes and reads (two saves of one page write the same bytes; the
+// later rename wins). A load has a read's priority.
+
+// SavePrefixRequest saves the token pages of a KV cache to the prefix
+// cache of Namespace (see jobs.SavePrefixSpec for every field's rules):
+// only pages not stored yet are gathered, hashed and written. The views'
+// memory, and the request, must stay valid and unchanged until the ack. On
+// success the pages are durable and in the engine's index; Result.Prefix
+// reports pages and bytes written and reused.
+type SavePrefixRequest struct {
+	Namespace  string
+	Identity   string
+	Tokens     []uint32
+	Tensors    []jobs.TensorSpec
+	PageTokens int           // 0 means layout.DefaultPageTokens (256)
+	Ack        chan<- Result // see WriteRequest.Ack
+}
+
+// LoadPrefixRequest loads the longest stored prefix of Tokens from the
+// prefix cache of Namespace into Dest (one capacity-padded strided view
+// per tensor, room for len(Tokens) tokens on axis -2). Result.Prefix.Tokens
+// is the prefix's length in tokens; what each destination holds after
+// every outcome is documented at jobs.LoadPrefix. Dest must stay valid
+// until the ack.
+type LoadPrefixRequest struct {
+	Namespace  string
+	Identity   string
+	Tokens     []uint32
+	Dest       []jobs.TensorSpec
+	PageTokens int // 0 means layout.DefaultPageTokens (256)
+	Verify     bool
+	Ack        chan<- Result // see WriteRequest.Ack
+}
+
+func (*SavePrefixRequest) request() {}
+func (*LoadPrefixRequest) request() {}
+
+// prefixAck is requestAck for the prefix requests.
+func prefixAck(req Request) chan<- Result {
+	switch r := req.(type) {
+	case *SavePrefixRequest:
+		if r != nil {
+			return r.Ack
+		}
+	case *LoadPrefixRequest:
+		if r != nil {
+			return r.Ack
+		}
+	}
+	return nil
+}
+
+// preparePrefix validates a prefix request's namespace on the submitting
+// goroutine and scopes the job to it. ok is false for other requests.
+func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
+	var ns string
+	switch r := req.(type) {
+	case *SavePrefixRequest:
+		if r == nil {
+			return true, fmt.Errorf("%w: nil *SavePrefixRequest", ErrPath)
+		}
+		j.kind, ns = KindSavePrefix, r.Namespace
+	case *LoadPrefixRequest:
+		if r == nil {
+			return true, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrPath)
+		}
+		j.kind, ns = KindLoadPrefix, r.Namespace
+	default:
+		return false, nil
+	}
+	if _, err := e.nsDir(ns); err != nil {
+		return true, err
+	}
+	j.ref = Ref{Namespace: ns}
+	j.ns = []string{ns}
+	return true, nil
+}
+
+// nsDir resolves a namespace's directory: ErrPath for an invalid name or a
+// namespace directory that is a symlink or not a directory.
+func (e *Engine) nsDir(ns string) (string, error) {
+	if err := layout.ValidName("namespace", ns); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
+	}
+	dir := filepath.Join(e.cfg.Root, ns)
+	if st, err := e.cfg.FS.Lstat(dir); err == nil && (st.Mode()&os.ModeSymlink != 0 || !st.IsDir()) {
+		return "", fmt.Errorf("%w: namespace %s is a symlink or not a directory", ErrPath, dir)
+	}
+	return dir, nil
+}
+
+// executePrefix runs a prefix job and keeps the index current: a save's
+// keys are added once durable; a load adds the pages it found and removes
+// the first one it found missing (removed behind the index's back).
+func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
+	switch r := req.(type) {
+	case *SavePrefixRequest:
+		dir := filepath.Join(e.cfg.Root, r.Namespace)
+		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens,
+		})
+		if err == nil {
+			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+		}
+	case *LoadPrefixRequest:
+		dir := filepath.Join(e.cfg.Root, r.Namespace)
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify,
+		})
+		if err == nil {
+			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			if res.Prefix.Missing != nil {
+				e.pages.Remove(r.Namespace, *res.Prefix.Missing)
+			}
+		}
+	default:
+		return false, nil
+	}
+	return true, err
+}
+
+// Lookup returns the length, in tokens, of the longest prefix of tokens
+// stored in the prefix cache of namespace for identity and pageTokens (0
+// means layout.DefaultPageTokens), from the engine's index: a multiple of
+// pageTokens, or len(tokens) when the last, partial page was stored with
+// exactly the remaining tokens. It runs on the caller's goroutine without
+// I/O or allocation. The index reflects this engine's saves and what was
+// on disk when it started; a page another process removed since is found
+// missing by LoadPrefix (which then loads less, without error).
+//
+// Errors: ErrPath (invalid namespace), layout.ErrIdentity,
+// layout.ErrPageTokens.
+func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uint32) (int, error) {
+	if err := layout.ValidName("namespace", namespace); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrPath, err)
+	}
+	if pageTokens == 0 {
+		pageTokens = layout.DefaultPageTokens
+	}
+	return e.pages.Lookup(namespace, identity, pageTokens, tokens)
+}
