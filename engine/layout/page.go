@@ -2,14 +2,14 @@ package layout
 
 import (
 	"bytes"
+	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"path/filepath"
-
-	"github.com/minio/sha256-simd"
+	"sync"
 )
 
 // Token pages: the prefix cache's unit of storage (ARCHITECTURE.md, "Token
@@ -80,14 +80,23 @@ func ParsePageKey(s string) (PageKey, error) {
 	return k, nil
 }
 
+// pageBuf is the scratch in which a chain step's input is laid out: 32
+// bytes of parent key and up to MaxPageTokens token ids (or a root's
+// domain, identity and page size). Pooled: zeroing 16 KiB of stack on
+// every call cost more than the hash.
+type pageBuf [32 + 4*MaxPageTokens]byte
+
+var pageBufs = sync.Pool{New: func() any { return new(pageBuf) }}
+
 // PageRoot returns k_0 = SHA-256("kvpersist/page/v1\n" ‖ u32 LE
 // len(identity) ‖ identity ‖ u32 LE pageTokens), the parent of a chain's
 // first page. Arguments are not validated (see CheckIdentity,
 // CheckPageTokens); it does not allocate for an identity of at most
 // MaxIdentityBytes.
 func PageRoot(identity string, pageTokens int) PageKey {
-	var stack [len(pageKeyDomain) + 8 + MaxIdentityBytes]byte
-	buf := stack[:0] // no allocation for a valid identity
+	pb := pageBufs.Get().(*pageBuf)
+	defer pageBufs.Put(pb)
+	buf := pb[:0]
 	buf = append(buf, pageKeyDomain...)
 	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(identity)))
 	buf = append(buf, identity...)
@@ -99,13 +108,14 @@ func PageRoot(identity string, pageTokens int) PageKey {
 // page i as u32 LE). len(tokens) must be at most MaxPageTokens (it panics
 // otherwise, like an out-of-range index). It does not allocate.
 func PageNext(parent PageKey, tokens []uint32) PageKey {
-	var buf [32 + 4*MaxPageTokens]byte
-	copy(buf[:32], parent[:])
-	b := buf[32 : 32+4*len(tokens)]
+	pb := pageBufs.Get().(*pageBuf)
+	defer pageBufs.Put(pb)
+	copy(pb[:32], parent[:])
+	b := pb[32 : 32+4*len(tokens)]
 	for i, t := range tokens {
 		binary.LittleEndian.PutUint32(b[4*i:], t)
 	}
-	return sha256.Sum256(buf[:32+4*len(tokens)])
+	return sha256.Sum256(pb[:32+4*len(tokens)])
 }
 
 // PageChain returns the keys of the pages of tokens: one per full page of
