@@ -254,7 +254,8 @@ func TestDecodeValidatesTensors(t *testing.T) {
 		msg    []string
 	}
 	cases := []tcase{
-		{"future formatVersion", false, func(h *layout.Header) { h.FormatVersion = 6 }, layout.ErrFormatVersion, []string{"formatVersion 6"}},
+		{"future formatVersion", false, func(h *layout.Header) { h.FormatVersion = 9 }, layout.ErrFormatVersion, []string{"formatVersion 9"}},
+		{"page file without a page object", false, func(h *layout.Header) { h.FormatVersion = layout.FormatPage }, layout.ErrInvalidHeader, []string{"page"}},
 		{"formatVersion 0 without legacy magic", false, func(h *layout.Header) { h.FormatVersion = 0 }, layout.ErrFormatVersion, []string{"formatVersion 0"}},
 		{"tensor beyond file size", false, func(h *layout.Header) { h.Attachments[0].Tensors[0].Off = 8 * layout.TensorAlign }, layout.ErrTruncated,
 			[]string{"attachment 0 tensor 0 (slot 4)"}},
