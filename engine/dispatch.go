@@ -391,11 +391,11 @@ func (e *Engine) execute(j *job, res *Result) {
 		}
 		res.Header, res.Metrics, err = jobs.Write(j.ctx, &cfg, &jobs.WriteSpec{
 			Path: j.path, Layout: r.Layout, Meta: r.Meta, Caches: r.Caches, Attachments: r.Attachments,
-			BlockBytes: bb, Packed: r.Packed,
+			BlockBytes: bb, Packed: r.Packed, Identity: r.Identity,
 		})
 	case *ReadRequest:
 		var snap *layout.Snapshot
-		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, &jobs.ReadSpec{Path: j.path, Dest: r.Dest, Verify: r.Verify, Expect: r.Expect})
+		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, &jobs.ReadSpec{Path: j.path, Dest: r.Dest, Verify: r.Verify, Expect: r.Expect, Identity: r.Identity})
 		if err == nil {
 			res.Header = snap.Header
 		}

@@ -323,6 +323,10 @@ type WriteRequest struct {
 	Attachments []jobs.EntrySpec
 	BlockBytes  int  // 0 means Config.BlockBytes
 	Packed      bool // see jobs.WriteSpec.Packed
+	// Identity, when not empty, is stored in the header (see
+	// jobs.WriteSpec.Identity); a read naming another fails with
+	// jobs.ErrMismatch.
+	Identity string
 	// Ack, when non-nil, receives the Result instead of a channel made by
 	// the engine (to multiplex many jobs on one channel, by Result.ID). The
 	// engine sends on it from a job goroutine and waits for room: give it a
@@ -339,7 +343,10 @@ type ReadRequest struct {
 	// Expect, when non-nil, is the header the caller allocated for (from
 	// Stat): a differing dtype or shape fails with jobs.ErrMismatch.
 	Expect *layout.Header
-	Ack    chan<- Result // see WriteRequest.Ack
+	// Identity, when not empty, must be the identity the snapshot was
+	// written with, else jobs.ErrMismatch (nothing is read).
+	Identity string
+	Ack      chan<- Result // see WriteRequest.Ack
 }
 
 // CollectRequest garbage-collects unreferenced blocks.

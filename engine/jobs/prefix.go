@@ -591,3 +591,19 @@ func pageRead(f vfs.File, b []byte, off int64) error {
 	}
 	return nil
 }
+
+// checkIdentity fails with ErrMismatch unless want is empty or equals the
+// identity snap was written with.
+func checkIdentity(snap *layout.Snapshot, want string) error {
+	if want == "" {
+		return nil
+	}
+	got, ok := snap.Header.Identity()
+	if !ok {
+		return fmt.Errorf("%w: %s was written without an identity, the read names %q", ErrMismatch, snap.Path, want)
+	}
+	if got != want {
+		return fmt.Errorf("%w: %s has identity %q, the read names %q", ErrMismatch, snap.Path, got, want)
+	}
+	return nil
+}

@@ -35,6 +35,10 @@ type ReadSpec struct {
 	// earlier Stat): every slot's dtype and shape must still match, else
 	// ErrMismatch (the snapshot was replaced in between).
 	Expect *layout.Header
+	// Identity, when not empty, must equal the identity the snapshot was
+	// written with (layout.Header.Identity), else ErrMismatch before any
+	// destination is touched (also when it was written without one).
+	Identity string
 }
 
 // SlotError is one tensor that failed during a read.
@@ -128,6 +132,9 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 		return nil, m, err
 	}
 	if err := CheckDest(snap, spec.Dest, spec.Expect); err != nil {
+		return snap, m, err
+	}
+	if err := checkIdentity(snap, spec.Identity); err != nil {
 		return snap, m, err
 	}
 	slots := snap.Header.Slots()

@@ -49,6 +49,10 @@ type WriteSpec struct {
 	// (the original's segmented:false); the blocks are identical, only the
 	// copying differs. Default is segmented: blocks straight from the view.
 	Packed bool
+	// Identity, when not empty, is written as the header's top-level
+	// "identity" (layout.IdentityKey; Meta must not have that key): a read
+	// naming another identity fails with ErrMismatch.
+	Identity string
 }
 
 type slotIn struct {
@@ -150,6 +154,13 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 		}
 	default:
 		return nil, m, fmt.Errorf("%w: %s: unknown layout %v", ErrInvalidRequest, spec.Path, spec.Layout)
+	}
+	if spec.Identity != "" {
+		withID := *spec
+		if withID.Meta, err = layout.WithIdentity(spec.Meta, spec.Identity); err != nil {
+			return nil, m, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
+		}
+		spec = &withID
 	}
 	h, slots, err := buildHeader(spec, version)
 	if err != nil {

@@ -273,3 +273,41 @@ func parsePage(h *Header) (*Page, error) {
 	}
 	return &p, nil
 }
+
+// IdentityKey is the top-level header key under which a snapshot or
+// manifest written with an identity carries it, as a JSON string (caller
+// metadata otherwise: older files may use the key for anything).
+const IdentityKey = "identity"
+
+// Identity returns the identity a snapshot was written with: the
+// top-level "identity" metadata when it is a JSON string; ok is false
+// when there is none (or it is not a string).
+func (h *Header) Identity() (id string, ok bool) {
+	raw, present := h.Meta[IdentityKey]
+	if !present {
+		return "", false
+	}
+	if err := json.Unmarshal(raw, &id); err != nil || isNull(raw) {
+		return "", false
+	}
+	return id, true
+}
+
+// WithIdentity returns a copy of meta carrying identity under IdentityKey
+// (meta itself is not modified). Errors: ErrIdentity for an invalid
+// identity, ErrInvalidHeader when meta already has the key.
+func WithIdentity(meta Meta, identity string) (Meta, error) {
+	if err := CheckIdentity(identity); err != nil {
+		return nil, err
+	}
+	if _, ok := meta[IdentityKey]; ok {
+		return nil, fmt.Errorf("%w: metadata already has the key %q and an identity was given", ErrInvalidHeader, IdentityKey)
+	}
+	out := make(Meta, len(meta)+1)
+	for k, v := range meta {
+		out[k] = v
+	}
+	b, _ := json.Marshal(identity)
+	out[IdentityKey] = b
+	return out, nil
+}
