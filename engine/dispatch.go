@@ -392,7 +392,11 @@ func (e *Engine) execute(j *job, res *Result) {
 		res.Header, res.Metrics, err = jobs.Write(j.ctx, &cfg, &jobs.WriteSpec{
 			Path: j.path, Layout: r.Layout, Meta: r.Meta, Caches: r.Caches, Attachments: r.Attachments,
 			BlockBytes: bb, Packed: r.Packed, Identity: r.Identity,
+			Tokens: r.Tokens, PageTokens: r.PageTokens,
 		})
+		if err == nil && r.Layout == layout.Pages {
+			e.indexPagesWrite(r)
+		}
 	case *ReadRequest:
 		var snap *layout.Snapshot
 		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, &jobs.ReadSpec{Path: j.path, Dest: r.Dest, Verify: r.Verify, Expect: r.Expect, Identity: r.Identity})

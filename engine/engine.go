@@ -317,7 +317,7 @@ type Request interface{ request() }
 // Result's Header shares the request's Meta values (they are immutable JSON).
 type WriteRequest struct {
 	Ref
-	Layout      layout.Layout // layout.Single or layout.Blocks
+	Layout      layout.Layout // layout.Single, layout.Blocks or layout.Pages
 	Meta        layout.Meta   // top-level caller metadata
 	Caches      []jobs.EntrySpec
 	Attachments []jobs.EntrySpec
@@ -325,8 +325,15 @@ type WriteRequest struct {
 	Packed      bool // see jobs.WriteSpec.Packed
 	// Identity, when not empty, is stored in the header (see
 	// jobs.WriteSpec.Identity); a read naming another fails with
-	// jobs.ErrMismatch.
+	// jobs.ErrMismatch. Required by layout.Pages.
 	Identity string
+	// Tokens and PageTokens, for layout.Pages only: the token ids the
+	// cache tensors hold (axis -2 of each has exactly len(Tokens)) and
+	// tokens per page (0 means layout.DefaultPageTokens). The cache is
+	// stored as token pages shared with the prefix cache (see
+	// SavePrefixRequest); the manifest lists their keys.
+	Tokens     []uint32
+	PageTokens int
 	// Ack, when non-nil, receives the Result instead of a channel made by
 	// the engine (to multiplex many jobs on one channel, by Result.ID). The
 	// engine sends on it from a job goroutine and waits for room: give it a

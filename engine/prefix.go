@@ -159,3 +159,15 @@ func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uin
 	}
 	return e.pages.Lookup(namespace, identity, pageTokens, tokens)
 }
+
+// indexPagesWrite adds the pages of a successful layout.Pages write to the
+// index: they are durable and shared with the prefix cache.
+func (e *Engine) indexPagesWrite(r *WriteRequest) {
+	p := r.PageTokens
+	if p == 0 {
+		p = layout.DefaultPageTokens
+	}
+	if keys, _, err := layout.PageChain(r.Identity, p, r.Tokens); err == nil {
+		e.pages.Add(r.Namespace, keys...)
+	}
+}

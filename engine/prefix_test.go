@@ -218,3 +218,83 @@ func TestEnginePrefixAckInvariant(t *testing.T) {
 	}
 	wg.Wait()
 }
+
+// layout.Pages: a named save whose cache is stored as token pages shared
+// with the prefix cache; resume by name and lookup by prompt find the same
+// pages.
+func TestEnginePagesLayout(t *testing.T) {
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2})
+	m := testutil.Tiny
+	const T = 300
+	c, want := cacheOf(m, T, true)
+	toks := prefixTokens(T, 9)
+	ref := refOf("conv", "turn-1")
+	req := writeReq(ref, c, layout.Pages, 0)
+	req.Identity, req.Tokens, req.PageTokens = "tiny", toks, 64
+	w := mustDo(t, e, req)
+	if w.Metrics.BlocksWritten != 5 || w.Metrics.BlocksReused != 0 {
+		t.Fatalf("pages write: %+v", w.Metrics)
+	}
+	snap, err := e.Stat(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, _, _ := layout.PageChain("tiny", 64, toks)
+	if snap.Layout != layout.Pages || snap.Pages == nil || len(snap.Pages.Keys) != 5 || snap.Pages.Keys[4] != keys[4] || snap.Pages.Tokens != T {
+		t.Fatalf("manifest: layout %v pages %+v", snap.Layout, snap.Pages)
+	}
+	if id, ok := snap.Header.Identity(); !ok || id != "tiny" {
+		t.Fatalf("identity %q", id)
+	}
+	// Resume by name: every slot (the token ids attachment too) reads back.
+	dest := destOf(m, T)
+	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Identity: "tiny"})
+	equalSlots(t, "pages read", dest, want)
+	// The prefix cache sees the same pages.
+	if n, _ := e.Lookup("conv", "tiny", 64, toks); n != T {
+		t.Fatalf("lookup after a named save: %d", n)
+	}
+	s := mustDo(t, e, &SavePrefixRequest{Namespace: "conv", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
+	if s.Prefix.PagesWritten != 0 || s.Prefix.PagesReused != 5 {
+		t.Fatalf("prefix save after a named save: %+v", s.Prefix)
+	}
+	bufs, pd := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
+	if r := mustDo(t, e, &LoadPrefixRequest{Namespace: "conv", Identity: "tiny", Tokens: toks, Dest: pd, PageTokens: 64, Verify: true}); r.Prefix.Tokens != T {
+		t.Fatalf("prefix load: %+v", r.Prefix)
+	}
+	checkLoaded(t, c, bufs, 320, T)
+	// Collect keeps the pages; the snapshot still reads back.
+	mustDo(t, e, &CollectRequest{Namespaces: []string{"conv"}})
+	dest = destOf(m, T)
+	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Verify: true})
+	equalSlots(t, "pages read after collect", dest, want)
+	// A page gone: every cache slot fails with ErrMissingPage; the
+	// attachment is still read.
+	if err := os.Remove(layout.PagePath(filepath.Join(root, "conv"), keys[3])); err != nil {
+		t.Fatal(err)
+	}
+	dest = destOf(m, T)
+	r := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true})
+	var re *jobs.ReadError
+	if !errors.As(r.Err, &re) || !errors.Is(r.Err, jobs.ErrMissingPage) || len(re.Slots) != 2*m.Layers {
+		t.Fatalf("read with a page missing: %v", r.Err)
+	}
+	if last := len(dest) - 1; !bytes.Equal(dest[last], want[last]) {
+		t.Fatal("the attachment was not read")
+	}
+	// Invalid pages writes.
+	for name, edit := range map[string]func(*WriteRequest){
+		"no identity": func(r *WriteRequest) { r.Identity = "" },
+		"no tokens":   func(r *WriteRequest) { r.Tokens = nil },
+		"token count": func(r *WriteRequest) { r.Tokens = toks[:T-1] },
+		"page size":   func(r *WriteRequest) { r.PageTokens = 100 },
+	} {
+		bad := writeReq(refOf("conv", "bad"), c, layout.Pages, 0)
+		bad.Identity, bad.Tokens, bad.PageTokens = "tiny", toks, 64
+		edit(bad)
+		if r := e.Do(bg, bad); !errors.Is(r.Err, jobs.ErrInvalidRequest) {
+			t.Fatalf("%s: %v", name, r.Err)
+		}
+	}
+}

@@ -171,20 +171,34 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 		return nil, m, err
 	}
 	defer unlock()
+	res := &PrefixResult{Keys: keys, Tokens: n}
+	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, spec.Tensors, keys, res, &m)
+	m.Elapsed = time.Since(start)
+	return res, m, err
+}
+
+// savePages stores the pages keys (PageChain of tokens) of tensors in
+// nsDir/pages, the namespace already created and locked: existing pages
+// are reused by name and size, new ones written and committed by the
+// fsync waiters, then the fan-out directories and pages/ are fsynced. It
+// fills res's counts and m's write metrics.
+func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics) error {
+	fsys := cfg.fs()
+	n := len(tokens)
 	pagesDir := layout.PagesDir(nsDir)
 	if err := layout.MkdirAllSynced(fsys, pagesDir, nsDir, !cfg.NoSync); err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", nsDir, err)
+		return fmt.Errorf("jobs: save pages %s: %w", nsDir, err)
 	}
-	res := &PrefixResult{Keys: keys, Tokens: n}
+	var err error
 	c := newCommitter(ctx, cfg, pagesDir, len(keys))
 	var copied, peak atomic.Int64
 	made := map[string]bool{}     // fan-out directories created or checked
 	needSync := map[string]bool{} // fan-out directories to fsync
-	shapes := make([][]int, len(spec.Tensors))
-	for i, t := range spec.Tensors {
+	shapes := make([][]int, len(tensors))
+	for i, t := range tensors {
 		shapes[i] = make([]int, len(t.View.Shape))
 	}
-	parent := layout.PageRoot(spec.Identity, p)
+	parent := layout.PageRoot(identity, p)
 	for i, key := range keys {
 		if c.failed() {
 			break
@@ -193,7 +207,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 			break
 		}
 		lo, hi := i*p, min(n, (i+1)*p)
-		page := &layout.Page{Key: key, Parent: parent, Identity: spec.Identity, PageTokens: p, Tokens: spec.Tokens[lo:hi]}
+		page := &layout.Page{Key: key, Parent: parent, Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
 		parent = key
 		path := layout.PagePath(nsDir, key)
 		dir := filepath.Dir(path)
@@ -211,7 +225,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 		var slots []slotIn
 		var jsLen int
 		var dataStart int64
-		ws, h, slots, jsLen, dataStart, size, err = planPage(spec.Tensors, shapes, page, lo, path)
+		ws, h, slots, jsLen, dataStart, size, err = planPage(tensors, shapes, page, lo, path)
 		if err != nil {
 			break
 		}
@@ -255,11 +269,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 	m.WrittenBytes, m.ReusedBytes = res.BytesWritten, res.BytesReused
 	m.BlocksWritten, m.BlocksReused = int64(res.PagesWritten), int64(res.PagesReused)
 	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
-	m.Elapsed = time.Since(start)
-	if err != nil {
-		return res, m, err
-	}
-	return res, m, nil
+	return err
 }
 
 // planPage builds a page's header (layout.FormatPage) and file layout from
@@ -606,4 +616,203 @@ func checkIdentity(snap *layout.Snapshot, want string) error {
 		return fmt.Errorf("%w: %s has identity %q, the read names %q", ErrMismatch, snap.Path, got, want)
 	}
 	return nil
+}
+
+// ErrMissingPage: a page named by a page manifest does not exist.
+var ErrMissingPage = errors.New("missing page")
+
+// cacheSlots is the number of cache tensors of h (the first slots).
+func cacheSlots(h *layout.Header) int {
+	n := 0
+	for _, e := range h.Caches {
+		n += len(e.Tensors)
+	}
+	return n
+}
+
+// checkPagesSpec validates what the Pages layout adds to a write: an
+// identity, a page size, at least one token, every cache tensor with at
+// least 2 axes and exactly len(Tokens) tokens on axis -2, no caller
+// metadata named "pages".
+func checkPagesSpec(spec *WriteSpec, slots []slotIn) error {
+	if _, _, err := layout.PageChain(spec.Identity, pageTokens(spec.PageTokens), nil); err != nil {
+		return fmt.Errorf("%w: %s: pages layout: %w", ErrInvalidRequest, spec.Path, err)
+	}
+	n := len(spec.Tokens)
+	if n == 0 {
+		return fmt.Errorf("%w: %s: pages layout without token ids", ErrInvalidRequest, spec.Path)
+	}
+	if _, ok := spec.Meta["pages"]; ok {
+		return fmt.Errorf("%w: %s: metadata key \"pages\" is reserved in the pages layout", ErrInvalidRequest, spec.Path)
+	}
+	nc := 0
+	for _, e := range spec.Caches {
+		nc += len(e.Tensors)
+	}
+	if nc == 0 {
+		return fmt.Errorf("%w: %s: pages layout without cache tensors", ErrInvalidRequest, spec.Path)
+	}
+	for _, s := range slots[:nc] {
+		sh := s.t.View.Shape
+		if len(sh) < 2 || sh[len(sh)-2] != n {
+			return fmt.Errorf("%w: %s %s: shape %v; the pages layout needs axis -2 = the %d tokens", ErrInvalidRequest, spec.Path, s.name, sh, n)
+		}
+	}
+	return nil
+}
+
+// writePages writes a named snapshot in the Pages layout (the namespace
+// created and locked by Write): the cache tensors are saved as token pages
+// (savePages: pages already stored are reused, shared with the prefix
+// cache), then, once every page is durable, the page manifest is published
+// like a single file whose data region holds only the attachments.
+func writePages(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+	p := pageTokens(spec.PageTokens)
+	nc := cacheSlots(h)
+	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	if err != nil {
+		return fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
+	}
+	tensors := make([]TensorSpec, nc)
+	for i, s := range slots[:nc] {
+		tensors[i] = *s.t
+		m.LogicalBytes += s.out.Bytes
+	}
+	res := &PrefixResult{Keys: keys}
+	var pm Metrics
+	if err := savePages(ctx, cfg, filepath.Dir(spec.Path), spec.Identity, p, spec.Tokens, tensors, keys, res, &pm); err != nil {
+		return err
+	}
+	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}
+	meta := make(layout.Meta, len(h.Meta)+1)
+	for k, v := range h.Meta {
+		meta[k] = v
+	}
+	meta["pages"] = list.MetaJSON()
+	h.Meta = meta
+	var am Metrics
+	if err := writeSingle(ctx, cfg, &WriteSpec{Path: spec.Path}, h, slots[nc:], &am); err != nil {
+		return err
+	}
+	m.LogicalBytes += am.LogicalBytes
+	m.WrittenBytes = pm.WrittenBytes + am.WrittenBytes
+	m.ReusedBytes = pm.ReusedBytes
+	m.BlocksWritten, m.BlocksReused = pm.BlocksWritten, pm.BlocksReused
+	m.CopiedBytes = pm.CopiedBytes + am.CopiedBytes
+	m.ScratchPeak = max(pm.ScratchPeak, am.ScratchPeak)
+	return nil
+}
+
+// readPaged reads a page manifest into dest (one buffer per slot, exactly
+// its bytes, checked by Read): every page is opened and checked against the
+// manifest first (key, identity, page size, token count, tensors' dtypes
+// and shapes); a missing or mismatching page fails every cache slot
+// (ErrMissingPage, ErrCorrupt) and none of them is read. Then each page
+// tensor is read into its token range of the slot (a row-major view of
+// dest), verified with the page's hash, and each attachment from the
+// manifest. Per-slot failures go to fail; the error is ctx's or a panic.
+func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte, verify bool, read *atomic.Int64, fail func(int, error)) error {
+	fsys := cfg.fs()
+	pl := snap.Pages
+	slots := snap.Header.Slots()
+	nc := cacheSlots(snap.Header)
+	nsDir := filepath.Dir(snap.Path)
+	pages := make([]foundPage, 0, len(pl.Keys))
+	defer func() {
+		for _, fp := range pages {
+			fp.f.Close()
+		}
+	}()
+	pageErr := func() error {
+		if err := checkDir(fsys, layout.PagesDir(nsDir)); err != nil {
+			return err
+		}
+		for i, k := range pl.Keys {
+			path := layout.PagePath(nsDir, k)
+			if err := checkDir(fsys, filepath.Dir(path)); err != nil {
+				return err
+			}
+			pf, err := fsys.Open(path)
+			if err != nil {
+				if vfs.IsNotExist(err) {
+					return fmt.Errorf("%w: %s", ErrMissingPage, path)
+				}
+				return err
+			}
+			ps, err := layout.Decode(pf, path)
+			if err == nil && ps.Page == nil {
+				err = fmt.Errorf("%s is not a page file", path)
+			}
+			if err != nil {
+				pf.Close()
+				return fmt.Errorf("%w: %w", ErrCorrupt, err)
+			}
+			lo := i * pl.PageTokens
+			pages = append(pages, foundPage{f: pf, snap: ps, lo: lo})
+			pg := ps.Page
+			if pg.Key != k || pg.Identity != pl.Identity || pg.PageTokens != pl.PageTokens || len(pg.Tokens) != min(pl.PageTokens, pl.Tokens-lo) || len(ps.Header.Caches[0].Tensors) != nc {
+				return fmt.Errorf("%w: page %s does not match the manifest (key, identity, page size, tokens or tensor count)", ErrCorrupt, path)
+			}
+			for ti, t := range ps.Header.Caches[0].Tensors {
+				want := slots[ti]
+				same := t.DType == want.DType && len(t.Shape) == len(want.Shape)
+				for a := 0; same && a < len(t.Shape); a++ {
+					same = a == len(t.Shape)-2 || t.Shape[a] == want.Shape[a]
+				}
+				if !same {
+					return fmt.Errorf("%w: page %s tensor %d is %s%v, the manifest's %s%v", ErrCorrupt, path, ti, t.DType, t.Shape, want.DType, want.Shape)
+				}
+			}
+		}
+		return nil
+	}()
+	if pageErr != nil {
+		for i := range nc {
+			fail(i, pageErr)
+		}
+		pages, nc = pages[:0:0], 0 // read the attachments only
+	}
+	var bad sync.Map // slot -> struct{}: one failure per slot
+	onErr := func(slot int, err error) {
+		if _, dup := bad.LoadOrStore(slot, struct{}{}); !dup {
+			fail(slot, err)
+		}
+	}
+	nPaged := len(pages) * nc
+	return parallel(ctx, cfg, nPaged+len(slots)-cacheSlots(snap.Header), ChunkBytes, func(k int, scratch []byte) error {
+		if k >= nPaged {
+			i := cacheSlots(snap.Header) + k - nPaged
+			if err := readTensor(ctx, f, snap, slots[i], dest[i], verify, read); err != nil {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				onErr(i, err)
+			}
+			return nil
+		}
+		pi, ti := k/nc, k%nc
+		if _, skip := bad.Load(ti); skip {
+			return nil
+		}
+		fp := &pages[pi]
+		t := fp.snap.Header.Caches[0].Tensors[ti]
+		shape := make([]int, len(slots[ti].Shape))
+		for a, d := range slots[ti].Shape {
+			shape[a] = int(d)
+		}
+		size, _ := layout.ItemSize(slots[ti].DType)
+		v := gather.View{Base: dest[ti], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size}
+		var shp [layout.MaxRank]int
+		sub, err := v.SliceAxis(len(shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
+		if err == nil {
+			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, verify, t.Hash, read)
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			onErr(ti, fmt.Errorf("page %s: %w", fp.snap.Path, err))
+		}
+		return nil
+	})
 }

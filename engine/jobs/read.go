@@ -149,7 +149,9 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 		failures = append(failures, SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: err})
 		mu.Unlock()
 	}
-	if snap.Layout == layout.Single {
+	if snap.Layout == layout.Pages {
+		err = readPaged(ctx, cfg, f, snap, spec.Dest, spec.Verify, &read, fail)
+	} else if snap.Layout == layout.Single {
 		err = parallel(ctx, cfg, len(slots), 0, func(i int, _ []byte) error {
 			if err := readTensor(ctx, f, snap, slots[i], spec.Dest[i], spec.Verify, &read); err != nil {
 				if ctx.Err() != nil {

@@ -51,8 +51,15 @@ type WriteSpec struct {
 	Packed bool
 	// Identity, when not empty, is written as the header's top-level
 	// "identity" (layout.IdentityKey; Meta must not have that key): a read
-	// naming another identity fails with ErrMismatch.
+	// naming another identity fails with ErrMismatch. Required by the
+	// Pages layout (it roots the page keys).
 	Identity string
+	// Tokens and PageTokens, for the Pages layout only: the token ids whose
+	// KV the cache tensors hold (each cache tensor's axis -2 has exactly
+	// len(Tokens) tokens) and tokens per page (0 means
+	// layout.DefaultPageTokens). See writePages.
+	Tokens     []uint32
+	PageTokens int
 }
 
 type slotIn struct {
@@ -152,6 +159,8 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 		if err = CheckBlockBytes(bb); err != nil {
 			return nil, m, fmt.Errorf("jobs: %s: %w", spec.Path, err)
 		}
+	case layout.Pages:
+		version = layout.FormatPages
 	default:
 		return nil, m, fmt.Errorf("%w: %s: unknown layout %v", ErrInvalidRequest, spec.Path, spec.Layout)
 	}
@@ -165,6 +174,11 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 	h, slots, err := buildHeader(spec, version)
 	if err != nil {
 		return nil, m, err
+	}
+	if spec.Layout == layout.Pages {
+		if err = checkPagesSpec(spec, slots); err != nil {
+			return nil, m, err
+		}
 	}
 	nsDir := filepath.Dir(spec.Path)
 	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
@@ -186,6 +200,8 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 	defer unlock()
 	if spec.Layout == layout.Single {
 		err = writeSingle(ctx, cfg, spec, h, slots, &m)
+	} else if spec.Layout == layout.Pages {
+		err = writePages(ctx, cfg, spec, h, slots, &m)
 	} else {
 		err = writeBlocks(ctx, cfg, spec, h, slots, bb, &m)
 	}

@@ -20,6 +20,9 @@ type Snapshot struct {
 	// Page is the page object of a page file (FormatPage), nil otherwise;
 	// it is removed from Header.Meta.
 	Page *Page
+	// Pages is the page list of a page manifest (FormatPages), nil
+	// otherwise; it is removed from Header.Meta.
+	Pages *PageList
 }
 
 // Decode reads and validates the prefix and header of an open file, before
@@ -76,6 +79,11 @@ func Decode(f vfs.File, path string) (*Snapshot, error) {
 	snap := &Snapshot{Path: path, Prefix: p, Layout: lay, Size: size, Header: h, JSON: js}
 	if h.FormatVersion == FormatPage {
 		if snap.Page, err = parsePage(h); err != nil {
+			return nil, fmt.Errorf("layout: %s: %w", path, err)
+		}
+	}
+	if lay == Pages {
+		if snap.Pages, err = parsePageList(h); err != nil {
 			return nil, fmt.Errorf("layout: %s: %w", path, err)
 		}
 	}

@@ -56,6 +56,10 @@ const (
 	Single Layout = iota + 1
 	// Blocks is a manifest naming content-addressed block files.
 	Blocks
+	// Pages is a page manifest (FormatPages): the cache tensors' bytes are
+	// in token pages named by their keys, shared with the prefix cache;
+	// attachments are in the manifest's own data region.
+	Pages
 )
 
 func (l Layout) String() string {
@@ -64,6 +68,8 @@ func (l Layout) String() string {
 		return "single"
 	case Blocks:
 		return "blocks"
+	case Pages:
+		return "pages"
 	}
 	return fmt.Sprintf("Layout(%d)", int(l))
 }
@@ -75,8 +81,10 @@ func ParseLayout(s string) (Layout, error) {
 		return Single, nil
 	case "blocks":
 		return Blocks, nil
+	case "pages":
+		return Pages, nil
 	}
-	return 0, fmt.Errorf("layout: unknown layout %q (want single or blocks)", s)
+	return 0, fmt.Errorf("layout: unknown layout %q (want single, blocks or pages)", s)
 }
 
 // Sentinel errors of decoding, usable with errors.Is. Returned errors wrap
@@ -213,12 +221,14 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		lay = Blocks
 	case (h.FormatVersion == FormatSingle || h.FormatVersion == FormatPage) && !p.Legacy:
 		lay = Single // a page file is a single file with a "page" object
+	case h.FormatVersion == FormatPages && !p.Legacy:
+		lay = Pages
 	case h.FormatVersion == 0 && p.Legacy:
 		lay = Single
 	default:
-		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d, %d and %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocks, FormatPage)
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatPages)
 	}
-	if lay == Single && !p.Legacy && p.DataStart%DataAlign != 0 {
+	if lay != Blocks && !p.Legacy && p.DataStart%DataAlign != 0 {
 		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)
 	}
 	if int64(p.DataStart) > fileSize {
@@ -229,6 +239,12 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		slot   int
 	}
 	var spans []span
+	paged := 0 // slots whose bytes are in pages: every cache tensor of a page manifest
+	if lay == Pages {
+		for _, e := range h.Caches {
+			paged += len(e.Tensors)
+		}
+	}
 	for i, t := range h.Slots() {
 		name := slotName{h, i} // formatted only on error: SlotName is O(entries)
 		if len(t.Shape) > MaxRank {
@@ -256,7 +272,17 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		} else if !p.Legacy || t.DType == "" {
 			return 0, fmt.Errorf("%w: %s: %w", ErrInvalidHeader, name, err)
 		}
-		switch lay {
+		kind := lay
+		if lay == Pages {
+			kind = Single // an attachment of a page manifest
+			if i < paged {
+				if t.Off != 0 || t.Hash != "" || t.Blocks != nil || len(t.Shape) < 2 {
+					return 0, fmt.Errorf("%w: %s of a page manifest must have off 0, hash \"\", no blocks and at least 2 axes", ErrInvalidHeader, name)
+				}
+				continue
+			}
+		}
+		switch kind {
 		case Single:
 			if t.Off < 0 {
 				return 0, fmt.Errorf("%w: %s off %d is negative", ErrInvalidHeader, name, t.Off)

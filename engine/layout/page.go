@@ -311,3 +311,91 @@ func WithIdentity(meta Meta, identity string) (Meta, error) {
 	out[IdentityKey] = b
 	return out, nil
 }
+
+// FormatPages is the formatVersion of a page manifest: a named snapshot
+// whose cache tensors are stored as token pages (layout Pages).
+const FormatPages = 7
+
+// PageList is the "pages" object of a page manifest: the pages holding its
+// cache tensors' bytes, in chain order (the leaf last when Tokens is not a
+// multiple of PageTokens).
+type PageList struct {
+	Identity   string
+	PageTokens int
+	Tokens     int // the snapshot's token count: every cache tensor's axis -2
+	Keys       []PageKey
+}
+
+type pageListJSON struct {
+	Identity   string   `json:"identity"`
+	PageTokens int      `json:"pageTokens"`
+	Tokens     int      `json:"tokens"`
+	Keys       []string `json:"keys"`
+}
+
+var pageListFields = []string{"identity", "pageTokens", "tokens", "keys"}
+
+// MetaJSON is the "pages" object as compact JSON.
+func (l *PageList) MetaJSON() json.RawMessage {
+	w := pageListJSON{Identity: l.Identity, PageTokens: l.PageTokens, Tokens: l.Tokens, Keys: make([]string, len(l.Keys))}
+	for i, k := range l.Keys {
+		w.Keys[i] = k.String()
+	}
+	b, _ := json.Marshal(w)
+	return b
+}
+
+// parsePageList extracts and strictly validates the "pages" object of a
+// page manifest, removing it from h.Meta: identity and page size valid,
+// tokens >= 1, exactly ceil(tokens/pageTokens) keys of 64 lowercase hex
+// digits, and every cache tensor's axis -2 equal to tokens.
+func parsePageList(h *Header) (*PageList, error) {
+	raw, ok := h.Meta["pages"]
+	if !ok || isNull(raw) {
+		return nil, fmt.Errorf("%w: page manifest without a \"pages\" object", ErrInvalidHeader)
+	}
+	var obj map[string]json.RawMessage
+	if err := json.Unmarshal(raw, &obj); err != nil || obj == nil || len(obj) != len(pageListFields) {
+		return nil, fmt.Errorf("%w: \"pages\" must be an object with exactly the keys %v", ErrInvalidHeader, pageListFields)
+	}
+	var w pageListJSON
+	dsts := []any{&w.Identity, &w.PageTokens, &w.Tokens, &w.Keys}
+	for i, k := range pageListFields {
+		v, ok := obj[k]
+		if !ok || isNull(v) {
+			return nil, fmt.Errorf("%w: pages.%s is missing or null", ErrInvalidHeader, k)
+		}
+		if err := json.Unmarshal(v, dsts[i]); err != nil {
+			return nil, fmt.Errorf("%w: pages.%s: %v", ErrInvalidHeader, k, err)
+		}
+	}
+	l := &PageList{Identity: w.Identity, PageTokens: w.PageTokens, Tokens: w.Tokens}
+	if err := CheckIdentity(l.Identity); err != nil {
+		return nil, fmt.Errorf("%w: pages: %w", ErrInvalidHeader, err)
+	}
+	if err := CheckPageTokens(l.PageTokens); err != nil {
+		return nil, fmt.Errorf("%w: pages: %w", ErrInvalidHeader, err)
+	}
+	if l.Tokens < 1 {
+		return nil, fmt.Errorf("%w: pages.tokens %d (want >= 1)", ErrInvalidHeader, l.Tokens)
+	}
+	if n := (l.Tokens + l.PageTokens - 1) / l.PageTokens; len(w.Keys) != n {
+		return nil, fmt.Errorf("%w: %d page keys for %d tokens of %d per page (want %d)", ErrInvalidHeader, len(w.Keys), l.Tokens, l.PageTokens, n)
+	}
+	l.Keys = make([]PageKey, len(w.Keys))
+	for i, s := range w.Keys {
+		var err error
+		if l.Keys[i], err = ParsePageKey(s); err != nil {
+			return nil, err
+		}
+	}
+	for ci, e := range h.Caches {
+		for ti, t := range e.Tensors {
+			if t.Shape[len(t.Shape)-2] != int64(l.Tokens) {
+				return nil, fmt.Errorf("%w: cache %d tensor %d has shape %v; axis -2 must be the manifest's %d tokens", ErrInvalidHeader, ci, ti, t.Shape, l.Tokens)
+			}
+		}
+	}
+	delete(h.Meta, "pages")
+	return l, nil
+}
