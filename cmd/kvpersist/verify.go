@@ -274,7 +274,7 @@ func (v *verifier) planSnap(snap *layout.Snapshot, name string, uses map[string]
 	var tasks []verifyTask
 	nsDir := filepath.Dir(snap.Path)
 	for i, t := range snap.Header.Slots() {
-		if snap.Layout == layout.Single {
+		if snap.Layout == layout.Single || (snap.Layout == layout.Pages && t.Hash != "") { // a page manifest's attachments
 			tasks = append(tasks, verifyTask{path: snap.Path, off: int64(snap.DataStart) + t.Off, size: t.Bytes,
 				want: t.Hash, bun: snap.Legacy, slot: snap.Header.SlotName(i)})
 			continue
