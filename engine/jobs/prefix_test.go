@@ -476,6 +476,7 @@ func TestPrefixLoadTokenMajor(t *testing.T) {
 // Faults at every point of a save: the error is returned, no temp file is
 // left, and every page that was published decodes and verifies.
 func TestPrefixSaveFaults(t *testing.T) {
+	firedTotal := 0
 	for _, op := range []testutil.Op{testutil.OpCreate, testutil.OpWriteAt, testutil.OpSync, testutil.OpRename, testutil.OpSyncDir, testutil.OpMkdirAll} {
 		for nth := 1; nth <= 3; nth++ {
 			root := t.TempDir()
@@ -487,6 +488,9 @@ func TestPrefixSaveFaults(t *testing.T) {
 				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(600), PageTokens: 256,
 			})
 			fired := len(ffs.Injected()) > 0
+			if fired {
+				firedTotal++
+			}
 			if fired != (err != nil) {
 				t.Fatalf("%s #%d: fault fired %v, error %v", op, nth, fired, err)
 			}
@@ -507,5 +511,59 @@ func TestPrefixSaveFaults(t *testing.T) {
 				t.Fatalf("%s #%d: no fault, loaded %d", op, nth, lr.Tokens)
 			}
 		}
+	}
+	if firedTotal < 12 {
+		t.Fatalf("only %d of the injected faults fired", firedTotal)
+	}
+}
+
+// Faults at every point of a load: never a failed load; the prefix ends at
+// the first page that could not be opened or read (Stop wraps the errno),
+// and the tokens reported as loaded hold the stored KV.
+func TestPrefixLoadFaults(t *testing.T) {
+	ns := filepath.Join(t.TempDir(), "ns")
+	c := newConv(seqTokens(600, 11), pTensors, pHeads, pDim, 768)
+	savePrefix(t, noSync(), ns, c, 600, 256)
+	fired := 0
+	for _, op := range []testutil.Op{testutil.OpOpen, testutil.OpReadAt, testutil.OpLstat, testutil.OpLock} {
+		for nth := 1; nth <= 12; nth++ {
+			ffs := testutil.NewFaultFS(nil)
+			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
+			bufs, dest := c.dests(768)
+			res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{FS: ffs}, &jobs.LoadPrefixSpec{
+				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			})
+			hit := len(ffs.Injected()) > 0
+			if !hit {
+				if err != nil || res.Tokens != 600 {
+					t.Fatalf("%s #%d: no fault fired: %+v %v", op, nth, res, err)
+				}
+				continue
+			}
+			fired++
+			if err != nil {
+				// Only the checks before any page is opened may fail the load.
+				if !errors.Is(err, syscall.EIO) || res != nil {
+					t.Fatalf("%s #%d: %v", op, nth, err)
+				}
+				c.checkDest(t, bufs, 768, 0)
+				continue
+			}
+			if res.Tokens == 600 || res.Tokens%256 != 0 || !errors.Is(res.Stop, syscall.EIO) {
+				t.Fatalf("%s #%d: %+v", op, nth, res)
+			}
+			for ti, b := range bufs { // the loaded tokens are the stored KV
+				for h := range pHeads {
+					for tok := range res.Tokens {
+						if got := binary.LittleEndian.Uint16(b[((h*768+tok)*pDim)*2:]); got != c.value(ti, h, tok, 0) {
+							t.Fatalf("%s #%d: tensor %d token %d differs", op, nth, ti, tok)
+						}
+					}
+				}
+			}
+		}
+	}
+	if fired < 10 {
+		t.Fatalf("only %d faults fired", fired)
 	}
 }
