@@ -48,6 +48,8 @@ func runHelper(mode string, args []string) int {
 		return writerMain(args)
 	case "collector":
 		return collectorMain(args)
+	case "crash-prefix":
+		return crashPrefixMain(args)
 	}
 	fmt.Fprintf(os.Stderr, "unknown helper mode %q\n", mode)
 	return 2

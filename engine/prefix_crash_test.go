@@ -1,0 +1,220 @@
+package engine_test
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"io/fs"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// The prefix cache under SIGKILL: a helper saves growing conversations that
+// share a 200-token system prompt (fsync on, pages of 64 tokens); the test
+// kills it at random moments and checks every page file left.
+
+const (
+	cpConvs     = 4
+	cpMaxTokens = 1024
+	cpPage      = 64
+	cpIdentity  = "tiny/bf16"
+)
+
+// cpTokens is conversation c's token ids: a shared 200-token prompt, then
+// its own.
+func cpTokens(c int) []uint32 {
+	out := make([]uint32, cpMaxTokens)
+	for i := range out {
+		if i < 200 {
+			out[i] = uint32(50000 + i)
+		} else {
+			out[i] = uint32(c*100000 + i)
+		}
+	}
+	return out
+}
+
+func cpTensors(cache *testutil.Cache, n int) []jobs.TensorSpec {
+	vs := cache.ViewsAt(n)
+	out := make([]jobs.TensorSpec, 2*cache.Model.Layers)
+	for i := range out {
+		out[i] = jobs.TensorSpec{DType: cache.Model.DType, View: vs[i]}
+	}
+	return out
+}
+
+// crashPrefixMain saves conversations, two saves in flight, printing
+// "ready", then "ack <conv> <tokens>" for each successful save; it runs
+// until killed.
+func crashPrefixMain(args []string) int {
+	fl := flag.NewFlagSet("crash-prefix", flag.ContinueOnError)
+	root := fl.String("root", "", "store root")
+	seed := fl.Uint64("seed", 1, "random seed")
+	if err := fl.Parse(args); err != nil {
+		return 2
+	}
+	e, err := engine.New(engine.Config{Root: *root, Workers: 2, Logger: discardLogger})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	cache := testutil.NewCache(testutil.Tiny, cpMaxTokens, true, nil)
+	rng := rand.New(rand.NewPCG(*seed, 3))
+	toks := make([][]uint32, cpConvs)
+	for c := range toks {
+		toks[c] = cpTokens(c)
+	}
+	acks := make(chan engine.Result, 2)
+	what := map[uint64]string{}
+	fmt.Println("ready")
+	inFlight := 0
+	for {
+		for ; inFlight < 2; inFlight++ {
+			c, n := rng.IntN(cpConvs), 1+rng.IntN(cpMaxTokens)
+			j, err := e.Submit(context.Background(), &engine.SavePrefixRequest{Namespace: "p", Identity: cpIdentity,
+				Tokens: toks[c][:n], Tensors: cpTensors(cache, n), PageTokens: cpPage, Ack: acks})
+			if err != nil {
+				fmt.Fprintln(os.Stderr, err)
+				return 1
+			}
+			what[j.ID] = fmt.Sprintf("%d %d", c, n)
+		}
+		r := <-acks
+		inFlight--
+		if r.Err != nil {
+			fmt.Fprintln(os.Stderr, r.Err)
+			return 1
+		}
+		fmt.Printf("ack %s\n", what[r.ID])
+		delete(what, r.ID)
+	}
+}
+
+// TestCrashPrefixSIGKILL: after every kill, every page file decodes, is
+// named by its key, verifies, and holds exactly the KV of the tokens its key
+// stands for; every acked save loads back whole, verified.
+func TestCrashPrefixSIGKILL(t *testing.T) {
+	kills := 6
+	if soakLong() {
+		kills = 100
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 4))
+	root := t.TempDir()
+	// Every key a save can produce -> the token range it covers.
+	where := map[layout.PageKey][2]int{}
+	for c := range cpConvs {
+		toks := cpTokens(c)
+		keys, _, _ := layout.PageChain(cpIdentity, cpPage, toks)
+		for i, k := range keys {
+			where[k] = [2]int{i * cpPage, (i + 1) * cpPage}
+		}
+		for n := 1; n <= cpMaxTokens; n++ {
+			if n%cpPage != 0 {
+				full := n / cpPage
+				parent := layout.PageRoot(cpIdentity, cpPage)
+				if full > 0 {
+					parent = keys[full-1]
+				}
+				where[layout.PageNext(parent, toks[full*cpPage:n])] = [2]int{full * cpPage, n}
+			}
+		}
+	}
+	cache := testutil.NewCache(testutil.Tiny, cpMaxTokens, true, nil)
+	acked := map[string]bool{}
+	pagesSeen := 0
+	for round := range kills {
+		h := startHelper(t, "crash-prefix", "-root", root, "-seed", strconv.FormatUint(rng.Uint64(), 10))
+		if l, ok := <-h.lines; !ok || l != "ready" {
+			rest, st := h.wait()
+			t.Fatalf("helper did not start: %q %q %v\n%s", l, rest, st, h.stderr.String())
+		}
+		time.Sleep(time.Duration(20+rng.IntN(200)) * time.Millisecond)
+		_ = h.cmd.Process.Kill()
+		rest, _ := h.wait()
+		h.checkStderr()
+		for _, l := range rest {
+			if a, ok := strings.CutPrefix(l, "ack "); ok {
+				acked[a] = true
+			}
+		}
+		// Every page file left is whole and right.
+		err := filepath.WalkDir(layout.PagesDir(filepath.Join(root, "p")), func(p string, d fs.DirEntry, err error) error {
+			if err != nil || !d.Type().IsRegular() || layout.IsTemp(d.Name()) {
+				return err
+			}
+			pagesSeen++
+			snap, err := layout.Load(vfs.Default, p)
+			if err != nil {
+				return fmt.Errorf("round %d: %w", round, err)
+			}
+			if snap.Page.Key.String() != d.Name() {
+				return fmt.Errorf("round %d: %s holds key %s", round, p, snap.Page.Key)
+			}
+			span, ok := where[snap.Page.Key]
+			if !ok {
+				return fmt.Errorf("round %d: %s is no page of any conversation", round, p)
+			}
+			dest := make([][]byte, len(snap.Header.Slots()))
+			for i, tt := range snap.Header.Slots() {
+				dest[i] = make([]byte, tt.Bytes)
+			}
+			if _, _, err := jobs.Read(context.Background(), &jobs.Config{}, &jobs.ReadSpec{Path: p, Dest: dest, Verify: true}); err != nil {
+				return fmt.Errorf("round %d: %w", round, err)
+			}
+			for i := range dest {
+				v := cache.ViewsAt(cpMaxTokens)[i]
+				var shp [4]int
+				sub, err := v.SliceAxis(2, span[0], span[1], shp[:])
+				if err != nil {
+					return err
+				}
+				want, _, err := sub.Gather(make([]byte, sub.Bytes()))
+				if err != nil {
+					return err
+				}
+				if !bytes.Equal(dest[i], want) {
+					return fmt.Errorf("round %d: %s tensor %d differs from tokens [%d, %d)", round, p, i, span[0], span[1])
+				}
+			}
+			return nil
+		})
+		if err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		// Every acked save loads back whole.
+		for a := range acked {
+			var c, n int
+			fmt.Sscanf(a, "%d %d", &c, &n)
+			dest := make([]jobs.TensorSpec, 2*testutil.Tiny.Layers)
+			for i := range dest {
+				m := testutil.Tiny
+				dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: make([]byte, m.KVHeads*n*m.HeadDim*2),
+					Shape: []int{1, m.KVHeads, n, m.HeadDim}, Strides: gather.RowMajor([]int{1, m.KVHeads, n, m.HeadDim}), ItemSize: 2}}
+			}
+			res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{}, &jobs.LoadPrefixSpec{
+				NSDir: filepath.Join(root, "p"), Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
+			if err != nil || res.Tokens != n {
+				t.Fatalf("round %d: acked save %s loads %+v %v", round, a, res, err)
+			}
+		}
+	}
+	t.Logf("%d kills, %d saves acked, %d page file checks", kills, len(acked), pagesSeen)
+	if len(acked) == 0 {
+		t.Fatal("no save was acked before a kill: the test checked nothing of durability")
+	}
+}
