@@ -138,6 +138,30 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 	}
 }
 
+// A request whose tensors sum past layout.MaxSnapshotBytes (1 TiB), here a
+// broadcast view (stride 0) of 2^41 int32 elements over 4 bytes of memory,
+// is refused before anything is created: readers would refuse the snapshot.
+// The context is cancelled so that a writer that did not check could not
+// fill the disk: it fails with the context's error instead.
+func TestWriteRefusesSnapshotPastSizeLimit(t *testing.T) {
+	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		root := t.TempDir()
+		spec := cacheSpec(t, c, filepath.Join(root, "ns", "snap"), lay, 0)
+		spec.Attachments[0].Tensors[0] = jobs.TensorSpec{DType: "int32",
+			View: gather.View{Base: make([]byte, 4), Shape: []int{1 << 41}, Strides: []int{0}, ItemSize: 4}}
+		_, _, err := jobs.Write(ctx, noSync(), spec)
+		if !errors.Is(err, layout.ErrSnapshotTooLarge) || !errors.Is(err, jobs.ErrInvalidRequest) {
+			t.Fatalf("%v: got %v, want ErrSnapshotTooLarge and ErrInvalidRequest", lay, err)
+		}
+		if _, err := os.Lstat(filepath.Join(root, "ns")); !os.IsNotExist(err) {
+			t.Fatalf("%v: namespace directory created (%v)", lay, err)
+		}
+	}
+}
+
 // A context cancelled in the middle of a write fails it with the context's
 // error, leaves no temp file, and the previous snapshot still reads back.
 func TestCancelMidWrite(t *testing.T) {

@@ -110,6 +110,10 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 		}
 		*s.out = layout.Tensor{Bytes: int64(s.t.View.Bytes()), DType: s.t.DType, Shape: shape}
 	}
+	// Readers refuse a snapshot past layout.MaxSnapshotBytes: never write one.
+	if _, err := h.TotalBytes(); err != nil {
+		return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
+	}
 	// Check the caller's metadata (reserved keys, valid JSON) now, before
 	// any byte is written: the block layout encodes only after its blocks.
 	if _, err := h.Encode(); err != nil {

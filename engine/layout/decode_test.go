@@ -359,3 +359,60 @@ func TestValidateZeroByteTensors(t *testing.T) {
 		t.Fatalf("zero-byte tensor: %v", err)
 	}
 }
+
+// manifestOfSizes is a block manifest whose slots are uint8 tensors of the
+// given byte counts, each one block (block sizes are not checked against
+// any file, so a manifest can claim any size).
+func manifestOfSizes(t *testing.T, sizes ...int64) []byte {
+	t.Helper()
+	var ts []layout.Tensor
+	for i, n := range sizes {
+		ts = append(ts, layout.Tensor{Bytes: n, DType: "uint8", Shape: []int64{n},
+			Blocks: []layout.BlockRef{{Hash: sha([]byte{byte(i)}), Bytes: n}}})
+	}
+	return manifestFile(t, &layout.Header{FormatVersion: layout.FormatBlocks, Caches: []layout.Entry{{Tensors: ts}}})
+}
+
+// A snapshot's tensors may sum to at most layout.MaxSnapshotBytes (1 TiB):
+// a sum past it, or one that wraps int64 (four tensors of 2^62 bytes sum to
+// 0 in int64), is refused at decode with ErrSnapshotTooLarge, so no caller
+// allocates from it; exactly the bound is accepted and TotalBytes gives it.
+func TestDecodeCapsSnapshotBytes(t *testing.T) {
+	if layout.MaxSnapshotBytes != 1<<40 {
+		t.Fatalf("MaxSnapshotBytes = %d, the documented bound is 1 TiB", layout.MaxSnapshotBytes)
+	}
+	const q = 1 << 62
+	for name, sizes := range map[string][]int64{
+		"four tensors of 2^62 bytes (int64 sum wraps to 0)":   {q, q, q, q},
+		"two tensors of 2^62 bytes (sum 2^63 wraps negative)": {q, q},
+		"one byte past the bound":                             {1 << 38, 1 << 38, 1 << 38, 1 << 38, 1},
+		"one tensor past the bound":                           {1<<40 + 1},
+	} {
+		_, _, err := decodeBytes(t, manifestOfSizes(t, sizes...))
+		if !errors.Is(err, layout.ErrSnapshotTooLarge) || !errors.Is(err, layout.ErrInvalidHeader) {
+			t.Errorf("%s: got %v, want ErrSnapshotTooLarge (and ErrInvalidHeader)", name, err)
+		}
+	}
+	snap, _, err := decodeBytes(t, manifestOfSizes(t, 1<<38, 1<<38, 1<<38, 1<<38))
+	if err != nil {
+		t.Fatalf("exactly 1 TiB: %v", err)
+	}
+	if n, err := snap.Header.TotalBytes(); err != nil || n != 1<<40 {
+		t.Fatalf("TotalBytes = %d, %v; want %d", n, err, int64(1<<40))
+	}
+}
+
+// TotalBytes refuses, on its own, headers that never went through Validate.
+func TestHeaderTotalBytes(t *testing.T) {
+	h := baseHeader()
+	if n, err := h.TotalBytes(); err != nil || n != 4*128+16 {
+		t.Fatalf("TotalBytes = %d, %v; want %d", n, err, 4*128+16)
+	}
+	for _, b := range []int64{1 << 62, -1} {
+		h.Caches[1].Tensors[0].Bytes = b
+		h.Caches[1].Tensors[1].Bytes = 1 << 62
+		if _, err := h.TotalBytes(); !errors.Is(err, layout.ErrSnapshotTooLarge) || !strings.Contains(err.Error(), "cache 1 tensor 0 (slot 2)") {
+			t.Errorf("Bytes %d: got %v, want ErrSnapshotTooLarge naming slot 2", b, err)
+		}
+	}
+}

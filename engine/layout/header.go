@@ -85,6 +85,25 @@ func (h *Header) Slots() []*Tensor {
 	return out
 }
 
+// TotalBytes returns the snapshot's logical size in bytes: the sum of every
+// slot's Bytes, what a restore fills. It fails with ErrSnapshotTooLarge when
+// the sum exceeds MaxSnapshotBytes (1 TiB) or a Bytes is negative, so a
+// header that did not come through Validate cannot make a caller allocate
+// from a wrapped sum. Headers returned by Decode always succeed.
+func (h *Header) TotalBytes() (int64, error) {
+	var total int64
+	for i, t := range h.Slots() {
+		if t.Bytes < 0 {
+			return 0, fmt.Errorf("%w: %s has a negative byte count %d", ErrSnapshotTooLarge, h.SlotName(i), t.Bytes)
+		}
+		if t.Bytes > MaxSnapshotBytes-total {
+			return 0, fmt.Errorf("%w: the tensors up to %s sum past %d bytes", ErrSnapshotTooLarge, h.SlotName(i), MaxSnapshotBytes)
+		}
+		total += t.Bytes
+	}
+	return total, nil
+}
+
 // SlotName describes slot i for error messages: "cache 3 tensor 1 (slot 7)".
 func (h *Header) SlotName(i int) string {
 	n := i
