@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"golang.org/x/sys/unix"
 )
@@ -54,15 +55,15 @@ func (a *arena) alloc(r *region, n int) []byte {
 	return b[:n:n]
 }
 
-// cache builds a testutil cache whose every buffer is its own mapping.
-func (a *arena) cache(m testutil.Model, tokens int, padded bool) (*testutil.Cache, *region) {
+// cache builds a kvgen cache whose every buffer is its own mapping.
+func (a *arena) cache(m kvgen.Model, tokens int, padded bool) (*kvgen.Cache, *region) {
 	r := &region{}
-	c := testutil.NewCache(m, tokens, padded, func(n int) []byte { return a.alloc(r, n) })
+	c := kvgen.NewCache(m, tokens, padded, func(n int) []byte { return a.alloc(r, n) })
 	return c, r
 }
 
 // dest maps one read destination per slot of model m at tokens tokens.
-func (a *arena) dest(m testutil.Model, tokens int) ([][]byte, *region) {
+func (a *arena) dest(m kvgen.Model, tokens int) ([][]byte, *region) {
 	r := &region{}
 	sizes := slotBytes(m, tokens)
 	out := make([][]byte, len(sizes))
@@ -109,7 +110,7 @@ func (a *arena) free() {
 // expected bytes of (model, tokens).
 type invPath struct {
 	ref    Ref
-	model  testutil.Model
+	model  kvgen.Model
 	tokens int
 }
 
@@ -185,9 +186,9 @@ func TestAckInvariant(t *testing.T) {
 	var paths []*invPath
 	for ns := range 3 {
 		for p := range 4 {
-			ip := &invPath{ref: refOf(fmt.Sprintf("inv%d", ns), fmt.Sprintf("p%d", p)), model: testutil.Tiny, tokens: []int{40, 64, 100}[(ns+p)%3]}
+			ip := &invPath{ref: refOf(fmt.Sprintf("inv%d", ns), fmt.Sprintf("p%d", p)), model: kvgen.Tiny, tokens: []int{40, 64, 100}[(ns+p)%3]}
 			if ns == 0 && p == 3 { // 65 tensors, 513 blocks: one such path
-				ip.model, ip.tokens = testutil.Llama31_8B, 8
+				ip.model, ip.tokens = kvgen.Llama31_8B, 8
 			}
 			paths = append(paths, ip)
 			c, _ := cacheOf(ip.model, ip.tokens, false)

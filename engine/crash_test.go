@@ -35,7 +35,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // runHelper runs the helper process selected by mode (see TestMain) and
@@ -66,7 +66,7 @@ const tinyBlockBytes = jobs.MinBlockBytes
 // cacheEntries describes the first tokens tokens of c as mlx-lm's caches are
 // saved: per layer {"type":"KVCache","offset":T} with K and V, then the
 // attachment {"name":"tokens"} with the int32 token ids.
-func cacheEntries(c *testutil.Cache, tokens int) (caches, attachments []jobs.EntrySpec) {
+func cacheEntries(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec) {
 	views, dtypes := c.ViewsAt(tokens), c.DTypes()
 	off := layout.Meta{"type": json.RawMessage(`"KVCache"`), "offset": json.RawMessage(strconv.Itoa(tokens))}
 	for l := 0; l < c.Model.Layers; l++ {
@@ -91,7 +91,7 @@ type version struct {
 
 func (v version) meta() layout.Meta {
 	return layout.Meta{
-		"model":  json.RawMessage(strconv.Quote(testutil.Tiny.Name)),
+		"model":  json.RawMessage(strconv.Quote(kvgen.Tiny.Name)),
 		"writer": json.RawMessage(strconv.Quote(v.Writer)),
 		"seq":    json.RawMessage(strconv.FormatInt(v.Seq, 10)),
 		"tokens": json.RawMessage(strconv.Itoa(v.Tokens)),
@@ -111,7 +111,7 @@ func versionOf(h *layout.Header) (version, error) {
 			return v, fmt.Errorf("metadata %q: %w", k, err)
 		}
 	}
-	if model != testutil.Tiny.Name || v.Tokens <= 0 {
+	if model != kvgen.Tiny.Name || v.Tokens <= 0 {
 		return v, fmt.Errorf("metadata names model %q with %d tokens", model, v.Tokens)
 	}
 	return v, nil
@@ -120,12 +120,12 @@ func versionOf(h *layout.Header) (version, error) {
 var expectedByTokens sync.Map // tokens -> [][]byte
 
 // expectedSlots returns every slot's logical bytes of a Tiny cache of tokens
-// tokens (testutil's element-by-element reference, independent of views).
+// tokens (kvgen's element-by-element reference, independent of views).
 func expectedSlots(tokens int) [][]byte {
 	if v, ok := expectedByTokens.Load(tokens); ok {
 		return v.([][]byte)
 	}
-	c := testutil.NewCache(testutil.Tiny, tokens, false, nil)
+	c := kvgen.NewCache(kvgen.Tiny, tokens, false, nil)
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)
@@ -436,7 +436,7 @@ func crashWriterMain(args []string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	cache := testutil.NewCache(testutil.Tiny, crashMaxTokens, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, crashMaxTokens, true, nil)
 	rng := rand.New(rand.NewPCG(*seed, 2))
 	tokens := make([]int, len(crashPaths))
 	for i := range tokens {

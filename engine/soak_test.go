@@ -20,7 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"go.uber.org/goleak"
 )
 
@@ -65,7 +65,7 @@ type soakWrite struct {
 type soak struct {
 	t     *testing.T
 	root  string
-	cache *testutil.Cache
+	cache *kvgen.Cache
 	seq   atomic.Int64
 	// lastTokens holds, per path, the tokens of the last write submitted
 	// there: a read that allocates for them usually finds that version.
@@ -244,7 +244,7 @@ func TestSoak(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d: %d rounds of %d operations", seed, rounds, ops)
 	s := &soak{
-		t: t, root: t.TempDir(), cache: testutil.NewCache(testutil.Tiny, slices.Max(soakTokens), true, nil),
+		t: t, root: t.TempDir(), cache: kvgen.NewCache(kvgen.Tiny, slices.Max(soakTokens), true, nil),
 		writes: map[int64]*soakWrite{}, readSeqs: map[int64]string{},
 	}
 	start := time.Now()

@@ -28,7 +28,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // writerMain is the writer helper: n writes of Tiny caches to random paths of
@@ -78,7 +78,7 @@ func writerMain(args []string) int {
 	for _, v := range tokens {
 		maxT = max(maxT, v)
 	}
-	cache := testutil.NewCache(testutil.Tiny, maxT, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, maxT, true, nil)
 	var mu sync.Mutex
 	rng := rand.New(rand.NewPCG(*seed, 3))
 	seq := *seq0
@@ -533,13 +533,13 @@ func (h *hookFS) Lock(ctx context.Context, name string, exclusive, create bool) 
 // reuses them if they are still there.
 type reuseRace struct {
 	root, path string
-	cache      *testutil.Cache
+	cache      *kvgen.Cache
 	orphans    map[string]bool // block file paths
 }
 
 func newReuseRace(t *testing.T) *reuseRace {
 	t.Helper()
-	r := &reuseRace{root: t.TempDir(), cache: testutil.NewCache(testutil.Tiny, 256, true, nil), orphans: map[string]bool{}}
+	r := &reuseRace{root: t.TempDir(), cache: kvgen.NewCache(kvgen.Tiny, 256, true, nil), orphans: map[string]bool{}}
 	r.path = filepath.Join(r.root, "ns", "conv")
 	blocks := func(h *layout.Header) map[string]bool {
 		out := map[string]bool{}

@@ -15,7 +15,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func init() {
@@ -45,7 +45,7 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	if _, code := c.parse(fs, args); code >= 0 {
 		return code
 	}
-	m, err := testutil.ModelByName(*model)
+	m, err := kvgen.ModelByName(*model)
 	if err != nil {
 		return c.fail("%v", err)
 	}
@@ -94,7 +94,7 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 		m.Name, m.Layers, m.KVHeads, m.HeadDim, m.DType, turns, dir, ns)
 	fmt.Fprintf(c.stdout, "building the conversation's KV cache: %s at %d tokens, capacity-padded as mlx-lm keeps it...\n",
 		humanBytes(int64(m.CacheBytes(last))), last)
-	cache := testutil.NewCache(m, last, true, nil)
+	cache := kvgen.NewCache(m, last, true, nil)
 
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "turn\tlayout\ttokens\tlogical\twritten\treused\tdedup\tsave MB/s\trestore MB/s\t")

@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func collect(t *testing.T, spec *jobs.CollectSpec) *jobs.CollectMetrics {
@@ -27,8 +27,8 @@ func collect(t *testing.T, spec *jobs.CollectSpec) *jobs.CollectMetrics {
 func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c1 := testutil.NewCache(testutil.Tiny, 1100, true, nil)
-	c2 := testutil.NewCache(testutil.Tiny, 1300, true, nil)
+	c1 := kvgen.NewCache(kvgen.Tiny, 1100, true, nil)
+	c2 := kvgen.NewCache(kvgen.Tiny, 1300, true, nil)
 	ha, _ := mustWrite(t, noSync(), cacheSpec(t, c1, filepath.Join(ns, "a"), layout.Blocks, 4096))
 	hb, _ := mustWrite(t, noSync(), cacheSpec(t, c2, filepath.Join(ns, "b"), layout.Blocks, 4096))
 	before := blockFiles(t, ns)
@@ -106,8 +106,8 @@ func mkdir(t *testing.T, path string) string {
 // left alone.
 func TestCollectPastUnreadableManifests(t *testing.T) {
 	root := t.TempDir()
-	keep := testutil.NewCache(testutil.Tiny, 300, true, nil)
-	gone := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	keep := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	gone := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	names := []string{"bad-hash", "bad-json", "good", "short"}
 	orphans := map[string][]string{}
 	liveSets := map[string]*layout.Header{}
@@ -238,7 +238,7 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 
 func TestCollectRootErrors(t *testing.T) {
 	root := t.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 0))
 	file := mkfile(t, filepath.Join(root, "file"), "x")
 	for _, r := range []string{filepath.Join(root, "missing"), file, filepath.Join(root, "ns")} {
@@ -259,7 +259,7 @@ func TestCollectRootErrors(t *testing.T) {
 func TestCollectTempGrace(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
 	block := layout.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
 	old := time.Now().Add(-time.Hour)
@@ -315,7 +315,7 @@ func TestCollectTempGrace(t *testing.T) {
 func TestCollectBlockGrace(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
 	if err := os.Remove(filepath.Join(ns, "snap")); err != nil {
 		t.Fatal(err)

@@ -16,7 +16,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // hookFS calls onCreate after each file it creates and onWrite after each
@@ -54,8 +54,8 @@ func (f hookFile) WriteAt(p []byte, off int64) (int, error) {
 // Two Writes of the same path at once (the original used one fixed
 // "<path>.tmp" for both) both succeed; the result is one whole version.
 func TestConcurrentWritesSamePath(t *testing.T) {
-	c40 := testutil.NewCache(testutil.Tiny, 40, true, nil)
-	c48 := testutil.NewCache(testutil.Tiny, 48, true, nil)
+	c40 := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
+	c48 := kvgen.NewCache(kvgen.Tiny, 48, true, nil)
 	want := map[int64][][]byte{40: expectedAll(c40), 48: expectedAll(c48)}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		root := t.TempDir()
@@ -64,7 +64,7 @@ func TestConcurrentWritesSamePath(t *testing.T) {
 		for round := 0; round < 6; round++ {
 			var wg sync.WaitGroup
 			errs := make([]error, 2)
-			for i, c := range []*testutil.Cache{c40, c48} {
+			for i, c := range []*kvgen.Cache{c40, c48} {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
@@ -96,7 +96,7 @@ func TestConcurrentWritesSamePath(t *testing.T) {
 }
 
 func TestInvalidRequestWritesNothing(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	cases := []struct {
 		name string
 		mut  func(s *jobs.WriteSpec)
@@ -144,7 +144,7 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 // The context is cancelled so that a writer that did not check could not
 // fill the disk: it fails with the context's error instead.
 func TestWriteRefusesSnapshotPastSizeLimit(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
@@ -165,8 +165,8 @@ func TestWriteRefusesSnapshotPastSizeLimit(t *testing.T) {
 // A context cancelled in the middle of a write fails it with the context's
 // error, leaves no temp file, and the previous snapshot still reads back.
 func TestCancelMidWrite(t *testing.T) {
-	cOld := testutil.NewCache(testutil.Tiny, 300, true, nil)
-	cNew := testutil.NewCache(testutil.Tiny, 348, true, nil)
+	cOld := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	cNew := kvgen.NewCache(kvgen.Tiny, 348, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			root := t.TempDir()

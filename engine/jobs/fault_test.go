@@ -26,13 +26,14 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // fxSpec is the write request of cache c as kvpersist's callers build it
 // (see cmd/kvpersist cacheRequest): one entry per layer with K and V, one
 // "tokens" attachment, model metadata.
-func fxSpec(c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
+func fxSpec(c *kvgen.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
 	views, dtypes := c.Views(), c.DTypes()
 	tokens := []byte(strconv.Itoa(c.Tokens))
 	spec := &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: blockBytes,
@@ -53,7 +54,7 @@ func fxSpec(c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *
 }
 
 // fxExpected is every slot's Expected bytes.
-func fxExpected(c *testutil.Cache) [][]byte {
+func fxExpected(c *kvgen.Cache) [][]byte {
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)
@@ -62,7 +63,7 @@ func fxExpected(c *testutil.Cache) [][]byte {
 }
 
 // fxWrite writes c at path with the real FS and no fsync.
-func fxWrite(t testing.TB, c *testutil.Cache, path string, lay layout.Layout) *layout.Header {
+func fxWrite(t testing.TB, c *kvgen.Cache, path string, lay layout.Layout) *layout.Header {
 	t.Helper()
 	h, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, fxSpec(c, path, lay, 4<<10))
 	if err != nil {
@@ -306,9 +307,9 @@ func faultRoot(t testing.TB) string {
 }
 
 func TestFaultInjection(t *testing.T) {
-	prev := testutil.NewCache(testutil.Tiny, 256, true, nil) // the snapshot already stored
-	next := testutil.NewCache(testutil.Tiny, 300, true, nil) // the one being written
-	old := testutil.NewCache(testutil.Tiny, 100, true, nil)  // a deleted snapshot's blocks
+	prev := kvgen.NewCache(kvgen.Tiny, 256, true, nil) // the snapshot already stored
+	next := kvgen.NewCache(kvgen.Tiny, 300, true, nil) // the one being written
+	old := kvgen.NewCache(kvgen.Tiny, 100, true, nil)  // a deleted snapshot's blocks
 	wantPrev, wantNext := fxExpected(prev), fxExpected(next)
 	ctx := context.Background()
 	snapPath := func(root string) string { return filepath.Join(root, "ns", "snap") }
@@ -543,7 +544,7 @@ func total(m map[testutil.Op]int) int {
 // file once it is stale.
 func TestFaultSyncThenRemoveFails(t *testing.T) {
 	ctx := context.Background()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			root := t.TempDir()
@@ -582,7 +583,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 // an fsync, and publishes nothing.
 func TestFaultConcurrentBlockWrite(t *testing.T) {
 	ctx := context.Background()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	for _, op := range []testutil.Op{testutil.OpSync, testutil.OpWriteAt, testutil.OpRename, testutil.OpCreate} {
 		t.Run(string(op), func(t *testing.T) {
 			root := t.TempDir()

@@ -18,7 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/zeebo/xxh3"
 )
 
@@ -152,7 +152,7 @@ func FuzzReadHeader(f *testing.F) {
 	root := faultRoot(f) // tmpfs when there is one: each input is written to a file
 	nsDir := filepath.Join(root, "ns")
 	bunBlocks(f, nsDir)
-	c := testutil.NewCache(testutil.Tiny, 3, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 3, true, nil)
 	files := map[layout.Layout][]byte{}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		p := filepath.Join(nsDir, "seed-"+lay.String())

@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
@@ -45,7 +46,7 @@ func rawJSON(t testing.TB, v any) json.RawMessage {
 // cacheSpec describes c the way mlx-lm's caches are saved: one entry per
 // layer {"type":"KVCache","offset":T} with K and V, then one attachment
 // {"name":"tokens"} holding the int32 token ids.
-func cacheSpec(t testing.TB, c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
+func cacheSpec(t testing.TB, c *kvgen.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
 	t.Helper()
 	views, dtypes := c.Views(), c.DTypes()
 	spec := &jobs.WriteSpec{
@@ -69,7 +70,7 @@ func cacheSpec(t testing.TB, c *testutil.Cache, path string, lay layout.Layout, 
 	return spec
 }
 
-func expectedAll(c *testutil.Cache) [][]byte {
+func expectedAll(c *kvgen.Cache) [][]byte {
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)

@@ -22,6 +22,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -37,7 +38,7 @@ type hsStore struct {
 
 func newHsStore(t *testing.T) *hsStore {
 	t.Helper()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil) // rows of 9600 bytes: 3 blocks each
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil) // rows of 9600 bytes: 3 blocks each
 	root := t.TempDir()
 	s := &hsStore{root: root, nsDir: filepath.Join(root, "ns"), want: fxExpected(c)}
 	s.single = filepath.Join(s.nsDir, "single")
@@ -245,7 +246,7 @@ func TestHostileSymlinks(t *testing.T) {
 			if err := os.Symlink(victim, link); err != nil {
 				t.Fatal(err)
 			}
-			c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+			c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 			fxWrite(t, c, link, lay)
 			if st, err := os.Lstat(link); err != nil || !st.Mode().IsRegular() {
 				t.Fatalf("%s after the write: %v %v, want a regular file", link, st, err)
@@ -259,7 +260,7 @@ func TestHostileSymlinks(t *testing.T) {
 	t.Run("symlinked-directories", func(t *testing.T) {
 		// A namespace, blocks or fan-out directory that is a symlink is
 		// refused by writers: nothing lands in the directory it points to.
-		c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+		c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 		for _, which := range []string{"namespace", "blocks", "fanout"} {
 			root := t.TempDir()
 			elsewhere := t.TempDir()
@@ -300,7 +301,7 @@ func TestHostileSymlinks(t *testing.T) {
 func TestHostileFileModes(t *testing.T) {
 	old := syscall.Umask(0)
 	defer syscall.Umask(old)
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	root := t.TempDir()
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		p := filepath.Join(root, "ns", "snap-"+lay.String())

@@ -13,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -35,8 +36,8 @@ func TestReadNeverWritesPastDestination(t *testing.T) {
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			ns := filepath.Join(t.TempDir(), "ns")
-			c40 := testutil.NewCache(testutil.Tiny, 40, true, nil)
-			c48 := testutil.NewCache(testutil.Tiny, 48, true, nil)
+			c40 := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
+			c48 := kvgen.NewCache(kvgen.Tiny, 48, true, nil)
 			h40, _ := mustWrite(t, noSync(), cacheSpec(t, c40, filepath.Join(ns, "t40"), lay, 0))
 			h48, _ := mustWrite(t, noSync(), cacheSpec(t, c48, filepath.Join(ns, "t48"), lay, 0))
 			path := filepath.Join(ns, "t40")
@@ -180,7 +181,7 @@ func TestCollectBunWorkerStore(t *testing.T) {
 // the namespace).
 func TestReadRefusesSymlinkedDirectories(t *testing.T) {
 	root := t.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	path := filepath.Join(root, "ns", "snap")
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, layout.Blocks, 4096))
 	nsDir := filepath.Dir(path)

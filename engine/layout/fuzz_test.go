@@ -19,7 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // memFile is a read-only in-memory vfs.File. It records the largest buffer
@@ -78,7 +78,7 @@ var decodeSentinels = []error{layout.ErrBadMagic, layout.ErrTruncated, layout.Er
 func fzSeedFiles(f *testing.F) (single, manifest []byte) {
 	f.Helper()
 	dir := f.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 3, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 3, true, nil)
 	views, dtypes := c.Views(), c.DTypes()
 	spec := func(path string, lay layout.Layout) *jobs.WriteSpec {
 		s := &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: 4 << 10,
