@@ -538,8 +538,8 @@ func BenchmarkDispatch(b *testing.B) {
 	defer closeEngine(b, e)
 	ctx := context.Background()
 	req := &engine.CollectRequest{Namespaces: []string{}}
-	jcfg := &jobs.Config{Logger: quietLogger}
-	spec := &jobs.CollectSpec{Root: root, Namespaces: []string{}}
+	jcfg := &jobs.Config{Root: root, Logger: quietLogger}
+	spec := &jobs.CollectRequest{Namespaces: []string{}}
 	direct := func() {
 		if _, err := jobs.Collect(ctx, jcfg, spec); err != nil {
 			b.Fatal(err)

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"path/filepath"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -254,23 +253,22 @@ func TestAckInvariant(t *testing.T) {
 				p := paths[rng.IntN(len(paths))]
 				j := &invJob{path: p}
 				var req Request
-				var ack *chan<- Result
 				switch x := rng.IntN(10); {
 				case x < 5:
 					c, mem := a.cache(p.model, p.tokens, rng.IntN(2) == 0)
 					w := writeReq(p.ref, c, layout.Layout(1+rng.IntN(2)), []int{0, 4096}[rng.IntN(2)])
 					w.Packed = rng.IntN(3) == 0
-					req, ack, j.kind, j.mem = w, &w.Ack, KindWrite, mem
+					req, j.kind, j.mem = w, KindWrite, mem
 				case x < 9:
 					dest, mem := a.dest(p.model, p.tokens)
 					r := &ReadRequest{Ref: p.ref, Dest: dest, Verify: rng.IntN(2) == 0}
-					req, ack, j.kind, j.mem, j.dest = r, &r.Ack, KindRead, mem, dest
+					req, j.kind, j.mem, j.dest = r, KindRead, mem, dest
 				default:
 					c := &CollectRequest{}
 					if rng.IntN(2) == 0 {
 						c.Namespaces = []string{p.ref.Namespace}
 					}
-					req, ack, j.kind, j.mem, j.path = c, &c.Ack, KindCollect, &region{}, nil
+					req, j.kind, j.mem, j.path = c, KindCollect, &region{}, nil
 				}
 				ctx, cancel := context.WithCancel(bg)
 				cancels = append(cancels, cancel)
@@ -290,9 +288,8 @@ func TestAckInvariant(t *testing.T) {
 				var job *Job
 				var err error
 				if useShared {
-					*ack = shared
 					sharedMu.Lock()
-					job, err = submit(ctx, req)
+					job, err = submit(ctx, req, AckTo(shared))
 					if err == nil {
 						j.id = job.ID
 						mu.Lock()
@@ -416,8 +413,8 @@ wait:
 	// or the setup one).
 	for _, p := range paths {
 		dest := destOf(p.model, p.tokens)
-		cfg := &jobs.Config{NoSync: true}
-		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadSpec{Path: filepath.Join(root, p.ref.Namespace, p.ref.Name), Dest: dest, Verify: true}); err != nil {
+		cfg := &jobs.Config{Root: root, NoSync: true}
+		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadRequest{Ref: p.ref, Dest: dest, Verify: true}); err != nil {
 			t.Fatalf("final read of %s: %v", p.ref, err)
 		}
 		_, want := cacheOf(p.model, p.tokens, false)

@@ -184,7 +184,10 @@ func verifySnapshot(cfg *jobs.Config, path string) (*layout.Snapshot, version, e
 	if err != nil {
 		return nil, version{}, fmt.Errorf("%s: %w", path, err)
 	}
-	got, _, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: true, Expect: snap.Header})
+	rc := *cfg
+	rc.Root = filepath.Dir(filepath.Dir(path))
+	ref := jobs.Ref{Namespace: filepath.Base(filepath.Dir(path)), Name: filepath.Base(path)}
+	got, _, err := jobs.Read(context.Background(), &rc, &jobs.ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: snap.Header})
 	if err != nil {
 		return nil, version{}, err
 	}
@@ -454,7 +457,7 @@ func crashWriterMain(args []string) int {
 				if k := rng.IntN(3); k > 0 {
 					nss = []string{crashPaths[0].ns, crashPaths[4].ns}[k-1 : k]
 				}
-				if _, err := e.Submit(context.Background(), &engine.CollectRequest{Namespaces: nss, Ack: acks}); err != nil {
+				if _, err := e.Submit(context.Background(), &engine.CollectRequest{Namespaces: nss}, engine.AckTo(acks)); err != nil {
 					fmt.Fprintln(os.Stderr, err)
 					return 1
 				}
@@ -472,7 +475,7 @@ func crashWriterMain(args []string) int {
 			caches, atts := cacheEntries(cache, v.Tokens)
 			say("submit %d %s/%s %d %s", v.Seq, cp.ns, cp.name, v.Tokens, lay)
 			j, err := e.Submit(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: cp.ns, Name: cp.name},
-				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: rng.IntN(4) == 0, Ack: acks})
+				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: rng.IntN(4) == 0}, engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
@@ -668,7 +671,7 @@ func checkAfterCrash(t *testing.T, rng *rand.Rand, root string, submitted map[in
 	ctx := context.Background()
 	now := time.Now()
 	stale, young := splitTemps(t, scan.temps, now)
-	m, err := jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: root, Now: now})
+	m, err := jobs.Collect(ctx, &jobs.Config{Root: root}, &jobs.CollectRequest{Now: now})
 	if err != nil {
 		t.Fatalf("collect after a crash: %v", err)
 	}
@@ -720,7 +723,7 @@ func checkAfterCrash(t *testing.T, rng *rand.Rand, root string, submitted map[in
 	}
 	now = time.Now()
 	stale, young = splitTemps(t, temps, now)
-	m, err = jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: root, Now: now})
+	m, err = jobs.Collect(ctx, &jobs.Config{Root: root}, &jobs.CollectRequest{Now: now})
 	if err != nil {
 		t.Fatalf("second collect: %v", err)
 	}

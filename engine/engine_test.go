@@ -89,8 +89,7 @@ func TestAckMultiplex(t *testing.T) {
 	for i := range 12 {
 		ref := refOf("mux", "w"+string(rune('a'+i)))
 		req := writeReq(ref, c, []layout.Layout{layout.Single, layout.Blocks}[i%2], 0)
-		req.Ack = acks
-		j := mustSubmit(t, e, bg, req)
+		j := mustSubmit(t, e, bg, req, AckTo(acks))
 		if j.Ack != nil {
 			t.Fatalf("Job.Ack is %v with a caller channel", j.Ack)
 		}
@@ -111,7 +110,7 @@ func TestAckMultiplex(t *testing.T) {
 	for i := range 12 {
 		ref := refOf("mux", "w"+string(rune('a'+i)))
 		d := destOf(m, 40)
-		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d, Verify: true, Ack: acks})
+		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d, Verify: true}, AckTo(acks))
 		ids[j.ID], dests[j.ID] = "read "+ref.String(), d
 	}
 	for range 12 {
@@ -168,9 +167,6 @@ func TestSubmitInvalid(t *testing.T) {
 	}
 	if _, err := e.Submit(bg, with(refOf("link", "x"))); !errors.Is(err, ErrPath) {
 		t.Fatalf("symlinked namespace: err %v, want ErrPath", err)
-	}
-	if r := e.Do(bg, &ReadRequest{Ref: refOf("ns", "x"), Ack: make(chan Result, 1)}); r.Err == nil {
-		t.Fatalf("Do with a caller ack channel: no error")
 	}
 	if s := e.Stats(); s != (Stats{}) {
 		t.Fatalf("Stats after refused submits: %+v", s)

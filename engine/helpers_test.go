@@ -170,9 +170,9 @@ func mustDo(t testing.TB, e *Engine, req Request) Result {
 }
 
 // mustSubmit submits req and fails the test on error.
-func mustSubmit(t testing.TB, e *Engine, ctx context.Context, req Request) *Job {
+func mustSubmit(t testing.TB, e *Engine, ctx context.Context, req Request, opts ...SubmitOption) *Job {
 	t.Helper()
-	j, err := e.Submit(ctx, req)
+	j, err := e.Submit(ctx, req, opts...)
 	if err != nil {
 		t.Fatalf("Submit %T: %v", req, err)
 	}

@@ -102,8 +102,7 @@ func TestCancelPending(t *testing.T) {
 	mine := make(chan Result, 1)
 	ctxD, cancelD := context.WithCancel(bg)
 	dreq := writeReq(refOf("a", "d"), c, layout.Blocks, 4096)
-	dreq.Ack = mine
-	d := mustSubmit(t, e, ctxD, dreq)
+	d := mustSubmit(t, e, ctxD, dreq, AckTo(mine))
 	survivor := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "c"), Dest: destOf(m, 40), Verify: true})
 
 	cancelB()
@@ -332,7 +331,7 @@ func TestCloseAbort(t *testing.T) {
 	q1 := mustSubmit(t, e, bg, writeReq(refOf("a", "q1"), c, layout.Single, 0))
 	q2 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "old"), Dest: destOf(m, 40)})
 	mine := make(chan Result, 1)
-	q3 := mustSubmit(t, e, bg, &CollectRequest{Ack: mine})
+	q3 := mustSubmit(t, e, bg, &CollectRequest{}, AckTo(mine))
 
 	ctx, cancel := context.WithCancel(bg)
 	closed := make(chan error, 1)
@@ -391,8 +390,7 @@ func TestClosedAckChannel(t *testing.T) {
 	release := h.hold(t, "write a/x")
 	mine := make(chan Result)
 	req := writeReq(refOf("a", "x"), c, layout.Single, 0)
-	req.Ack = mine
-	mustSubmit(t, e, bg, req)
+	mustSubmit(t, e, bg, req, AckTo(mine))
 	h.await(t, "enter write a/x", 1)
 	close(mine)
 	release()

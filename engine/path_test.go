@@ -136,8 +136,8 @@ func TestPathRefusesSymlinkedNamespace(t *testing.T) {
 	views, dtypes := c.Views(), c.DTypes()
 	// A real snapshot outside the store, reachable through the link.
 	outside := t.TempDir()
-	h, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, &jobs.WriteSpec{
-		Path: filepath.Join(outside, "x"), Layout: layout.Single,
+	h, _, err := jobs.Write(context.Background(), &jobs.Config{Root: filepath.Dir(outside), NoSync: true}, &jobs.WriteRequest{
+		Ref: jobs.Ref{Namespace: filepath.Base(outside), Name: "x"}, Layout: layout.Single,
 		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: dtypes[0], View: views[0]}}}},
 	})
 	if err != nil {

@@ -305,10 +305,10 @@ func TestBlockBytesValidation(t *testing.T) {
 	// One 1.5 MiB uint8 row: the default 1 MiB cut gives 1 MiB + 512 KiB.
 	data := make([]byte, 3<<19)
 	rand.NewChaCha8([32]byte{1}).Read(data)
-	spec := func(path string, bb int) *jobs.WriteSpec {
-		return &jobs.WriteSpec{Path: path, Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
+	spec := func(path string, bb int) *wreq {
+		return &wreq{path, &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
 			Tensors: []jobs.TensorSpec{{DType: "uint8", View: gather.View{Base: data, Shape: []int{len(data)}, Strides: []int{1}, ItemSize: 1}}},
-		}}}
+		}}}}
 	}
 	root := t.TempDir()
 	h, _ := mustWrite(t, noSync(), spec(filepath.Join(root, "ok", "s"), 0))
@@ -323,7 +323,7 @@ func TestBlockBytesValidation(t *testing.T) {
 	}
 	for _, bb := range []int{1000, 3, 128 << 20, 2048, 4097, 3 << 12, -4096} {
 		path := filepath.Join(root, "bad", "s")
-		_, _, err := jobs.Write(context.Background(), noSync(), spec(path, bb))
+		_, _, err := writeAt(context.Background(), noSync(), spec(path, bb))
 		if !errors.Is(err, jobs.ErrBlockBytes) {
 			t.Fatalf("blockBytes %d: %v, want ErrBlockBytes", bb, err)
 		}

@@ -98,7 +98,7 @@ func legacyManifest(t *testing.T, h *layout.Header) []byte {
 // readGuarded reads path into guarded buffers of the given sizes.
 func readGuarded(cfg *jobs.Config, path string, sizes []int, verify bool, expect *layout.Header) ([]guarded, [][]byte, error) {
 	gs, dest := guardedDests(sizes)
-	_, _, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: verify, Expect: expect})
+	_, _, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: verify, Expect: expect})
 	return gs, dest, err
 }
 
@@ -164,7 +164,7 @@ func TestHostileBlockNames(t *testing.T) {
 	}
 	// Collect treats such a manifest as unreadable: the namespace is not
 	// swept, and neither bait file is touched.
-	m, err := jobs.Collect(context.Background(), &jobs.Config{NoSync: true}, &jobs.CollectSpec{Root: s.root})
+	m, err := collectAt(context.Background(), &jobs.Config{NoSync: true}, s.root, &jobs.CollectRequest{})
 	if err != nil || len(m.Collect.Unreadable) == 0 || !strings.Contains(strings.Join(m.Collect.Unreadable, "\n"), "evil") || m.Collect.BlocksDeleted != 0 {
 		t.Fatalf("collect: %v, unreadable %v, %d blocks deleted", err, m.Collect.Unreadable, m.Collect.BlocksDeleted)
 	}
@@ -226,7 +226,7 @@ func TestHostileSymlinks(t *testing.T) {
 			}
 		}
 		// Collect neither follows nor deletes the link's target.
-		if _, err := jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: s.root}); err != nil {
+		if _, err := collectAt(ctx, &jobs.Config{}, s.root, &jobs.CollectRequest{}); err != nil {
 			t.Fatal(err)
 		}
 		if st, err := os.Stat(outside); err != nil || st.Size() != ref.Bytes {
@@ -283,7 +283,7 @@ func TestHostileSymlinks(t *testing.T) {
 			if err := os.Symlink(elsewhere, link); err != nil {
 				t.Fatal(err)
 			}
-			_, _, err := jobs.Write(ctx, &jobs.Config{NoSync: true}, fxSpec(c, filepath.Join(nsDir, "snap"), layout.Blocks, 4<<10))
+			_, _, err := writeAt(ctx, &jobs.Config{NoSync: true}, fxSpec(c, filepath.Join(nsDir, "snap"), layout.Blocks, 4<<10))
 			if err == nil || !strings.Contains(err.Error(), "symlink") {
 				t.Fatalf("%s: write through a symlinked directory: %v", which, err)
 			}
@@ -305,7 +305,7 @@ func TestHostileFileModes(t *testing.T) {
 	root := t.TempDir()
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		p := filepath.Join(root, "ns", "snap-"+lay.String())
-		if _, _, err := jobs.Write(context.Background(), &jobs.Config{}, fxSpec(c, p, lay, 4<<10)); err != nil {
+		if _, _, err := writeAt(context.Background(), &jobs.Config{}, fxSpec(c, p, lay, 4<<10)); err != nil {
 			t.Fatal(err)
 		}
 	}

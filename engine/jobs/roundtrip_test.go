@@ -179,6 +179,36 @@ func TestRoundTripWithSync(t *testing.T) {
 
 // TestRoundTripZeroTokens saves and restores an empty cache (every tensor
 // has zero bytes).
+// A tensor's dtype is given once: a view whose ItemSize is left 0 takes the
+// dtype's itemsize (bfloat16: 2 bytes, int32: 4), saves and restores
+// bit-exact, and the caller's request is left as it was (ItemSize still 0).
+func TestItemSizeFollowsFromDType(t *testing.T) {
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		path := filepath.Join(t.TempDir(), "ns", "s")
+		spec := cacheSpec(t, c, path, lay, 4096)
+		for _, g := range [][]jobs.EntrySpec{spec.Caches, spec.Attachments} {
+			for i := range g {
+				for j := range g[i].Tensors {
+					g[i].Tensors[j].View.ItemSize = 0
+				}
+			}
+		}
+		h, _ := mustWrite(t, noSync(), spec)
+		if ts := h.Slots(); ts[0].Bytes != int64(c.Model.TensorBytes(300)) || ts[len(ts)-1].Bytes != 300*kvgen.IDSize {
+			t.Fatalf("%v: slot bytes %d and %d", lay, ts[0].Bytes, ts[len(ts)-1].Bytes)
+		}
+		if v := spec.Attachments[0].Tensors[0].View; v.ItemSize != 0 {
+			t.Fatalf("%v: the request's view was modified (ItemSize %d)", lay, v.ItemSize)
+		}
+		got, _, _, err := readBack(t, noSync(), path, true)
+		if err != nil {
+			t.Fatalf("%v: %v", lay, err)
+		}
+		mustEqualExpected(t, got, expectedAll(c))
+	}
+}
+
 func TestRoundTripZeroTokens(t *testing.T) {
 	c := kvgen.NewCache(kvgen.Tiny, 0, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
@@ -249,16 +279,16 @@ func TestCallerMetadataRoundTrip(t *testing.T) {
 func TestReservedMetadataRejectedBeforeData(t *testing.T) {
 	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
-		for _, mut := range []func(s *jobs.WriteSpec){
-			func(s *jobs.WriteSpec) { s.Meta["caches"] = json.RawMessage(`[]`) },
-			func(s *jobs.WriteSpec) { s.Caches[1].Meta["tensors"] = json.RawMessage(`1`) },
-			func(s *jobs.WriteSpec) { s.Attachments[0].Meta["bad"] = json.RawMessage(`{`) },
+		for _, mut := range []func(s *wreq){
+			func(s *wreq) { s.Meta["caches"] = json.RawMessage(`[]`) },
+			func(s *wreq) { s.Caches[1].Meta["tensors"] = json.RawMessage(`1`) },
+			func(s *wreq) { s.Attachments[0].Meta["bad"] = json.RawMessage(`{`) },
 		} {
 			root := t.TempDir()
 			path := filepath.Join(root, "ns", "meta")
 			spec := cacheSpec(t, c, path, lay, 0)
 			mut(spec)
-			_, _, err := jobs.Write(context.Background(), noSync(), spec)
+			_, _, err := writeAt(context.Background(), noSync(), spec)
 			if !errors.Is(err, jobs.ErrInvalidRequest) || !errors.Is(err, layout.ErrInvalidHeader) {
 				t.Fatalf("%v: got %v, want ErrInvalidRequest and layout.ErrInvalidHeader", lay, err)
 			}
