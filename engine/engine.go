@@ -12,6 +12,11 @@
 // layout) or a manifest (block layout) whose blocks live in
 // <Root>/<namespace>/blocks/. Namespaces and names are plain file names
 // (layout.ValidName).
+//
+// This package is all an embedder imports: the request, view, header,
+// report and error types of the subpackages (jobs, layout, gather) are
+// aliased here and their sentinels re-exported (api.go); the subpackages
+// stay usable on their own. See Example for a save and a verified restore.
 package engine
 
 import (
@@ -294,18 +299,15 @@ type Job struct {
 	Ack <-chan Result
 }
 
-// SubmitOption changes how Submit and TrySubmit deliver a job's Result.
-type SubmitOption func(*submitOptions)
-
-type submitOptions struct{ ack chan<- Result }
+// SubmitOption changes how Submit and TrySubmit deliver a job's Result
+// (see AckTo).
+type SubmitOption struct{ ack chan<- Result }
 
 // AckTo sends the job's Result on ack instead of a channel made by the
 // engine (Job.Ack is then nil), to multiplex many jobs on one channel, by
 // Result.ID. The engine sends on it from a job goroutine and waits for
 // room: give it a buffer, or keep receiving (Close waits for every ack).
-func AckTo(ack chan<- Result) SubmitOption {
-	return func(o *submitOptions) { o.ack = ack }
-}
+func AckTo(ack chan<- Result) SubmitOption { return SubmitOption{ack: ack} }
 
 // job is the engine's record of an accepted request.
 type job struct {
@@ -425,13 +427,12 @@ func (e *Engine) submit(ctx context.Context, req Request, wait bool, opts []Subm
 	}
 	j.id = e.nextID.Add(1)
 	out := &Job{ID: j.id}
-	var o submitOptions
-	for _, opt := range opts {
-		opt(&o)
+	for _, o := range opts {
+		if o.ack != nil {
+			j.ack = o.ack
+		}
 	}
-	if o.ack != nil {
-		j.ack = o.ack
-	} else {
+	if j.ack == nil {
 		ch := make(chan Result, 1)
 		j.ack, j.ownAck, out.Ack = ch, true, ch
 	}
