@@ -7,7 +7,9 @@
 // even when the pool is full. The one exception waits on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
 // fsync waiters), joined before it returns. The engine (package
-// engine) schedules them; tools and tests may call them directly.
+// engine) schedules them; tools and tests may call them directly, with the
+// same request types (WriteRequest, ReadRequest, ...; request.go), naming
+// snapshots by Ref under Config.Root.
 package jobs
 
 import (
