@@ -18,7 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/zeebo/xxh3"
 	"golang.org/x/sys/unix"
 )
@@ -43,7 +43,7 @@ func tokenIDs(n int, seed uint32) []uint32 {
 
 // kvSpecs is the K and V tensors of the first tokens tokens of c (the token
 // ids attachment left out: the page holds them in its header).
-func kvSpecs(c *testutil.Cache, tokens int) []jobs.TensorSpec {
+func kvSpecs(c *kvgen.Cache, tokens int) []jobs.TensorSpec {
 	views := c.ViewsAt(tokens)
 	out := make([]jobs.TensorSpec, 2*c.Model.Layers)
 	for i := range out {
@@ -52,7 +52,7 @@ func kvSpecs(c *testutil.Cache, tokens int) []jobs.TensorSpec {
 	return out
 }
 
-func savePrefixReq(c *testutil.Cache, toks []uint32) *engine.SavePrefixRequest {
+func savePrefixReq(c *kvgen.Cache, toks []uint32) *engine.SavePrefixRequest {
 	return &engine.SavePrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Tensors: kvSpecs(c, len(toks))}
 }
 
@@ -173,7 +173,7 @@ func benchPrefixLoad(b *testing.B, w *workload) {
 		}
 	}
 	// Destinations: capacity-padded (8,448 tokens), mmap'd.
-	capT := testutil.Capacity(prefixTokens)
+	capT := kvgen.Capacity(prefixTokens)
 	tb := w.model.TensorBytes(capT)
 	mem, err := newArena(2 * w.model.Layers * alignPage(tb))
 	if err != nil {
@@ -356,11 +356,11 @@ func TestPrefixSharedPrefixWritesNewPagesOnly(t *testing.T) {
 	root := t.TempDir()
 	e := newEngine(t, root, true)
 	defer closeEngine(t, e)
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	shared := tokenIDs(4096, 5)
 	a := append(slices.Clone(shared), tokenIDs(1000, 6)...)
 	bt := append(slices.Clone(shared), tokenIDs(700, 7)...)
-	c := testutil.NewCache(m, 5096, true, nil)
+	c := kvgen.NewCache(m, 5096, true, nil)
 	ra := do(t, e, &engine.SavePrefixRequest{Namespace: "ns", Identity: "tiny", Tokens: a, Tensors: kvSpecs(c, len(a))})
 	before := listPages(t, filepath.Join(root, "ns"))
 	rb := do(t, e, &engine.SavePrefixRequest{Namespace: "ns", Identity: "tiny", Tokens: bt, Tensors: kvSpecs(c, len(bt))})

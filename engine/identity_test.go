@@ -7,7 +7,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // Identity on every layout: a write may carry it; a read naming another
@@ -15,7 +15,7 @@ import (
 // any destination byte is written.
 func TestIdentityOnEveryLayout(t *testing.T) {
 	e := newEngine(t, Config{Workers: 2, BlockBytes: 4096})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	const T = 64
 	c, want := cacheOf(m, T, true)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {

@@ -10,6 +10,34 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
+// The prefix cache's request types and report, as aliases (see api.go).
+type (
+	// SavePrefixRequest saves the token pages of a KV cache (see
+	// jobs.SavePrefixRequest); its report is Result.Prefix.
+	SavePrefixRequest = jobs.SavePrefixRequest
+	// LoadPrefixRequest loads the longest stored prefix of a prompt (see
+	// jobs.LoadPrefixRequest); its report is Result.Prefix.
+	LoadPrefixRequest = jobs.LoadPrefixRequest
+	// PrefixResult reports a prefix save or load: pages and bytes written
+	// and reused, tokens loaded, why a load stopped.
+	PrefixResult = jobs.PrefixResult
+)
+
+// Pages is the layout of a named save whose cache is stored as token pages
+// shared with the prefix cache (WriteRequest.Identity, Tokens and
+// PageTokens).
+const Pages = layout.Pages
+
+// Sentinel errors of the prefix cache, re-exported for errors.Is.
+var (
+	// ErrMissingPage: a page named by a page manifest does not exist.
+	ErrMissingPage = jobs.ErrMissingPage
+	// ErrIdentity: an identity is empty or longer than 4,096 bytes.
+	ErrIdentity = layout.ErrIdentity
+	// ErrPageTokens: a page size is not a power of two from 16 to 4,096.
+	ErrPageTokens = layout.ErrPageTokens
+)
+
 // The prefix cache through the engine: SavePrefixRequest and
 // LoadPrefixRequest are jobs like the others (mailbox, dispatcher, pool,
 // one ack after the last touch of the caller's views); Lookup answers from
@@ -20,55 +48,6 @@ import (
 // the other, in submission order); prefix jobs run beside each other and
 // beside writes and reads (two saves of one page write the same bytes; the
 // later rename wins). A load has a read's priority.
-
-// SavePrefixRequest saves the token pages of a KV cache to the prefix
-// cache of Namespace (see jobs.SavePrefixSpec for every field's rules):
-// only pages not stored yet are gathered, hashed and written. The views'
-// memory, and the request, must stay valid and unchanged until the ack. On
-// success the pages are durable and in the engine's index; Result.Prefix
-// reports pages and bytes written and reused.
-type SavePrefixRequest struct {
-	Namespace  string
-	Identity   string
-	Tokens     []uint32
-	Tensors    []jobs.TensorSpec
-	PageTokens int           // 0 means layout.DefaultPageTokens (256)
-	Ack        chan<- Result // see WriteRequest.Ack
-}
-
-// LoadPrefixRequest loads the longest stored prefix of Tokens from the
-// prefix cache of Namespace into Dest (one capacity-padded strided view
-// per tensor, room for len(Tokens) tokens on axis -2). Result.Prefix.Tokens
-// is the prefix's length in tokens; what each destination holds after
-// every outcome is documented at jobs.LoadPrefix. Dest must stay valid
-// until the ack.
-type LoadPrefixRequest struct {
-	Namespace  string
-	Identity   string
-	Tokens     []uint32
-	Dest       []jobs.TensorSpec
-	PageTokens int // 0 means layout.DefaultPageTokens (256)
-	Verify     bool
-	Ack        chan<- Result // see WriteRequest.Ack
-}
-
-func (*SavePrefixRequest) request() {}
-func (*LoadPrefixRequest) request() {}
-
-// prefixAck is requestAck for the prefix requests.
-func prefixAck(req Request) chan<- Result {
-	switch r := req.(type) {
-	case *SavePrefixRequest:
-		if r != nil {
-			return r.Ack
-		}
-	case *LoadPrefixRequest:
-		if r != nil {
-			return r.Ack
-		}
-	}
-	return nil
-}
 
 // preparePrefix validates a prefix request's namespace on the submitting
 // goroutine and scopes the job to it. ok is false for other requests.
@@ -162,7 +141,7 @@ func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uin
 
 // indexPagesWrite adds the pages of a successful layout.Pages write to the
 // index: they are durable and shared with the prefix cache.
-func (e *Engine) indexPagesWrite(r *WriteRequest) {
+func (e *Engine) indexPagesWrite(r *jobs.WriteRequest) {
 	p := r.PageTokens
 	if p == 0 {
 		p = layout.DefaultPageTokens

@@ -19,7 +19,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/zeebo/xxh3"
 )
 
 // The prefix cache under SIGKILL: a helper saves growing conversations that
@@ -47,7 +48,7 @@ func cpTokens(c int) []uint32 {
 	return out
 }
 
-func cpTensors(cache *testutil.Cache, n int) []jobs.TensorSpec {
+func cpTensors(cache *kvgen.Cache, n int) []jobs.TensorSpec {
 	vs := cache.ViewsAt(n)
 	out := make([]jobs.TensorSpec, 2*cache.Model.Layers)
 	for i := range out {
@@ -71,7 +72,7 @@ func crashPrefixMain(args []string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	cache := testutil.NewCache(testutil.Tiny, cpMaxTokens, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	rng := rand.New(rand.NewPCG(*seed, 3))
 	toks := make([][]uint32, cpConvs)
 	for c := range toks {
@@ -85,7 +86,7 @@ func crashPrefixMain(args []string) int {
 		for ; inFlight < 2; inFlight++ {
 			c, n := rng.IntN(cpConvs), 1+rng.IntN(cpMaxTokens)
 			j, err := e.Submit(context.Background(), &engine.SavePrefixRequest{Namespace: "p", Identity: cpIdentity,
-				Tokens: toks[c][:n], Tensors: cpTensors(cache, n), PageTokens: cpPage, Ack: acks})
+				Tokens: toks[c][:n], Tensors: cpTensors(cache, n), PageTokens: cpPage}, engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
@@ -134,7 +135,7 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 			}
 		}
 	}
-	cache := testutil.NewCache(testutil.Tiny, cpMaxTokens, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	acked := map[string]bool{}
 	pagesSeen := 0
 	for round := range kills {
@@ -143,9 +144,29 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 			rest, st := h.wait()
 			t.Fatalf("helper did not start: %q %q %v\n%s", l, rest, st, h.stderr.String())
 		}
-		time.Sleep(time.Duration(20+rng.IntN(200)) * time.Millisecond)
+		// Kill after k acks (k in 0..3: saves are slow under -race with
+		// fsync on a loaded machine), then a random 0-100 ms more.
+		var rest []string
+		guard := time.After(60 * time.Second)
+		for k := rng.IntN(4); k > 0; {
+			select {
+			case l, ok := <-h.lines:
+				if !ok {
+					k = 0
+					break
+				}
+				rest = append(rest, l)
+				if strings.HasPrefix(l, "ack ") {
+					k--
+				}
+			case <-guard:
+				k = 0
+			}
+		}
+		time.Sleep(time.Duration(rng.IntN(100)) * time.Millisecond)
 		_ = h.cmd.Process.Kill()
-		rest, _ := h.wait()
+		more, _ := h.wait()
+		rest = append(rest, more...)
 		h.checkStderr()
 		for _, l := range rest {
 			if a, ok := strings.CutPrefix(l, "ack "); ok {
@@ -169,12 +190,16 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 			if !ok {
 				return fmt.Errorf("round %d: %s is no page of any conversation", round, p)
 			}
-			dest := make([][]byte, len(snap.Header.Slots()))
-			for i, tt := range snap.Header.Slots() {
-				dest[i] = make([]byte, tt.Bytes)
+			raw, err := os.ReadFile(p)
+			if err != nil {
+				return err
 			}
-			if _, _, err := jobs.Read(context.Background(), &jobs.Config{}, &jobs.ReadSpec{Path: p, Dest: dest, Verify: true}); err != nil {
-				return fmt.Errorf("round %d: %w", round, err)
+			dest := make([][]byte, len(snap.Header.Slots()))
+			for i, tt := range snap.Header.Slots() { // every tensor verifies
+				dest[i] = raw[int64(snap.DataStart)+tt.Off:][:tt.Bytes]
+				if got := layout.TensorHash(xxh3.Hash(dest[i])); got != tt.Hash {
+					return fmt.Errorf("round %d: %s tensor %d: xxh3 %s, header %s", round, p, i, got, tt.Hash)
+				}
 			}
 			for i := range dest {
 				v := cache.ViewsAt(cpMaxTokens)[i]
@@ -200,9 +225,9 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 		for a := range acked {
 			var c, n int
 			fmt.Sscanf(a, "%d %d", &c, &n)
-			dest := make([]jobs.TensorSpec, 2*testutil.Tiny.Layers)
+			dest := make([]jobs.TensorSpec, 2*kvgen.Tiny.Layers)
 			for i := range dest {
-				m := testutil.Tiny
+				m := kvgen.Tiny
 				dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: make([]byte, m.KVHeads*n*m.HeadDim*2),
 					Shape: []int{1, m.KVHeads, n, m.HeadDim}, Strides: gather.RowMajor([]int{1, m.KVHeads, n, m.HeadDim}), ItemSize: 2}}
 			}

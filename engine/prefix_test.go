@@ -12,7 +12,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"golang.org/x/sys/unix"
 )
 
@@ -27,7 +27,7 @@ func prefixTokens(n int, seed uint32) []uint32 {
 
 // kvTensors is the K and V views of a testutil cache (the token ids
 // attachment left out).
-func kvTensors(c *testutil.Cache) []jobs.TensorSpec {
+func kvTensors(c *kvgen.Cache) []jobs.TensorSpec {
 	vs := c.Views()
 	out := make([]jobs.TensorSpec, 2*c.Model.Layers)
 	for i := range out {
@@ -38,7 +38,7 @@ func kvTensors(c *testutil.Cache) []jobs.TensorSpec {
 
 // paddedDest allocates capacity-padded destinations of capT tokens (with
 // alloc), filled with 0x5a.
-func paddedDest(m testutil.Model, capT int, alloc func(int) []byte) ([][]byte, []jobs.TensorSpec) {
+func paddedDest(m kvgen.Model, capT int, alloc func(int) []byte) ([][]byte, []jobs.TensorSpec) {
 	bufs := make([][]byte, 2*m.Layers)
 	ts := make([]jobs.TensorSpec, len(bufs))
 	for i := range bufs {
@@ -57,7 +57,7 @@ func paddedDest(m testutil.Model, capT int, alloc func(int) []byte) ([][]byte, [
 // checkLoaded asserts tokens [0, n) of every destination equal the cache's
 // expected bytes (testutil.Expected, computed element by element) and every
 // other byte is still 0x5a.
-func checkLoaded(t *testing.T, c *testutil.Cache, bufs [][]byte, capT, n int) {
+func checkLoaded(t *testing.T, c *kvgen.Cache, bufs [][]byte, capT, n int) {
 	t.Helper()
 	m := c.Model
 	row := m.HeadDim * m.ItemSize
@@ -81,7 +81,7 @@ func checkLoaded(t *testing.T, c *testutil.Cache, bufs [][]byte, capT, n int) {
 func TestEnginePrefixSaveLookupLoad(t *testing.T) {
 	root := t.TempDir()
 	e := newEngine(t, Config{Root: root, Workers: 2})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 300, true)
 	toks := prefixTokens(300, 1)
 	res := mustDo(t, e, &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
@@ -148,7 +148,7 @@ func TestEnginePrefixSaveLookupLoad(t *testing.T) {
 func TestEnginePrefixOrderedAgainstCollect(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 4})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 128, true)
 	toks := prefixTokens(128, 3)
 	release := h.hold(t, "save-prefix p/")
@@ -180,7 +180,7 @@ func TestEnginePrefixOrderedAgainstCollect(t *testing.T) {
 func TestEnginePrefixAckInvariant(t *testing.T) {
 	a := newArena(t)
 	e := newEngine(t, Config{Workers: 2, Mailbox: 4})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	var wg sync.WaitGroup
 	for g := range 4 {
 		wg.Go(func() {
@@ -193,7 +193,7 @@ func TestEnginePrefixAckInvariant(t *testing.T) {
 					_, dest := paddedDest(m, 256, func(n int) []byte { return a.alloc(r, n) })
 					req = &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 32, Verify: true}
 				} else {
-					c := testutil.NewCache(m, len(toks), true, func(n int) []byte { return a.alloc(r, n) })
+					c := kvgen.NewCache(m, len(toks), true, func(n int) []byte { return a.alloc(r, n) })
 					req = &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 32}
 				}
 				j, err := e.Submit(ctx, req)
@@ -225,7 +225,7 @@ func TestEnginePrefixAckInvariant(t *testing.T) {
 func TestEnginePagesLayout(t *testing.T) {
 	root := t.TempDir()
 	e := newEngine(t, Config{Root: root, Workers: 2})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	const T = 300
 	c, want := cacheOf(m, T, true)
 	toks := prefixTokens(T, 9)

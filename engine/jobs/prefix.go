@@ -102,6 +102,9 @@ func checkPrefixTensors(ts []TensorSpec, tokens int, kind error, what string, wr
 		if err != nil {
 			return fmt.Errorf("%w: %s %d: %v", kind, what, i, err)
 		}
+		if v.ItemSize == 0 {
+			v.ItemSize = size // resolveTensors fills it in the copy the job uses
+		}
 		if v.ItemSize != size {
 			return fmt.Errorf("%w: %s %d: view itemsize %d bytes, dtype %s has %d", kind, what, i, v.ItemSize, t.DType, size)
 		}
@@ -156,6 +159,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 	if err := checkPrefixTensors(spec.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
 		return nil, m, fmt.Errorf("save prefix %s: %w", spec.NSDir, err)
 	}
+	tensors := resolveTensors(spec.Tensors)
 	fsys := cfg.fs()
 	nsDir := spec.NSDir
 	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
@@ -172,7 +176,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, spec.Tensors, keys, res, &m)
+	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, tensors, keys, res, &m)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
@@ -220,7 +224,7 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 		}
 		needSync[dir] = true
 		var size int64
-		var ws *WriteSpec
+		var ws *writeSpec
 		var h *layout.Header
 		var slots []slotIn
 		var jsLen int
@@ -277,7 +281,7 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 // -2. shapes are per-tensor shape buffers, overwritten. size is the page
 // file's size in bytes, known before any byte is gathered (hashes have a
 // fixed length).
-func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (ws *WriteSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, err error) {
+func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, err error) {
 	sliced := make([]TensorSpec, len(ts))
 	for i, t := range ts {
 		v, err := t.View.SliceAxis(len(t.View.Shape)-2, lo, lo+len(page.Tokens), shapes[i])
@@ -286,7 +290,7 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 		}
 		sliced[i] = TensorSpec{DType: t.DType, View: v}
 	}
-	ws = &WriteSpec{Path: path, Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}
+	ws = &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}}
 	if h, slots, err = buildHeader(ws, layout.FormatPage); err != nil {
 		return nil, nil, nil, 0, 0, 0, err
 	}
@@ -298,7 +302,7 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 }
 
 // stagePage writes a planned page to a temp file and hands it to c.
-func stagePage(ctx context.Context, cfg *Config, c *committer, ws *WriteSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
+func stagePage(ctx context.Context, cfg *Config, c *committer, ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
 	st, err := layout.Stage(cfg.fs(), ws.Path, size)
 	if err != nil {
 		return fmt.Errorf("jobs: save prefix: %w", err)
@@ -372,6 +376,7 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 	if err := checkPrefixTensors(spec.Dest, n, ErrDestination, "destination", true); err != nil {
 		return nil, m, fmt.Errorf("load prefix %s: %w", spec.NSDir, err)
 	}
+	dests := resolveTensors(spec.Dest)
 	fsys := cfg.fs()
 	nsDir := spec.NSDir
 	res := &PrefixResult{}
@@ -447,7 +452,7 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 		}
 		fp := &found[pi]
 		t := fp.snap.Header.Caches[0].Tensors[ti]
-		d := spec.Dest[ti].View
+		d := dests[ti].View
 		var shp [layout.MaxRank]int
 		sub, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
 		if err == nil {
@@ -634,7 +639,7 @@ func cacheSlots(h *layout.Header) int {
 // identity, a page size, at least one token, every cache tensor with at
 // least 2 axes and exactly len(Tokens) tokens on axis -2, no caller
 // metadata named "pages".
-func checkPagesSpec(spec *WriteSpec, slots []slotIn) error {
+func checkPagesSpec(spec *writeSpec, slots []slotIn) error {
 	if _, _, err := layout.PageChain(spec.Identity, pageTokens(spec.PageTokens), nil); err != nil {
 		return fmt.Errorf("%w: %s: pages layout: %w", ErrInvalidRequest, spec.Path, err)
 	}
@@ -666,7 +671,7 @@ func checkPagesSpec(spec *WriteSpec, slots []slotIn) error {
 // (savePages: pages already stored are reused, shared with the prefix
 // cache), then, once every page is durable, the page manifest is published
 // like a single file whose data region holds only the attachments.
-func writePages(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+func writePages(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	p := pageTokens(spec.PageTokens)
 	nc := cacheSlots(h)
 	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
@@ -675,7 +680,7 @@ func writePages(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Hea
 	}
 	tensors := make([]TensorSpec, nc)
 	for i, s := range slots[:nc] {
-		tensors[i] = *s.t
+		tensors[i] = TensorSpec{DType: s.t.DType, View: s.view}
 		m.LogicalBytes += s.out.Bytes
 	}
 	res := &PrefixResult{Keys: keys}
@@ -691,7 +696,7 @@ func writePages(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Hea
 	meta["pages"] = list.MetaJSON()
 	h.Meta = meta
 	var am Metrics
-	if err := writeSingle(ctx, cfg, &WriteSpec{Path: spec.Path}, h, slots[nc:], &am); err != nil {
+	if err := writeSingle(ctx, cfg, spec, h, slots[nc:], &am); err != nil {
 		return err
 	}
 	m.LogicalBytes += am.LogicalBytes
@@ -815,4 +820,18 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 		}
 		return nil
 	})
+}
+
+// resolveTensors returns a copy of ts whose views carry their dtype's
+// itemsize (a TensorSpec may leave View.ItemSize 0); the caller's request
+// is never modified. Unknown dtypes were refused by checkPrefixTensors.
+func resolveTensors(ts []TensorSpec) []TensorSpec {
+	out := make([]TensorSpec, len(ts))
+	for i, t := range ts {
+		out[i] = t
+		if out[i].View.ItemSize == 0 {
+			out[i].View.ItemSize, _ = layout.ItemSize(t.DType)
+		}
+	}
+	return out
 }
