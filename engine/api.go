@@ -15,7 +15,8 @@ type (
 	// Ref names a snapshot: <Root>/<Namespace>/<Name>.
 	Ref = jobs.Ref
 	// Request is one of *WriteRequest, *ReadRequest, *CollectRequest,
-	// *DeleteRequest and *MigrateRequest.
+	// *DeleteRequest, *MigrateRequest, *SavePrefixRequest and
+	// *LoadPrefixRequest.
 	Request = jobs.Request
 	// WriteRequest saves a KV cache (see jobs.WriteRequest).
 	WriteRequest = jobs.WriteRequest
@@ -36,7 +37,7 @@ type (
 	// View is a strided view of caller memory: Shape and Strides in
 	// elements, ItemSize in bytes.
 	View = gather.View
-	// Layout is Single or Blocks.
+	// Layout is Single, Blocks or Pages.
 	Layout = layout.Layout
 	// Meta is caller metadata: JSON values by key.
 	Meta = layout.Meta

@@ -21,7 +21,8 @@ type Ref struct {
 func (r Ref) String() string { return r.Namespace + "/" + r.Name }
 
 // Request is one of *WriteRequest, *ReadRequest, *CollectRequest,
-// *DeleteRequest and *MigrateRequest: the one request type of each job
+// *DeleteRequest, *MigrateRequest, *SavePrefixRequest and
+// *LoadPrefixRequest (prefix_request.go): the one request type of each job
 // kind, taken by the engine's Submit and by this package's functions alike.
 type Request interface{ request() }
 
