@@ -1,0 +1,89 @@
+package evict
+
+import (
+	"encoding/binary"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+)
+
+// benchCache builds a cache of pages in chains of 32 (conversations), in
+// 4 namespaces, with random accesses.
+func benchCache(b *testing.B, pages int) *Cache {
+	b.Helper()
+	c, _ := New(Config{})
+	rng := rand.New(rand.NewPCG(1, 2))
+	nss := []string{"ns0", "ns1", "ns2", "ns3"}
+	var parent Key
+	for i := range pages {
+		var k Key
+		binary.LittleEndian.PutUint64(k[:], uint64(i))
+		k[31] = 0x5a
+		p := Page{Namespace: nss[(i/32)%len(nss)], Key: k, Bytes: 8 << 20, Access: rng.Int64N(1 << 40)}
+		if i%32 != 0 {
+			p.Parent, p.HasParent = parent, true
+		}
+		if err := c.Add(p); err != nil {
+			b.Fatal(err)
+		}
+		parent = k
+	}
+	return c
+}
+
+// BenchmarkChooseVictims: choose 10,000 victims among 1,000,000 pages
+// (Shrink), reported per victim; the victims are returned (Abandon) with
+// the timer stopped, so every iteration chooses from the same cache.
+func BenchmarkChooseVictims(b *testing.B) {
+	const pages, victims = 1_000_000, 10_000
+	c := benchCache(b, pages)
+	u := c.Usage()
+	dst := make([]Victim, 0, victims)
+	runtime.GC() // the build's garbage is not the benchmark's
+	b.ReportAllocs()
+	b.ResetTimer()
+	for range b.N {
+		vs, ok := c.Shrink(u.UsedBytes-victims*(8<<20), dst[:0])
+		if !ok || len(vs) != victims {
+			b.Fatalf("chose %d victims (%v)", len(vs), ok)
+		}
+		b.StopTimer()
+		for i := len(vs) - 1; i >= 0; i-- {
+			if err := c.Abandon(vs[i].Namespace, vs[i].Key); err != nil {
+				b.Fatal(err)
+			}
+		}
+		b.StartTimer()
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*victims), "ns/victim")
+}
+
+// BenchmarkReserveAtCapacity: a cache of 1,000,000 pages at capacity; each
+// op reserves one page (evicting one victim), removes the victim and
+// commits a new page: the steady state of a full cache.
+func BenchmarkReserveAtCapacity(b *testing.B) {
+	const pages = 1_000_000
+	c := benchCache(b, pages)
+	if err := c.SetCapacity(c.Usage().UsedBytes); err != nil {
+		b.Fatal(err)
+	}
+	runtime.GC() // the build's garbage is not the benchmark's
+	b.ReportAllocs()
+	b.ResetTimer()
+	for i := range b.N {
+		r, err := c.Reserve(Want{Namespace: "ns0", Bytes: 8 << 20, AvailBytes: -1})
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, v := range r.Victims {
+			c.Removed(v.Namespace, v.Key)
+		}
+		var k Key
+		binary.LittleEndian.PutUint64(k[:], uint64(pages+i))
+		k[31] = 0x5a
+		if err := r.Commit(Page{Namespace: "ns0", Key: k, Bytes: 8 << 20, Access: 1<<40 + int64(i)}); err != nil {
+			b.Fatal(err)
+		}
+		r.Release()
+	}
+}
