@@ -15,7 +15,7 @@ import (
 // TestCheckpointBytes pins the format byte by byte against an independent
 // construction (the layout in ARCHITECTURE.md).
 func TestCheckpointBytes(t *testing.T) {
-	recs := []Record{{Key: key(1), Access: 0x0102030405060708}, {Key: key(2), Access: 42}}
+	recs := []Record{{Key: key(1), Access: 0x0102030405060708}, {Key: key(2), Parent: key(1), HasParent: true, Access: 42}}
 	got, err := AppendCheckpoint([]byte("prefix"), recs)
 	if err != nil {
 		t.Fatal(err)
@@ -28,14 +28,16 @@ func TestCheckpointBytes(t *testing.T) {
 	want = append(want, 0x4b, 0x56, 0x50, 0x4c, 0x52, 0x55, 0x31, 0x0a) // "KVPLRU1\n"
 	want = append(want, 2, 0, 0, 0, 0, 0, 0, 0)
 	want = append(want, recs[0].Key[:]...)
+	want = append(want, make([]byte, 32)...) // no parent
 	want = append(want, 8, 7, 6, 5, 4, 3, 2, 1)
 	want = append(want, recs[1].Key[:]...)
+	want = append(want, recs[0].Key[:]...) // its parent
 	want = append(want, 42, 0, 0, 0, 0, 0, 0, 0)
 	h := xxh3.Hash(want)
 	for i := range 8 {
 		want = append(want, byte(h>>(8*i)))
 	}
-	if !bytes.Equal(got, want) || int64(len(got)) != CheckpointBytes(2) || len(got) != 24+80 {
+	if !bytes.Equal(got, want) || int64(len(got)) != CheckpointBytes(2) || len(got) != 24+144 {
 		t.Fatalf("checkpoint\n got %s\nwant %s", hex.EncodeToString(got), hex.EncodeToString(want))
 	}
 	dec, err := DecodeCheckpoint(got)
@@ -68,10 +70,11 @@ func TestCheckpointRejects(t *testing.T) {
 		"truncated":       good[:len(good)-1],
 		"trailing byte":   append(slices.Clone(good), 0),
 		"hash":            edit(func(b []byte) []byte { b[20] ^= 1; return b }),
-		"duplicate key":   edit(func(b []byte) []byte { copy(b[16+40:16+72], b[16:48]); return rehash(b) }),
+		"duplicate key":   edit(func(b []byte) []byte { copy(b[16+72:16+104], b[16:48]); return rehash(b) }),
+		"own parent":      edit(func(b []byte) []byte { copy(b[48:80], b[16:48]); return rehash(b) }),
 		"descending":      edit(func(b []byte) []byte { b[16] = 9; return rehash(b) }),
 		"negative access": edit(func(b []byte) []byte {
-			binary.LittleEndian.PutUint64(b[16+32:], 1<<63)
+			binary.LittleEndian.PutUint64(b[16+64:], 1<<63)
 			return rehash(b)
 		}),
 	}
@@ -86,6 +89,9 @@ func TestCheckpointRejects(t *testing.T) {
 	if _, err := AppendCheckpoint(nil, []Record{{Key: key(2), Access: -1}}); !errors.Is(err, ErrInvalid) {
 		t.Errorf("encoding a negative access: %v", err)
 	}
+	if _, err := AppendCheckpoint(nil, []Record{{Key: key(2), HasParent: true}}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("encoding an all-zero parent: %v", err)
+	}
 }
 
 // FuzzDecodeCheckpoint: no input panics; an accepted input re-encodes to
@@ -94,7 +100,7 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	for _, n := range []int{0, 1, 3} {
 		var recs []Record
 		for i := range n {
-			recs = append(recs, Record{Key: key(i), Access: int64(i * 1000)})
+			recs = append(recs, Record{Key: key(i), Parent: key(i + 7), HasParent: i > 0, Access: int64(i * 1000)})
 		}
 		b, _ := AppendCheckpoint(nil, recs)
 		f.Add(b)
@@ -174,24 +180,43 @@ func TestRestartPreservesEvictionOrder(t *testing.T) {
 		}
 		files[ns] = b
 	}
+	// A restart lists the files (key, bytes, mtime: no open); with a
+	// checkpoint each page's parent comes from it, without one from the
+	// page's header.
 	rebuild := func(withCheckpoint bool) *Cache {
 		c, _ := New(Config{})
+		recs := map[string][]Record{}
+		parents := map[Key]Record{}
+		if withCheckpoint {
+			for _, ns := range nss {
+				r, err := DecodeCheckpoint(files[ns])
+				if err != nil {
+					t.Fatal(err)
+				}
+				recs[ns] = r
+				for _, rec := range r {
+					parents[rec.Key] = rec
+				}
+			}
+		}
 		for _, i := range rng.Perm(len(disk)) { // readdir order is arbitrary
-			p := disk[i].p
-			p.Access = disk[i].mtime
+			d := disk[i]
+			p := Page{Namespace: d.p.Namespace, Key: d.p.Key, Bytes: d.p.Bytes, Access: d.mtime}
+			if rec, ok := parents[p.Key]; ok {
+				p.Parent, p.HasParent = rec.Parent, rec.HasParent
+			} else {
+				if withCheckpoint {
+					t.Fatalf("page %s not in the checkpoint", p.Key)
+				}
+				p.Parent, p.HasParent = d.p.Parent, d.p.HasParent // read from the header
+			}
 			if err := c.Add(p); err != nil {
 				t.Fatal(err)
 			}
 		}
-		if withCheckpoint {
-			for _, ns := range nss {
-				recs, err := DecodeCheckpoint(files[ns])
-				if err != nil {
-					t.Fatal(err)
-				}
-				if n := c.ApplyCheckpoint(ns, recs); n != len(recs) {
-					t.Fatalf("applied %d of %d records", n, len(recs))
-				}
+		for ns, r := range recs {
+			if n := c.ApplyCheckpoint(ns, r); n != len(r) {
+				t.Fatalf("applied %d of %d records", n, len(r))
 			}
 		}
 		return c
