@@ -9,8 +9,12 @@ import (
 
 // benchCache builds a cache of pages in chains of 32 (conversations), in
 // 4 namespaces, with random accesses.
-func benchCache(b *testing.B, pages int) *Cache {
+// It returns the cache and its Go heap bytes per page.
+func benchCache(b *testing.B, pages int) (*Cache, float64) {
 	b.Helper()
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
 	c, _ := New(Config{})
 	rng := rand.New(rand.NewPCG(1, 2))
 	nss := []string{"ns0", "ns1", "ns2", "ns3"}
@@ -28,7 +32,9 @@ func benchCache(b *testing.B, pages int) *Cache {
 		}
 		parent = k
 	}
-	return c
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	return c, float64(after.HeapAlloc-before.HeapAlloc) / float64(pages)
 }
 
 // BenchmarkChooseVictims: choose 10,000 victims among 1,000,000 pages
@@ -36,7 +42,7 @@ func benchCache(b *testing.B, pages int) *Cache {
 // the timer stopped, so every iteration chooses from the same cache.
 func BenchmarkChooseVictims(b *testing.B) {
 	const pages, victims = 1_000_000, 10_000
-	c := benchCache(b, pages)
+	c, perPage := benchCache(b, pages)
 	u := c.Usage()
 	dst := make([]Victim, 0, victims)
 	runtime.GC() // the build's garbage is not the benchmark's
@@ -56,6 +62,7 @@ func BenchmarkChooseVictims(b *testing.B) {
 		b.StartTimer()
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*victims), "ns/victim")
+	b.ReportMetric(perPage, "heap-B/page")
 }
 
 // BenchmarkReserveAtCapacity: a cache of 1,000,000 pages at capacity; each
@@ -63,7 +70,7 @@ func BenchmarkChooseVictims(b *testing.B) {
 // commits a new page: the steady state of a full cache.
 func BenchmarkReserveAtCapacity(b *testing.B) {
 	const pages = 1_000_000
-	c := benchCache(b, pages)
+	c, _ := benchCache(b, pages)
 	if err := c.SetCapacity(c.Usage().UsedBytes); err != nil {
 		b.Fatal(err)
 	}

@@ -217,6 +217,7 @@ type node struct {
 	pins      int32
 	children  int32 // tracked pages naming this one as parent, victims excluded
 	idx       int   // index in nsState.lru, -1 when absent
+	up        *node // the parent's node, set when n became a counted child
 }
 
 // New returns an empty policy with cfg's limits.
@@ -317,14 +318,21 @@ func (s *nsState) drop(n *node) {
 }
 
 // adjustChildren changes the child count of n's parent by d.
+// While n counts as a child (tracked, not a victim) its parent's node stays
+// in the map, so n.up is valid for a decrement; an increment looks the
+// parent up again (the node may have been dropped meanwhile).
 func (c *Cache) adjustChildren(s *nsState, n *node, d int32) {
 	if !n.hasParent {
 		return
 	}
-	p := s.nodes[n.parent]
-	if p == nil {
-		p = &node{key: n.parent, idx: -1}
-		s.nodes[n.parent] = p
+	p := n.up
+	if d > 0 {
+		p = s.nodes[n.parent]
+		if p == nil {
+			p = &node{key: n.parent, idx: -1}
+			s.nodes[n.parent] = p
+		}
+		n.up = p
 	}
 	p.children += d
 	c.fix(s, p)
