@@ -427,6 +427,67 @@ func (c *Cache) Pin(ns string, key Key) bool {
 	return true
 }
 
+// PinPrefix pins keys in order (a chain, as a load or a save walks it) and
+// stops at the first that Pin refuses (not tracked, or a victim): it
+// returns how many it pinned, keys[:n]. One lock for the whole chain.
+func (c *Cache) PinPrefix(ns string, keys []Key) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.ns(ns, false)
+	if s == nil {
+		return 0
+	}
+	for i, k := range keys {
+		n := s.nodes[k]
+		if n == nil || !n.present || n.evicting {
+			return i
+		}
+		n.pins++
+		c.fix(s, n)
+	}
+	return len(keys)
+}
+
+// UnpinAll removes one pin from each of keys (as pinned by PinPrefix).
+// Keys without a pin are skipped and reported by an ErrNotFound error; the
+// others are unpinned.
+func (c *Cache) UnpinAll(ns string, keys []Key) error {
+	var missing int
+	for _, k := range keys {
+		if err := c.Unpin(ns, k); err != nil {
+			missing++
+		}
+	}
+	if missing > 0 {
+		return fmt.Errorf("%w: %d of %d keys of namespace %q had no pin", ErrNotFound, missing, len(keys), ns)
+	}
+	return nil
+}
+
+// TouchAll records an access at time at to each tracked key of keys (a
+// loaded or saved chain); it returns how many were tracked.
+func (c *Cache) TouchAll(ns string, keys []Key, at int64) int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.ns(ns, false)
+	if s == nil {
+		return 0
+	}
+	touched := 0
+	for _, k := range keys {
+		n := s.nodes[k]
+		if n == nil || !n.present {
+			continue
+		}
+		touched++
+		if at > n.access {
+			n.access = at
+			c.fix(s, n)
+		}
+	}
+	return touched
+}
+
 // Unpin removes one pin. Error: ErrNotFound when the page has no pin.
 func (c *Cache) Unpin(ns string, key Key) error {
 	c.mu.Lock()

@@ -293,3 +293,43 @@ func TestConcurrentReservationsBound(t *testing.T) {
 		t.Fatalf("at rest: usage %+v, disk %d (capacity %d)", u, disk, capacity)
 	}
 }
+
+// TestChainOps: PinPrefix pins a chain up to the first page not tracked or
+// being evicted, TouchAll moves a chain's recency, UnpinAll releases.
+func TestChainOps(t *testing.T) {
+	c, _ := New(Config{CapacityBytes: 400})
+	keys := []Key{key(1), key(2), key(3), key(4)}
+	chain(t, c, "ns", keys[:3], 100, []int64{1, 2, 3}) // key(4) not stored
+	if n := c.PinPrefix("ns", keys); n != 3 {
+		t.Fatalf("PinPrefix pinned %d, want 3", n)
+	}
+	if _, err := c.Reserve(Want{Namespace: "ns", Bytes: 200, AvailBytes: -1}); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("Reserve with the chain pinned: %v", err)
+	}
+	if err := c.UnpinAll("ns", keys); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("UnpinAll of a never-pinned key: %v", err)
+	}
+	if n := c.PinPrefix("other", keys); n != 0 {
+		t.Fatalf("PinPrefix in an empty namespace: %d", n)
+	}
+	// Another chain, newer; then touching the first makes the second the
+	// older one: its leaf goes first.
+	chain(t, c, "ns", []Key{key(10)}, 100, []int64{5})
+	if n := c.TouchAll("ns", keys, 50); n != 3 {
+		t.Fatalf("TouchAll touched %d, want 3", n)
+	}
+	r, err := c.Reserve(Want{Namespace: "ns", Bytes: 200, AvailBytes: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := victimKeys(r.Victims); !slices.Equal(got, []Key{key(10), key(3)}) {
+		t.Fatalf("victims %v, want the untouched chain's page, then the touched chain's leaf", got)
+	}
+	if p, ok := c.Lookup("ns", key(2)); !ok || p.Access != 50 || !p.HasParent || p.Parent != key(1) || p.Bytes != 100 {
+		t.Fatalf("Lookup: %+v %v", p, ok)
+	}
+	// key(3) is a victim now: PinPrefix stops before it.
+	if n := c.PinPrefix("ns", keys); n != 2 {
+		t.Fatalf("PinPrefix over a victim pinned %d, want 2", n)
+	}
+}
