@@ -94,3 +94,37 @@ func BenchmarkReserveAtCapacity(b *testing.B) {
 		r.Release()
 	}
 }
+
+// BenchmarkCheckpoint: the periodic checkpoint of a namespace of 250,000
+// pages (a quarter of the million): Checkpoint (copy and sort the records)
+// plus AppendCheckpoint (encode and hash), and DecodeCheckpoint at start.
+// Bytes are the checkpoint's.
+func BenchmarkCheckpoint(b *testing.B) {
+	c, _ := benchCache(b, 1_000_000)
+	recs := c.Checkpoint("ns0", nil)
+	enc, err := AppendCheckpoint(nil, recs)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Run("encode", func(b *testing.B) {
+		b.SetBytes(int64(len(enc)))
+		b.ReportAllocs()
+		var rbuf []Record
+		var buf []byte
+		for range b.N {
+			rbuf = c.Checkpoint("ns0", rbuf[:0])
+			if buf, err = AppendCheckpoint(buf[:0], rbuf); err != nil || len(buf) != len(enc) {
+				b.Fatalf("encoded %d bytes (%v), want %d", len(buf), err, len(enc))
+			}
+		}
+	})
+	b.Run("decode", func(b *testing.B) {
+		b.SetBytes(int64(len(enc)))
+		b.ReportAllocs()
+		for range b.N {
+			if got, err := DecodeCheckpoint(enc); err != nil || len(got) != len(recs) {
+				b.Fatalf("decoded %d records (%v)", len(got), err)
+			}
+		}
+	})
+}
