@@ -510,3 +510,12 @@ func anyKey(rng *rand.Rand, m map[int]*Reservation) int {
 	slices.Sort(ids)
 	return ids[rng.IntN(len(ids))]
 }
+
+// FuzzPolicyAgainstModel explores more random operation sequences than the
+// fixed seeds of TestPolicyAgainstModel (make fuzz).
+func FuzzPolicyAgainstModel(f *testing.F) {
+	for _, s := range []uint64{1, 2, 3} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, seed uint64) { runModel(t, seed, 300) })
+}
