@@ -50,6 +50,11 @@ type Config struct {
 	Yield func() bool
 	// Logger receives debug events; nil means slog.Default().
 	Logger *slog.Logger
+	// ReadDepth is how many read requests one read keeps in flight (see
+	// ReadExtents); 0 means DefaultReadDepth, at most MaxReadDepth.
+	ReadDepth int
+	// NoDirect turns O_DIRECT reads off (buffered reads only).
+	NoDirect bool
 }
 
 func (c *Config) fs() vfs.FS {
@@ -87,6 +92,9 @@ type Metrics struct {
 	LogicalBytes int64
 	// ReadBytes: bytes read from disk into destinations (reads).
 	ReadBytes int64
+	// DirectReadBytes: the part of ReadBytes read with O_DIRECT, past the
+	// page cache (0 on a file system without O_DIRECT: buffered fallback).
+	DirectReadBytes int64
 	// BlocksWritten / BlocksReused count blocks (block layout).
 	BlocksWritten, BlocksReused int64
 
