@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -201,6 +202,8 @@ func TestNewConfig(t *testing.T) {
 		{Root: t.TempDir(), Workers: 5000},
 		{Root: t.TempDir(), Mailbox: -1},
 		{Root: t.TempDir(), BlockBytes: 1000},
+		{Root: t.TempDir(), ReadDepth: -1},
+		{Root: t.TempDir(), ReadDepth: jobs.MaxReadDepth + 1},
 	} {
 		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
 			if e != nil {
@@ -248,6 +251,16 @@ func TestStatsExact(t *testing.T) {
 		BytesReused:  logical,
 		BytesRead:    2 * logical,
 	}
+	// Where the store's file system has O_DIRECT, every byte read is read
+	// with it (both reads verify, the data is small): the fallback counts 0.
+	f, err := vfs.Default.Open(filepath.Join(e.Root(), "st", "single"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a, err := vfs.DirectAlignment(f); err == nil && a.Offset > 0 {
+		want.BytesReadDirect = want.BytesRead
+	}
+	f.Close()
 	if got := e.Stats(); got != want {
 		t.Fatalf("Stats %+v, want %+v", got, want)
 	}

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash"
 	"io"
+	"io/fs"
 	"log/slog"
 	"reflect"
 	"runtime/debug"
@@ -82,6 +83,11 @@ type Source struct {
 	mode    *directMode
 	own     bool // Close closes f
 	mu      sync.Mutex
+	retired []vfs.File // descriptors replaced by fallBack, closed by Close
+	// lazy: f is opened on first use and closed after the last of uses
+	// extents (a manifest with more blocks than maxHeldBlocks).
+	lazy bool
+	uses atomic.Int64
 }
 
 // Path is the path the source was opened with.
@@ -91,15 +97,46 @@ func (s *Source) Path() string { return s.path }
 func (s *Source) Size() int64 { return s.size }
 
 // Direct reports whether the source reads with O_DIRECT.
-func (s *Source) Direct() bool { return s.align > 0 }
+func (s *Source) Direct() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.align > 0
+}
 
 // Close closes the file (unless it was adopted with AdoptSource and the
 // same file is still in use buffered).
 func (s *Source) Close() error {
-	if s == nil || !s.own {
+	if s == nil {
 		return nil
 	}
-	return s.f.Close()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, f := range s.retired {
+		f.Close()
+	}
+	s.retired = nil
+	if !s.own || s.f == nil {
+		return nil
+	}
+	err := s.f.Close()
+	s.f = nil
+	return err
+}
+
+// makeLazy closes s's file; it is opened again on first use and closed
+// after uses extents have been read from it (see ReadExtents).
+func (s *Source) makeLazy(uses int64) {
+	s.Close()
+	s.lazy = true
+	s.uses.Store(uses)
+}
+
+// done is called after each extent read from s: a lazy source is closed
+// after its last one.
+func (s *Source) done() {
+	if s.lazy && s.uses.Add(-1) == 0 {
+		s.Close()
+	}
 }
 
 // directMode is the O_DIRECT decision for one file system (device) of one
@@ -301,20 +338,34 @@ func (s *Source) fallBack(cfg *Config, cause error) error {
 		f.Close()
 		return fmt.Errorf("%w: %s was replaced while it was read", ErrCorrupt, s.path)
 	}
-	old := s.f
-	s.f, s.align, s.mem = f, 0, 0
 	if s.own {
-		old.Close()
+		// Other goroutines may be reading from it right now.
+		s.retired = append(s.retired, s.f)
 	}
+	s.f, s.align, s.mem = f, 0, 0
 	s.own = true
 	return nil
 }
 
 // file returns the descriptor and alignment to read with now.
-func (s *Source) file() (vfs.File, int64, int64) {
+func (s *Source) file(cfg *Config) (vfs.File, int64, int64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.f, s.align, s.mem
+	if s.f == nil && s.lazy {
+		o, err := openSourceWith(cfg, s.mode, s.path)
+		if err != nil {
+			return nil, 0, 0, err
+		}
+		if !o.regular || o.size != s.size {
+			o.Close()
+			return nil, 0, 0, fmt.Errorf("%w: %s changed since it was checked: %d bytes", ErrBlockSize, s.path, o.size)
+		}
+		s.f, s.align, s.mem, s.own = o.f, o.align, o.mem, true
+	}
+	if s.f == nil {
+		return nil, 0, 0, fmt.Errorf("jobs: read %s: %w", s.path, fs.ErrClosed)
+	}
+	return s.f, s.align, s.mem, nil
 }
 
 // ExtentStats are what ReadExtents did, in bytes.
@@ -348,7 +399,7 @@ func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error,
 		failed        sync.Map // group -> first failed extent index
 		readers       = make(chan *extentReader, cfg.readDepth())
 	)
-	err = inFlight(ctx, cfg.readDepth(), len(exts), func(i int) {
+	err = inFlight(ctx, cfg, cfg.readDepth(), len(exts), func(i int) {
 		var r *extentReader
 		select {
 		case r = <-readers:
@@ -360,10 +411,12 @@ func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error,
 		if x.Group >= 0 {
 			if j, bad := failed.Load(x.Group); bad && j.(int) < i {
 				errs[i] = ErrSkipped
+				x.Src.done()
 				return
 			}
 		}
 		n, d, err := r.read(ctx, x)
+		x.Src.done()
 		bytes.Add(n)
 		direct.Add(d)
 		if err != nil && ctx.Err() == nil {
@@ -381,18 +434,18 @@ func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error,
 }
 
 // inFlight runs fn(i) for i in [0, n) on up to depth goroutines: the
-// caller's and depth-1 it starts and joins before returning. They are I/O
-// goroutines: most of their time is spent waiting on the disk. It stops
-// taking indices when ctx ends and returns ctx's error then; a panic in fn
-// is recovered and returned as ErrPanic.
-func inFlight(ctx context.Context, depth, n int, fn func(i int)) error {
+// caller's, helpers lent by cfg.Spawn (the engine's pool, which bounds CPU
+// work), and as many more of its own as it takes to reach depth: I/O
+// goroutines, which mostly wait on the disk. All are joined before it
+// returns. It stops taking indices when ctx ends and returns ctx's error
+// then; a panic in fn is recovered and returned as ErrPanic.
+func inFlight(ctx context.Context, cfg *Config, depth, n int, fn func(i int)) error {
 	var (
 		next     atomic.Int64
 		wg       sync.WaitGroup
 		panicked atomic.Pointer[error]
 	)
 	work := func() {
-		defer wg.Done()
 		defer func() {
 			if p := recover(); p != nil {
 				e := fmt.Errorf("%w: %v\n%s", ErrPanic, p, debug.Stack())
@@ -408,9 +461,19 @@ func inFlight(ctx context.Context, depth, n int, fn func(i int)) error {
 		}
 	}
 	depth = max(1, min(depth, n))
-	wg.Add(depth)
-	for range depth - 1 {
-		go work()
+	started := 1 // the caller's goroutine
+	if cfg.Spawn != nil {
+		for started < depth && started-1 < cfg.helpers() {
+			wg.Add(1)
+			if !cfg.Spawn(func() { defer wg.Done(); work() }) {
+				wg.Done()
+				break
+			}
+			started++
+		}
+	}
+	for ; started < depth; started++ {
+		wg.Go(work)
 	}
 	work()
 	wg.Wait()
@@ -504,7 +567,10 @@ func (r *extentReader) read(ctx context.Context, x *Extent) (n, direct int64, er
 // readPiece fills dst from src at off; it returns how many bytes it read
 // with O_DIRECT.
 func (r *extentReader) readPiece(src *Source, dst []byte, off int64) (int64, error) {
-	f, align, mem := src.file()
+	f, align, mem, err := src.file(r.cfg)
+	if err != nil {
+		return 0, err
+	}
 	if align == 0 {
 		return 0, readFull(f, dst, off)
 	}
@@ -513,7 +579,9 @@ func (r *extentReader) readPiece(src *Source, dst []byte, off int64) (int64, err
 		if ferr := src.fallBack(r.cfg, err); ferr != nil {
 			return 0, ferr
 		}
-		f, _, _ = src.file()
+		if f, _, _, err = src.file(r.cfg); err != nil {
+			return 0, err
+		}
 		return 0, readFull(f, dst, off)
 	}
 	return d, err

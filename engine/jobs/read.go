@@ -287,7 +287,7 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 	mode := directFor(cfg, manifest)
 	srcs := make([]*Source, len(uniq))
 	errs := make([]error, len(uniq))
-	err := inFlight(ctx, cfg.readDepth(), len(uniq), func(i int) {
+	err := inFlight(ctx, cfg, cfg.readDepth(), len(uniq), func(i int) {
 		w := uniq[i]
 		path := b.paths[w.hash]
 		for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
@@ -314,6 +314,19 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 			b.srcs[uniq[i].hash] = s
 		}
 	}
+	if len(uniq) > maxHeldBlocks {
+		// Too many to keep open: each is opened again when read, and
+		// closed after its last reference.
+		uses := map[string]int64{}
+		for _, t := range snap.Header.Slots() {
+			for _, ref := range t.Blocks {
+				uses[ref.Hash]++
+			}
+		}
+		for h, s := range b.srcs {
+			s.makeLazy(uses[h])
+		}
+	}
 	if err != nil {
 		return b, err
 	}
@@ -337,6 +350,11 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 	}
 	return b, &ReadError{Path: snap.Path, Slots: sortedFailures(failures)}
 }
+
+// maxHeldBlocks is how many block files a read keeps open from the check
+// of their sizes to their read (a 1 GiB snapshot of 1 MiB blocks); a
+// manifest naming more reopens each block when it reads it.
+var maxHeldBlocks = 1024
 
 // extents is one extent per block reference, in slot and block order,
 // grouped by slot, each into its tensor's destination sub-slice.
