@@ -266,8 +266,12 @@ func (c *coldState) report(b *testing.B, n int) {
 // queue depths 1, 4, 16 and 32, the fastest taken (each reported as
 // qdN-MB/s). Targets: single file >= 0.8, blocks >= 0.7.
 func BenchmarkRestoreCold(b *testing.B) {
-	b.Run("single", func(b *testing.B) { forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Single, 0) }) })
-	b.Run("blocks", func(b *testing.B) { forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Blocks, 0) }) })
+	b.Run("single", func(b *testing.B) {
+		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Single, 0) })
+	})
+	b.Run("blocks", func(b *testing.B) {
+		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Blocks, 0) })
+	})
 }
 
 // BenchmarkReadDepth: the cold single-file and block restores of 1 GiB at

@@ -5,6 +5,7 @@ import (
 	cryptosha256 "crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -229,4 +230,44 @@ func listFiles(t *testing.T, dir string) []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// TestWriteModes: both write modes of BenchmarkWriteModes leave exactly the
+// bytes given, as one file or as 1 MiB files in order.
+func TestWriteModes(t *testing.T) {
+	arena, err := newArena(3<<20 + 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer arena.free()
+	data := arena.alloc(3<<20 + 8192)
+	for i := range data {
+		data[i] = byte(i * 31 / 7)
+	}
+	dir := mkdir(t, "writemodes-test")
+	defer removeAll(t, dir)
+	for _, direct := range []bool{false, true} {
+		p := filepath.Join(dir, fmt.Sprintf("single-%v", direct))
+		if err := writeSingleFile(p, data, direct); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("direct=%v: single file differs (%v)", direct, err)
+		}
+		p = filepath.Join(dir, fmt.Sprintf("blocks-%v", direct))
+		if err := writeBlockFiles(p, data, direct); err != nil {
+			t.Fatal(err)
+		}
+		var all []byte
+		for k := range 4 {
+			b, err := os.ReadFile(filepath.Join(p, fmt.Sprintf("%06d", k)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, b...)
+		}
+		if !bytes.Equal(all, data) {
+			t.Fatalf("direct=%v: block files differ", direct)
+		}
+	}
 }

@@ -4,10 +4,12 @@
 // (of stores written by the Bun worker). They start no CPU goroutines of
 // their own: a job that can use more cores hands tasks to Config.Spawn (the
 // engine's bounded pool) and does the rest itself, so a job makes progress
-// even when the pool is full. The one exception waits on the disk, not the
+// even when the pool is full. The exceptions wait on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
-// fsync waiters), joined before it returns. The engine (package
-// engine) schedules them; tools and tests may call them directly.
+// fsync waiters), and a Read tops the pool's helpers up with goroutines of
+// its own to keep Config.ReadDepth requests in flight (ReadExtents); both
+// are joined before the job returns. The engine (package engine) schedules
+// them; tools and tests may call them directly.
 package jobs
 
 import (
