@@ -73,7 +73,8 @@ var ErrSkipped = errors.New("not read: an earlier extent of its group failed")
 
 // Source is a file opened for ReadExtents: with O_DIRECT when its file
 // system supports it (statx STATX_DIOALIGN reports an alignment and the
-// O_DIRECT open succeeds), else buffered. Make it with OpenSource and
+// O_DIRECT open succeeds) and the file is not wholly in the page cache
+// (cachestat), else buffered. Make it with OpenSource or AdoptSource and
 // close it with Close.
 type Source struct {
 	path    string
@@ -217,8 +218,8 @@ func isRefusal(err error) bool {
 }
 
 // OpenSource opens path for ReadExtents: O_DIRECT when the file system
-// allows it (decided once per file system and vfs.FS, logged), else
-// buffered. The file is opened without following a symlink and must be a
+// allows it (decided once per file system and vfs.FS, logged) and the file
+// is not wholly in the page cache, else buffered. The file is opened without following a symlink and must be a
 // regular file (else ErrInvalidRequest). A missing file is an error
 // satisfying vfs.IsNotExist. This is how a page load opens a page file.
 func OpenSource(cfg *Config, path string) (*Source, error) {
@@ -252,48 +253,51 @@ func AdoptSource(cfg *Config, f vfs.File) (*Source, error) {
 		return nil, fmt.Errorf("%w: %s is not a regular file", ErrInvalidRequest, f.Name())
 	}
 	s.own = false
-	m := directFor(cfg, f)
-	if m == nil {
+	d := goDirect(cfg, directFor(cfg, f), f)
+	if d == nil {
 		return s, nil
+	}
+	s.f, s.own, s.mode = d.f, true, d.mode
+	s.align, s.mem = d.align, d.mem
+	return s, nil
+}
+
+// goDirect opens f's path again with O_DIRECT and returns it as a source,
+// or nil to read f buffered: when m is nil or refused, when every page of f
+// is in the page cache already (a warm read: the page cache is faster than
+// the disk, and O_DIRECT would ignore it), or when the second open fails or
+// finds another file (one renamed over the path since f was opened).
+func goDirect(cfg *Config, m *directMode, f vfs.File) *Source {
+	if m == nil || m.refused.Load() {
+		return nil
+	}
+	if cached, known := vfs.Cached(f, 0, 0); cached && known {
+		return nil
 	}
 	d, err := vfs.OpenDirect(cfg.fs(), f.Name())
 	if err != nil {
 		if isRefusal(err) {
 			m.refuse(cfg, f.Name(), err)
 		}
-		return s, nil // any failure of the second open: read f buffered
+		return nil
+	}
+	s, err := sourceOf(d, m)
+	if err != nil {
+		d.Close()
+		return nil
 	}
 	if same, err := vfs.SameFile(f, d); err != nil || !same {
 		d.Close()
-		return s, nil
+		return nil
 	}
-	s.f, s.own, s.mode = d, true, m
-	s.align, s.mem = int64(m.align.Offset), int64(m.align.Mem)
-	return s, nil
+	return s
 }
 
 // openSourceWith opens path with the decision m already made for its file
-// system (a manifest's blocks): O_DIRECT unless m is nil or refused.
+// system (a manifest's blocks): buffered, then with O_DIRECT instead when
+// m allows it and the file is not wholly in the page cache (see goDirect).
 func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
-	fsys := cfg.fs()
-	if m != nil && !m.refused.Load() {
-		d, err := vfs.OpenDirect(fsys, path)
-		if err == nil {
-			s, err := sourceOf(d, m)
-			if err != nil {
-				d.Close()
-				return nil, err
-			}
-			return s, nil
-		}
-		if vfs.IsNotExist(err) || errors.Is(err, syscall.ELOOP) {
-			return nil, err
-		}
-		if isRefusal(err) {
-			m.refuse(cfg, path, err)
-		}
-	}
-	f, err := fsys.Open(path)
+	f, err := cfg.fs().Open(path)
 	if err != nil {
 		return nil, err
 	}
@@ -301,6 +305,13 @@ func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
 	if err != nil {
 		f.Close()
 		return nil, err
+	}
+	if !s.regular {
+		return s, nil
+	}
+	if d := goDirect(cfg, m, f); d != nil {
+		f.Close()
+		return d, nil
 	}
 	return s, nil
 }

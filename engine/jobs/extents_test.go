@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -16,6 +17,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
+	"golang.org/x/sys/unix"
 )
 
 // directDir is a directory on a file system that supports O_DIRECT (the
@@ -39,7 +41,31 @@ func directDir(t *testing.T) string {
 	return dir
 }
 
-// randomFile writes n random bytes to dir/name and returns them.
+// evictFiles drops every file under root from the page cache (fdatasync,
+// then FADV_DONTNEED), so the next read is cold.
+func evictFiles(t *testing.T, root string) {
+	t.Helper()
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if err := unix.Fdatasync(fd); err != nil {
+			return err
+		}
+		return unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// randomFile writes n random bytes to dir/name, evicts it from the page
+// cache and returns them.
 func randomFile(t *testing.T, rng *rand.Rand, dir, name string, n int) (string, []byte) {
 	t.Helper()
 	b := make([]byte, n)
@@ -50,6 +76,7 @@ func randomFile(t *testing.T, rng *rand.Rand, dir, name string, n int) (string, 
 	if err := os.WriteFile(p, b, 0o640); err != nil {
 		t.Fatal(err)
 	}
+	evictFiles(t, p)
 	return p, b
 }
 
@@ -193,14 +220,16 @@ func TestReadExtentsVerifyAndGroups(t *testing.T) {
 	}
 }
 
-// restoreBoth writes a tiny cache in both layouts under dir and returns
-// the two paths and the expected slot bytes.
+// restoreBoth writes a tiny cache in both layouts under dir, evicts the
+// files from the page cache, and returns the two paths and the expected
+// slot bytes.
 func restoreBoth(t *testing.T, dir string) (single, blocks string, want [][]byte) {
 	t.Helper()
 	c := testutil.NewCache(testutil.Tiny, 700, true, nil)
 	single, blocks = filepath.Join(dir, "ns", "single"), filepath.Join(dir, "ns", "manifest")
 	mustWrite(t, noSync(), cacheSpec(t, c, single, layout.Single, 0))
 	mustWrite(t, noSync(), cacheSpec(t, c, blocks, layout.Blocks, jobs.MinBlockBytes))
+	evictFiles(t, dir)
 	return single, blocks, expectedAll(c)
 }
 
@@ -215,6 +244,7 @@ func TestReadFallsBackWhenDirectRefused(t *testing.T) {
 	ffs.Inject(testutil.Fault{Op: testutil.OpOpenDirect, Err: syscall.EINVAL})
 	cfg := &jobs.Config{FS: ffs, ReadDepth: 4}
 	for round := range 2 {
+		evictFiles(t, dir) // cold: O_DIRECT would be worth asking for
 		for _, p := range []string{single, blocks} {
 			got, _, m, err := readBack(t, cfg, p, true)
 			if err != nil {
@@ -236,9 +266,11 @@ func TestReadFallsBackWhenDirectRefused(t *testing.T) {
 	}
 }
 
-// TestReadDirectAndBuffered: on a file system with O_DIRECT both layouts
-// are read with it (every byte direct); with NoDirect, none; on tmpfs
-// (alignment 0) no O_DIRECT open is even tried. Every file opened is closed.
+// TestReadDirectAndBuffered: on a file system with O_DIRECT both layouts,
+// evicted from the page cache, are read with it (every byte direct); with
+// NoDirect, none; once cached, none either (the page cache is faster); on
+// tmpfs (alignment 0) no O_DIRECT open is even tried. Every file opened is
+// closed.
 func TestReadDirectAndBuffered(t *testing.T) {
 	dirs := map[string]string{"disk": directDir(t)}
 	if st, err := os.Stat("/dev/shm"); err == nil && st.IsDir() {
@@ -267,6 +299,25 @@ func TestReadDirectAndBuffered(t *testing.T) {
 			}
 			if n := ffs.Count(testutil.OpOpenDirect); (n > 0) != (name == "disk" && !noDirect) {
 				t.Fatalf("%s, NoDirect=%v: %d O_DIRECT opens", name, noDirect, n)
+			}
+			if noDirect {
+				// The buffered reads left every page cached: a read that
+				// may use O_DIRECT now reads them from the page cache
+				// (warm) and opens nothing with O_DIRECT.
+				ffs.Reset()
+				for _, p := range []string{single, blocks} {
+					got, _, m, err := readBack(t, &jobs.Config{FS: ffs}, p, true)
+					if err != nil {
+						t.Fatalf("%s: %v", p, err)
+					}
+					mustEqualExpected(t, got, want)
+					if m.DirectReadBytes != 0 {
+						t.Fatalf("%s, warm %s: %d bytes read with O_DIRECT, want 0", name, filepath.Base(p), m.DirectReadBytes)
+					}
+				}
+				if n := ffs.Count(testutil.OpOpenDirect); n != 0 {
+					t.Fatalf("%s, warm: %d O_DIRECT opens", name, n)
+				}
 			}
 			if o, c := ffs.Count(testutil.OpOpen)+ffs.Count(testutil.OpOpenDirect), ffs.Count(testutil.OpClose); o != c {
 				t.Fatalf("%s: %d files opened, %d closed", name, o, c)

@@ -289,3 +289,47 @@ func SameFile(a, b File) (bool, error) {
 	}
 	return os.SameFile(sa, sb), nil
 }
+
+// CacheReporter is a File that can tell whether a byte range of it is in
+// the page cache. Optional: use Cached.
+type CacheReporter interface {
+	// Cached reports whether every page of [off, off+n) (n = 0: to the
+	// end of the file) is in the page cache.
+	Cached(off, n int64) (bool, error)
+}
+
+// Cached reports whether every page of f's byte range [off, off+n) (n = 0:
+// to the end of the file) is in the page cache, and whether that is known
+// (false when f cannot tell: no CacheReporter, or a kernel before 6.5
+// without cachestat(2)). It starts no I/O.
+func Cached(f File, off, n int64) (cached, known bool) {
+	c, ok := f.(CacheReporter)
+	if !ok {
+		return false, false
+	}
+	cached, err := c.Cached(off, n)
+	return cached, err == nil
+}
+
+func (f osFile) Cached(off, n int64) (bool, error) {
+	if n == 0 {
+		st, err := f.File.Stat()
+		if err != nil {
+			return false, err
+		}
+		n = st.Size() - off
+	}
+	if n <= 0 {
+		return true, nil
+	}
+	page := int64(os.Getpagesize())
+	pages := (off+n+page-1)/page - off/page
+	var st unix.Cachestat_t
+	err := f.control(func(fd int) error {
+		return unix.Cachestat(uint(fd), &unix.CachestatRange{Off: uint64(off), Len: uint64(n)}, &st, 0)
+	})
+	if err != nil {
+		return false, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
+	}
+	return int64(st.Cache) >= pages, nil
+}

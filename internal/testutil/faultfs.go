@@ -424,6 +424,15 @@ func (h *faultFile) StartWriteback(off, n int64) error {
 
 func (h *faultFile) Stat() (os.FileInfo, error) { return h.inner.Stat() }
 
+// Cached implements vfs.CacheReporter (no fault: it is a hint).
+func (h *faultFile) Cached(off, n int64) (bool, error) {
+	c, ok := h.inner.(vfs.CacheReporter)
+	if !ok {
+		return false, errors.ErrUnsupported
+	}
+	return c.Cached(off, n)
+}
+
 // DirectAlignment implements vfs.Aligner.
 func (h *faultFile) DirectAlignment() (vfs.Alignment, error) {
 	if _, err := h.fs.check(OpDirectAlignment, h.name); err != nil {
