@@ -15,6 +15,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 	"golang.org/x/sys/unix"
@@ -225,7 +226,7 @@ func TestReadExtentsVerifyAndGroups(t *testing.T) {
 // slot bytes.
 func restoreBoth(t *testing.T, dir string) (single, blocks string, want [][]byte) {
 	t.Helper()
-	c := testutil.NewCache(testutil.Tiny, 700, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 700, true, nil)
 	single, blocks = filepath.Join(dir, "ns", "single"), filepath.Join(dir, "ns", "manifest")
 	mustWrite(t, noSync(), cacheSpec(t, c, single, layout.Single, 0))
 	mustWrite(t, noSync(), cacheSpec(t, c, blocks, layout.Blocks, jobs.MinBlockBytes))

@@ -17,20 +17,10 @@ import (
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 )
 
-// ReadSpec describes a restore into caller-owned buffers.
-type ReadSpec struct {
-	// Path of the snapshot file or manifest.
+// readSpec is a read request with its resolved path.
+type readSpec struct {
 	Path string
-	// Dest holds one buffer per tensor slot in file order (caches, then
-	// attachments); len(Dest[i]) must equal slot i's bytes exactly.
-	Dest [][]byte
-	// Verify re-hashes what was read: xxh3-64 per tensor (single file),
-	// SHA-256 per block (block layout).
-	Verify bool
-	// Expect, when non-nil, is the header the caller allocated for (from an
-	// earlier Stat): every slot's dtype and shape must still match, else
-	// ErrMismatch (the snapshot was replaced in between).
-	Expect *layout.Header
+	*ReadRequest
 }
 
 // SlotError is one tensor that failed during a read.
@@ -95,12 +85,14 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 	return nil
 }
 
-// Read restores a snapshot into spec.Dest. It decodes and validates the file
-// first (layout.Decode), checks the destinations (CheckDest) and, for a
-// manifest, opens every block it names and checks its size, all before any
-// byte of a destination is written; it never writes past a destination's
-// length. The data is read by ReadExtents: cfg.ReadDepth requests in
-// flight, O_DIRECT where the file system supports it.
+// Read restores the snapshot <cfg.Root>/<req.Namespace>/<req.Name> into
+// req.Dest. It decodes and validates the file first (layout.Decode), checks
+// the destinations (CheckDest) and, for a manifest, opens every block it
+// names and checks its size, all before any byte of a destination is
+// written; it never writes past a destination's length. The data is read
+// by ReadExtents: cfg.ReadDepth requests in flight, O_DIRECT where the file
+// system supports it and the file is not in the page cache. A name that is
+// not one valid path element is layout.ErrBadName.
 //
 // What a destination holds after a failure:
 //   - an error from decoding, CheckDest (ErrDestination, ErrMismatch), the
@@ -114,7 +106,16 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 //   - ctx's error: every destination holds unspecified bytes.
 //
 // The destinations are not touched after Read returns.
-func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, Metrics, error) {
+func Read(ctx context.Context, cfg *Config, req *ReadRequest) (*layout.Snapshot, Metrics, error) {
+	path, err := cfg.snapshotPath(req.Ref)
+	if err != nil {
+		return nil, Metrics{}, fmt.Errorf("jobs: read %s: %w", req.Ref, err)
+	}
+	return read(ctx, cfg, &readSpec{Path: path, ReadRequest: req})
+}
+
+// read is Read of a resolved path (also migrate's, reading a legacy store).
+func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, Metrics, error) {
 	start := time.Now()
 	var m Metrics
 	fsys := cfg.fs()
