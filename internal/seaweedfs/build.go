@@ -164,7 +164,9 @@ func build(ctx context.Context, dir, bin string, logw io.Writer) error {
 		return fmt.Errorf("copying the module source: %v", err)
 	}
 	tmp := bin + ".tmp"
-	cmd = exec.CommandContext(ctx, "go", "build", "-o", tmp, "./weed")
+	// -s -w: no symbol tables; the binary is only run, never debugged,
+	// and linking the 230 MB binary is a large part of the build.
+	cmd = exec.CommandContext(ctx, "go", "build", "-ldflags=-s -w", "-o", tmp, "./weed")
 	cmd.Dir = src
 	cmd.Env = env
 	cmd.Stdout = logw

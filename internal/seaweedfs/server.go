@@ -270,4 +270,3 @@ func StartForTests(ctx context.Context) (*Server, error) {
 	}
 	return s, nil
 }
-
