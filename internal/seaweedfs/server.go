@@ -51,6 +51,7 @@ type Server struct {
 var portFlags = []string{
 	"master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
 	"filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
+	"admin.port", "admin.port.grpc", // the admin server runs even with -admin.ui=false
 }
 
 // Start starts weed (bin) on loopback with a fresh data directory under
