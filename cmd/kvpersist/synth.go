@@ -8,7 +8,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func init() {
@@ -24,7 +24,7 @@ func init() {
 // first tokens of its (capacity-padded) buffers: per layer one entry
 // {"type":"KVCache","offset":T} with K and V, one attachment {"name":"tokens"}
 // with the int32 token ids, and the model's name as top-level metadata.
-func cacheRequest(c *testutil.Cache, tokens int) (caches, attachments []jobs.EntrySpec, meta layout.Meta) {
+func cacheRequest(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec, meta layout.Meta) {
 	views := c.ViewsAt(tokens)
 	dtypes := c.DTypes()
 	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(tokens))}
@@ -58,7 +58,7 @@ func runSynth(ctx context.Context, c *cli, args []string) int {
 		fs.Usage()
 		return exitUsage
 	}
-	m, err := testutil.ModelByName(*model)
+	m, err := kvgen.ModelByName(*model)
 	if err != nil {
 		return c.fail("%v", err)
 	}
@@ -74,7 +74,7 @@ func runSynth(ctx context.Context, c *cli, args []string) int {
 		return c.fail("%v", err)
 	}
 	defer e.Close(context.Background())
-	cache := testutil.NewCache(m, *tokens, true, nil)
+	cache := kvgen.NewCache(m, *tokens, true, nil)
 	caches, atts, meta := cacheRequest(cache, *tokens)
 	res := e.Do(ctx, &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: *name}, Layout: l,
 		Meta: meta, Caches: caches, Attachments: atts, BlockBytes: *blockBytes})

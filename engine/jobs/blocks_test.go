@@ -13,14 +13,14 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func TestDedupGrownCache(t *testing.T) {
 	const bb = 4096
 	ns := filepath.Join(t.TempDir(), "ns")
-	c1 := testutil.NewCache(testutil.Tiny, 1100, true, nil)
-	c2 := testutil.NewCache(testutil.Tiny, 1300, true, nil)
+	c1 := kvgen.NewCache(kvgen.Tiny, 1100, true, nil)
+	c2 := kvgen.NewCache(kvgen.Tiny, 1300, true, nil)
 
 	h1, m1 := mustWrite(t, withHelpers(1), cacheSpec(t, c1, filepath.Join(ns, "a"), layout.Blocks, bb))
 	// First save: per K/V head row 1100*16*2 = 35200 bytes = 8 blocks of
@@ -43,7 +43,7 @@ func TestDedupGrownCache(t *testing.T) {
 			m2.ReusedBytes, wantReused, m2.BlocksReused, m2.BlocksWritten)
 	}
 	st, _ := os.Stat(filepath.Join(ns, "b"))
-	if want := int64(testutil.Tiny.CacheBytes(1300)) - wantReused + st.Size(); m2.WrittenBytes != want {
+	if want := int64(kvgen.Tiny.CacheBytes(1300)) - wantReused + st.Size(); m2.WrittenBytes != want {
 		t.Fatalf("grown save WrittenBytes %d, want %d", m2.WrittenBytes, want)
 	}
 	// The shared blocks are the same refs in both manifests.
@@ -71,7 +71,7 @@ func TestDedupGrownCache(t *testing.T) {
 	}
 	for _, c := range []struct {
 		name string
-		c    *testutil.Cache
+		c    *kvgen.Cache
 	}{{"a", c1}, {"b", c2}} {
 		got, _, _, err := readBack(t, noSync(), filepath.Join(ns, c.name), true)
 		if err != nil {
@@ -84,7 +84,7 @@ func TestDedupGrownCache(t *testing.T) {
 func TestPackedMatchesSegmented(t *testing.T) {
 	const bb = 4096
 	ns := filepath.Join(t.TempDir(), "ns")
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	want := expectedAll(c)
 
 	hs, ms := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "seg"), layout.Blocks, bb))
@@ -118,7 +118,7 @@ func TestPackedMatchesSegmented(t *testing.T) {
 	mustEqualExpected(t, got, want)
 
 	// A contiguous cache, packed: nothing to gather.
-	cc := testutil.NewCache(testutil.Tiny, 300, false, nil)
+	cc := kvgen.NewCache(kvgen.Tiny, 300, false, nil)
 	spec = cacheSpec(t, cc, filepath.Join(ns, "packed-contiguous"), layout.Blocks, bb)
 	spec.Packed = true
 	hc, mc := mustWrite(t, noSync(), spec)
@@ -134,9 +134,9 @@ func TestPackedMatchesSegmented(t *testing.T) {
 
 // writeTiny writes Tiny padded at T=300 (blocks of 4096: K/V rows of
 // 4096+4096+1408 bytes) and returns the header.
-func writeTiny(t *testing.T, path string, lay layout.Layout) (*testutil.Cache, *layout.Header) {
+func writeTiny(t *testing.T, path string, lay layout.Layout) (*kvgen.Cache, *layout.Header) {
 	t.Helper()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, lay, 4096))
 	return c, h
 }
@@ -305,10 +305,10 @@ func TestBlockBytesValidation(t *testing.T) {
 	// One 1.5 MiB uint8 row: the default 1 MiB cut gives 1 MiB + 512 KiB.
 	data := make([]byte, 3<<19)
 	rand.NewChaCha8([32]byte{1}).Read(data)
-	spec := func(path string, bb int) *jobs.WriteSpec {
-		return &jobs.WriteSpec{Path: path, Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
+	spec := func(path string, bb int) *wreq {
+		return &wreq{path, &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
 			Tensors: []jobs.TensorSpec{{DType: "uint8", View: gather.View{Base: data, Shape: []int{len(data)}, Strides: []int{1}, ItemSize: 1}}},
-		}}}
+		}}}}
 	}
 	root := t.TempDir()
 	h, _ := mustWrite(t, noSync(), spec(filepath.Join(root, "ok", "s"), 0))
@@ -323,7 +323,7 @@ func TestBlockBytesValidation(t *testing.T) {
 	}
 	for _, bb := range []int{1000, 3, 128 << 20, 2048, 4097, 3 << 12, -4096} {
 		path := filepath.Join(root, "bad", "s")
-		_, _, err := jobs.Write(context.Background(), noSync(), spec(path, bb))
+		_, _, err := writeAt(context.Background(), noSync(), spec(path, bb))
 		if !errors.Is(err, jobs.ErrBlockBytes) {
 			t.Fatalf("blockBytes %d: %v, want ErrBlockBytes", bb, err)
 		}

@@ -23,28 +23,10 @@ const DefaultTempGrace = 10 * time.Minute
 // namespace directory rather than the root above namespaces.
 var ErrRoot = errors.New("invalid store root")
 
-// CollectSpec describes a garbage collection.
-type CollectSpec struct {
-	// Root is the store root: each directory directly under it is a
-	// namespace (holding snapshot files, manifests and a blocks/ directory).
-	// Passing a namespace directory itself is an ErrRoot error.
+// collectSpec is a collect request with its root.
+type collectSpec struct {
 	Root string
-	// Namespaces limits the collection to these; nil means every one.
-	Namespaces []string
-	// DryRun deletes nothing; Deleted then lists what would be deleted.
-	DryRun bool
-	// TempGrace: temp files younger than this are kept. 0 means
-	// DefaultTempGrace; a negative value removes every temp file (only when
-	// no writer can be running).
-	TempGrace time.Duration
-	// BlockGrace: unreferenced blocks whose file was written less than this
-	// long ago (by mtime) are kept: a second line of defence for writers that
-	// do not take the namespace lock, covering blocks they just wrote. It does
-	// not cover an old block such a writer decides to reuse (its mtime is
-	// not refreshed); only the lock protects reuse. 0 keeps none back.
-	BlockGrace time.Duration
-	// Now is the clock for the grace periods; zero means time.Now().
-	Now time.Time
+	*CollectRequest
 }
 
 // CollectMetrics reports what a collect found and did.
@@ -70,11 +52,15 @@ type CollectMetrics struct {
 	Deleted []string
 }
 
-// Collect marks, for each namespace under spec.Root, every block named by a
-// decodable manifest, and sweeps the block files no manifest names. It holds
-// the namespace's lock exclusively while it works (writers and readers hold
-// it shared), so a block of a snapshot being written is never swept.
-func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, error) {
+// Collect marks, for each namespace under cfg.Root (those of
+// req.Namespaces, or all), every block named by a decodable manifest, and
+// sweeps the block files no manifest names. It holds the namespace's lock
+// exclusively while it works (writers and readers hold it shared), so a
+// block of a snapshot being written is never swept. Its report is the
+// returned Metrics.Collect (never nil). A root that is missing, not a
+// directory, or a namespace itself is ErrRoot.
+func Collect(ctx context.Context, cfg *Config, req *CollectRequest) (Metrics, error) {
+	spec := &collectSpec{Root: cfg.Root, CollectRequest: req}
 	start := time.Now()
 	cm := &CollectMetrics{}
 	m := Metrics{Collect: cm}
@@ -134,7 +120,7 @@ func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, erro
 
 type collector struct {
 	cfg  *Config
-	spec *CollectSpec
+	spec *collectSpec
 	cm   *CollectMetrics
 	now  time.Time
 }

@@ -56,15 +56,15 @@ func TestReviewNamespaceDirEntryNeverSyncedAfterFailedFsync(t *testing.T) {
 			rec := &syncRecFS{FS: ffs}
 			cfg := &jobs.Config{FS: rec}
 			v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
-			spec := func(name string) *jobs.WriteSpec {
-				return &jobs.WriteSpec{Path: filepath.Join(root, "ns", name), Layout: lay, BlockBytes: 4096,
-					Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
+			spec := func(name string) *wreq {
+				return &wreq{filepath.Join(root, "ns", name), &jobs.WriteRequest{Layout: lay, BlockBytes: 4096,
+					Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
 			}
-			if _, _, err := jobs.Write(context.Background(), cfg, spec("a")); err == nil {
+			if _, _, err := writeAt(context.Background(), cfg, spec("a")); err == nil {
 				t.Fatalf("first write: want the injected fsync failure of the root")
 			}
 			before := rec.count(root)
-			if _, _, err := jobs.Write(context.Background(), cfg, spec("b")); err != nil {
+			if _, _, err := writeAt(context.Background(), cfg, spec("b")); err != nil {
 				t.Fatalf("second write: %v", err)
 			}
 			if rec.count(root) == before {

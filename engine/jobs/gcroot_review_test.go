@@ -23,20 +23,20 @@ func TestReviewCollectAboveRootBreaksLaterCollects(t *testing.T) {
 	parent := t.TempDir()
 	store := filepath.Join(parent, "kvstore")
 	v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
-	spec := &jobs.WriteSpec{Path: filepath.Join(store, "conv-1", "turn-1"), Layout: layout.Blocks, BlockBytes: 4096,
-		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
-	if _, _, err := jobs.Write(context.Background(), noSync(), spec); err != nil {
+	spec := &wreq{filepath.Join(store, "conv-1", "turn-1"), &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: 4096,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+	if _, _, err := writeAt(context.Background(), noSync(), spec); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store}); err != nil {
+	if _, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{}); err != nil {
 		t.Fatalf("collect of the store root: %v", err)
 	}
 	// The operator's slip: one directory too high. It "succeeds".
-	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: parent}); err != nil {
+	if _, err := collectAt(context.Background(), noSync(), parent, &jobs.CollectRequest{}); err != nil {
 		t.Logf("collect of the parent: %v", err)
 	}
 	_, statErr := os.Lstat(filepath.Join(store, layout.LockName))
-	_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store})
+	_, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{})
 	if errors.Is(err, jobs.ErrRoot) {
 		t.Fatalf("after one collect of the parent (which created %s/.lock: %v), collect of the real root fails: %v", store, statErr == nil, err)
 	}

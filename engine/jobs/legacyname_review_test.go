@@ -31,7 +31,7 @@ func TestReviewCollectDeletesBlocksOfLegacyManifestWithUnusualName(t *testing.T)
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: root})
+	m, err := collectAt(context.Background(), noSync(), root, &jobs.CollectRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}

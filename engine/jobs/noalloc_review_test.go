@@ -38,12 +38,11 @@ func TestReviewSingleTrailingEmptyTensorWithoutFallocate(t *testing.T) {
 	path := filepath.Join(root, "ns", "snap")
 	k := gather.View{Base: make([]byte, 100), Shape: []int{50}, Strides: []int{1}, ItemSize: 2}
 	empty := gather.View{Base: nil, Shape: []int{0}, Strides: []int{1}, ItemSize: 4}
-	spec := &jobs.WriteSpec{Path: path, Layout: layout.Single,
+	spec := &wreq{path, &jobs.WriteRequest{Layout: layout.Single,
 		Caches:      []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: k}}}},
-		Attachments: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "int32", View: empty}}}},
-	}
+		Attachments: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "int32", View: empty}}}}}}
 	cfg := &jobs.Config{NoSync: true, FS: noAllocFS{vfs.Default}}
-	if _, _, err := jobs.Write(context.Background(), cfg, spec); err != nil {
+	if _, _, err := writeAt(context.Background(), cfg, spec); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	if _, err := layout.Load(vfs.Default, path); err != nil {

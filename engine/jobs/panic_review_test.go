@@ -22,10 +22,10 @@ import (
 
 const zzBlock = 4096
 
-func zzSpec(path string, b []byte) *WriteSpec {
-	return &WriteSpec{Path: path, Layout: layout.Blocks, BlockBytes: zzBlock,
+func zzSpec(path string, b []byte) *writeSpec {
+	return &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Blocks, BlockBytes: zzBlock,
 		Caches: []EntrySpec{{Tensors: []TensorSpec{{DType: "uint8",
-			View: gather.View{Base: b, Shape: []int{len(b)}, Strides: []int{1}, ItemSize: 1}}}}}}
+			View: gather.View{Base: b, Shape: []int{len(b)}, Strides: []int{1}, ItemSize: 1}}}}}}}
 }
 
 // zzMany returns n distinct blocks' worth of bytes (covers ~all 256 fan-outs).
@@ -52,7 +52,7 @@ func (p panicFS) Rename(o, n string) error {
 // A panic in a syncer goroutine is recovered: the job fails with ErrPanic.
 func TestZZSyncerPanicKillsProcess(t *testing.T) {
 	if os.Getenv("ZZ_CHILD") == "1" {
-		_, _, err := Write(context.Background(), &Config{FS: panicFS{vfs.Default}}, zzSpec(filepath.Join(os.Getenv("ZZ_ROOT"), "ns", "a"), zzMany(4, 4)))
+		_, _, err := write(context.Background(), &Config{FS: panicFS{vfs.Default}}, zzSpec(filepath.Join(os.Getenv("ZZ_ROOT"), "ns", "a"), zzMany(4, 4)))
 		if !errors.Is(err, ErrPanic) {
 			t.Fatalf("want ErrPanic, got %v", err)
 		}
@@ -85,7 +85,7 @@ func (wbPanicFile) StartWriteback(off, n int64) error { panic("zz: writeback pan
 // A panic between Stage and the hand-off to the syncers leaves no temp file.
 func TestZZPanicInPutLeavesTempFile(t *testing.T) {
 	root := t.TempDir()
-	_, _, err := Write(context.Background(), &Config{FS: wbPanicFS{vfs.Default}}, zzSpec(filepath.Join(root, "ns", "a"), zzMany(4, 5)))
+	_, _, err := write(context.Background(), &Config{FS: wbPanicFS{vfs.Default}}, zzSpec(filepath.Join(root, "ns", "a"), zzMany(4, 5)))
 	if !errors.Is(err, ErrPanic) {
 		t.Fatalf("want ErrPanic, got %v", err)
 	}
@@ -121,11 +121,11 @@ func (c *countSyncFS) SyncDir(name string) error {
 func TestReusedBlocksDirectoriesAreSynced(t *testing.T) {
 	root := t.TempDir()
 	buf := zzMany(6, 9)
-	if _, _, err := Write(context.Background(), &Config{}, zzSpec(filepath.Join(root, "ns", "a"), buf)); err != nil {
+	if _, _, err := write(context.Background(), &Config{}, zzSpec(filepath.Join(root, "ns", "a"), buf)); err != nil {
 		t.Fatal(err)
 	}
 	fsys := &countSyncFS{FS: vfs.Default, n: map[string]int{}}
-	h, m, err := Write(context.Background(), &Config{FS: fsys}, zzSpec(filepath.Join(root, "ns", "b"), buf))
+	h, m, err := write(context.Background(), &Config{FS: fsys}, zzSpec(filepath.Join(root, "ns", "b"), buf))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,12 +26,12 @@ func TestReviewWriteRankAboveMaxRankIsUnreadable(t *testing.T) {
 			}
 			shape[len(shape)-1] = 4
 			v := gather.View{Base: make([]byte, 8), Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}
-			spec := &jobs.WriteSpec{Path: path, Layout: lay, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
-			_, _, werr := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, spec)
+			spec := &wreq{path, &jobs.WriteRequest{Layout: lay, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+			_, _, werr := writeAt(context.Background(), &jobs.Config{NoSync: true}, spec)
 			_, lerr := layout.Load(vfs.Default, path)
 			if werr == nil && lerr != nil {
 				// Also show the collateral damage: the namespace is no longer swept.
-				m, _ := jobs.Collect(context.Background(), &jobs.Config{NoSync: true}, &jobs.CollectSpec{Root: root})
+				m, _ := collectAt(context.Background(), &jobs.Config{NoSync: true}, root, &jobs.CollectRequest{})
 				t.Fatalf("Write succeeded but the published file does not load: %v (collect: unswept=%v)", lerr, m.Collect.UnsweptNamespaces)
 			}
 		})
