@@ -68,13 +68,24 @@ func TestFaultEveryRequestKind(t *testing.T) {
 	_, err = s.Fetch(ctx, a, &memFile{}, nil)
 	wantOp("fetch (stat)", err, "stat", a)
 
-	// GET refused, and GET body cut short: never a success.
-	set(rt.fail, "get")
-	_, err = s.Fetch(ctx, a, &memFile{}, sha256Verify(objs[a]))
-	wantOp("fetch (get)", err, "get", a)
-	set(rt.cut, "get")
-	_, err = s.Fetch(ctx, a, &memFile{}, sha256Verify(objs[a]))
-	wantOp("fetch (body cut)", err, "get", a)
+	// GET refused, and GET body cut short: one failure is retried and the
+	// fetch is bit-exact; a range failing every attempt fails the fetch.
+	for _, m := range []map[string]int{rt.fail, rt.cut} {
+		set(m, "get")
+		gets := rt.count("get")
+		var dst memFile
+		if _, err := s.Fetch(ctx, a, &dst, sha256Verify(objs[a])); err != nil || !bytes.Equal(dst.b, objs[a]) {
+			t.Fatalf("fetch after one failed range: %v", err)
+		}
+		if g := rt.count("get") - gets; g != 2 {
+			t.Fatalf("fetch after one failed range sent %d GETs, want 2 (one retry)", g)
+		}
+		rt.mu.Lock()
+		m["get"] = remote.RangeAttempts
+		rt.mu.Unlock()
+		_, err = s.Fetch(ctx, a, &memFile{}, sha256Verify(objs[a]))
+		wantOp("fetch (every attempt of a range fails)", err, "get", a)
+	}
 
 	// LIST.
 	set(rt.fail, "list")

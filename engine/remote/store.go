@@ -2,6 +2,7 @@ package remote
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -327,10 +328,12 @@ type VerifyFunc func(r io.ReaderAt, size int64) error
 // GETs of FetchChunkBytes, at most Concurrency in flight, each pinned to
 // the object's ETag (If-Match), so a replaced object fails rather than
 // mixing versions. Memory: Concurrency copy buffers of CopyBufferBytes,
-// whatever the object's size. A body shorter or longer than its range, or
-// a failed verify (nil verify: none), is ErrCorrupt: dst then holds
-// unverified bytes the caller must discard. A missing object is
-// ErrNotFound.
+// whatever the object's size. A range whose request or body fails is
+// tried again, RangeAttempts times in all; after that its error (an
+// *OpError "get") ends the fetch, and a body shorter or longer than its
+// range is ErrCorrupt. A failed verify (nil verify: none) is ErrCorrupt.
+// After any error dst holds unverified bytes the caller must discard. A
+// missing object is ErrNotFound.
 func (s *Store) Fetch(ctx context.Context, name string, dst WriterReaderAt, verify VerifyFunc) (int64, error) {
 	o, err := s.Stat(ctx, name)
 	if err != nil {
@@ -358,8 +361,37 @@ func (s *Store) Fetch(ctx context.Context, name string, dst WriterReaderAt, veri
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, CopyBufferBytes); return &b }}
 
-// getRange GETs bytes [off, off+n) of o into dst at off.
+// RangeAttempts is how many times Fetch tries one range before failing:
+// a body cut short by the network is retried after 100 ms, then 200 ms
+// (minio-go retries only errors before a response arrives).
+const RangeAttempts = 3
+
+// getRange GETs bytes [off, off+n) of o into dst at off, retrying a range
+// whose request or body failed; not-found, a replaced object (412) and the
+// context ending are not retried.
 func (s *Store) getRange(ctx context.Context, name string, o Object, off, n int64, dst io.WriterAt) error {
+	wait := 100 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		err := s.getRangeOnce(ctx, name, o, off, n, dst)
+		if err == nil || attempt == RangeAttempts || ctx.Err() != nil ||
+			errors.Is(err, ErrNotFound) || errors.Is(err, errReplaced) {
+			return err
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		}
+		wait *= 2
+	}
+}
+
+// errReplaced marks a range GET refused because the object's ETag changed.
+var errReplaced = errors.New("object replaced during fetch")
+
+func (s *Store) getRangeOnce(ctx context.Context, name string, o Object, off, n int64, dst io.WriterAt) error {
 	var opts minio.GetObjectOptions
 	if o.ETag != "" {
 		if err := opts.SetMatchETag(o.ETag); err != nil {
@@ -375,7 +407,7 @@ func (s *Store) getRange(ctx context.Context, name string, o Object, off, n int6
 	body, _, _, err := s.core.GetObject(ctx, s.cfg.Bucket, name, opts)
 	if err != nil {
 		if isPrecondition(err) {
-			err = fmt.Errorf("%w: object replaced during fetch: %v", ErrCorrupt, err)
+			err = fmt.Errorf("%w: %w: %v", ErrCorrupt, errReplaced, err)
 		}
 		return opErr("get", name, err)
 	}

@@ -141,7 +141,8 @@ func TestUploaderBounds(t *testing.T) {
 // TestUploaderServerKilled kills the real server while uploads run: they
 // retry with backoff and all finish after the restart (bit-exact, none
 // failed); an uploader closed while the server is down abandons its
-// uploads within Close's context and says so.
+// uploads within Close's context and says so; a fetch while it is down
+// fails with a named error.
 func TestUploaderServerKilled(t *testing.T) {
 	s := newStore(t, func(c *remote.Config) { c.MaxRetries = 1 })
 	var res results
@@ -162,6 +163,12 @@ func TestUploaderServerKilled(t *testing.T) {
 	}
 	for range 4 {
 		<-done
+	}
+	var fetched string // an object uploaded before the kill
+	for name, r := range res.get() {
+		if r.Err == nil {
+			fetched = name
+		}
 	}
 	srv.Kill()
 	restarted := false
@@ -199,6 +206,13 @@ func TestUploaderServerKilled(t *testing.T) {
 		if !errors.Is(r.Err, remote.ErrAbandoned) {
 			t.Fatalf("%s: %+v", name, r)
 		}
+	}
+
+	// A fetch while the server is down fails, naming the request; it
+	// never returns bytes as if they were the object's.
+	var oe *remote.OpError
+	if n, err := s.Fetch(context.Background(), fetched, &memFile{}, sha256Verify(objs[fetched])); !errors.As(err, &oe) || oe.Name != fetched || n != 0 {
+		t.Fatalf("Fetch with the server down = %d, %v; want an *OpError naming %s", n, err, fetched)
 	}
 
 	if err := srv.Restart(context.Background()); err != nil {
