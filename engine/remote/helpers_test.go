@@ -17,13 +17,17 @@ import (
 	"github.com/kvpersist/kvpersist/engine/remote"
 )
 
+// runs numbers the stores of this process, so that every store (also
+// across -count runs on the same server) has a prefix of its own.
+var runs atomic.Int64
+
 // newStore returns a Store on the shared server with a prefix of its own,
 // closed at the test's end. mod may change the config (e.g. its
 // Transport) before New.
 func newStore(t testing.TB, mod func(*remote.Config)) *remote.Store {
 	t.Helper()
 	cfg := remote.Config{
-		Endpoint: srv.Endpoint, Bucket: srv.Bucket, Prefix: "t/" + strings.ReplaceAll(t.Name(), "/", "_"),
+		Endpoint: srv.Endpoint, Bucket: srv.Bucket, Prefix: fmt.Sprintf("t/%s-%d", strings.ReplaceAll(t.Name(), "/", "_"), runs.Add(1)),
 		AccessKey: srv.AccessKey, SecretKey: srv.SecretKey,
 	}
 	if mod != nil {

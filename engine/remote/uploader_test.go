@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"sync"
 	"testing"
 	"time"
@@ -26,10 +27,11 @@ func (r *results) add(u remote.UploadResult) {
 	r.m[u.Name] = u
 }
 
+// get returns a copy: workers may still be adding.
 func (r *results) get() map[string]remote.UploadResult {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	return r.m
+	return maps.Clone(r.m)
 }
 
 func checkObjects(t *testing.T, s *remote.Store, objs map[string][]byte) {
