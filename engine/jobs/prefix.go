@@ -13,7 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/zeebo/xxh3"
+	"github.com/kvpersist/kvpersist/internal/xxh3s"
 )
 
 // The prefix cache's jobs: SavePrefix stores the token pages of a cache
@@ -538,16 +538,14 @@ const pieceMinBytes = 64 << 10
 // them when verify and checking the hash against want (ErrCorrupt). The
 // only I/O is pageRead.
 func readPageTensor(ctx context.Context, f vfs.File, off int64, dst gather.View, scratch []byte, verify bool, want string, read *atomic.Int64) error {
-	hs := hasherPool.Get().(*xxh3.Hasher)
-	defer hasherPool.Put(hs)
-	hs.Reset()
+	var hs xxh3s.Digest
 	if dst.RunElements()*dst.ItemSize >= pieceMinBytes {
 		err := dst.RunsRange(0, dst.Elements(), func(piece []byte) error {
 			for o := 0; o < len(piece); {
 				if err := ctx.Err(); err != nil {
 					return err
 				}
-				c := piece[o:min(len(piece), o+readChunk)]
+				c := piece[o:min(len(piece), o+pageReadChunk)]
 				if err := pageRead(f, c, off); err != nil {
 					return err
 				}
@@ -787,7 +785,7 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 	return parallel(ctx, cfg, nPaged+len(slots)-cacheSlots(snap.Header), ChunkBytes, func(k int, scratch []byte) error {
 		if k >= nPaged {
 			i := cacheSlots(snap.Header) + k - nPaged
-			if err := readTensor(ctx, f, snap, slots[i], dest[i], verify, read); err != nil {
+			if err := readAttachment(ctx, f, int64(snap.DataStart)+slots[i].Off, dest[i], verify, slots[i].Hash, read); err != nil {
 				if ctx.Err() != nil {
 					return ctx.Err()
 				}
@@ -834,4 +832,58 @@ func resolveTensors(ts []TensorSpec) []TensorSpec {
 		}
 	}
 	return out
+}
+
+// pageReadChunk is the unit, in bytes, in which a page tensor's piece is
+// read and hashed while hot in cache.
+const pageReadChunk = 1 << 20
+
+// readAttachment reads an attachment of a page manifest (stored like a
+// single file's tensor at off) into dst, hashing it with verify.
+func readAttachment(ctx context.Context, f vfs.File, off int64, dst []byte, verify bool, want string, read *atomic.Int64) error {
+	var hs xxh3s.Digest
+	for o := 0; o < len(dst); o += pageReadChunk {
+		if o > 0 && ctx.Err() != nil {
+			return ctx.Err()
+		}
+		c := dst[o:min(len(dst), o+pageReadChunk)]
+		if err := pageRead(f, c, off+int64(o)); err != nil {
+			return err
+		}
+		read.Add(int64(len(c)))
+		if verify {
+			hs.Write(c)
+		}
+	}
+	if verify {
+		if got := layout.TensorHash(hs.Sum64()); got != want {
+			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
+		}
+	}
+	return nil
+}
+
+// readPagesSnapshot is Read of a page manifest (layout Pages), after the
+// checks Read makes for every layout: readPaged, failures collected per
+// slot into a *ReadError.
+func readPagesSnapshot(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, spec *readSpec, m Metrics, start time.Time) (*layout.Snapshot, Metrics, error) {
+	var read atomic.Int64
+	var mu sync.Mutex
+	var failures []SlotError
+	fail := func(slot int, err error) {
+		mu.Lock()
+		failures = append(failures, SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: err})
+		mu.Unlock()
+	}
+	err := readPaged(ctx, cfg, f, snap, spec.Dest, spec.Verify, &read, fail)
+	m.ReadBytes = read.Load()
+	m.Elapsed = time.Since(start)
+	if err != nil {
+		return snap, m, err
+	}
+	if len(failures) > 0 {
+		slices.SortFunc(failures, func(a, b SlotError) int { return a.Slot - b.Slot })
+		return snap, m, &ReadError{Path: spec.Path, Slots: failures}
+	}
+	return snap, m, nil
 }

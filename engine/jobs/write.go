@@ -16,8 +16,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
-	"github.com/zeebo/xxh3"
 )
 
 // writeSpec is a write request with its resolved path: the snapshot file
@@ -70,7 +70,7 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 		s.name = h.SlotName(i)
 		size, err := layout.ItemSize(s.t.DType)
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			return nil, nil, fmt.Errorf("%w: %s %s: %w", ErrInvalidRequest, spec.Path, s.name, err)
 		}
 		s.view = s.t.View // a copy: the caller's request is never modified
 		if s.view.ItemSize == 0 {
@@ -114,7 +114,8 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 // the rename may not survive a power cut); at no time can a reader see a mix
 // of versions. The caller's views are not touched after Write returns.
 //
-// Errors: ErrInvalidRequest (bad view, dtype, metadata, rank over
+// Errors: ErrInvalidRequest (bad view, dtype (wrapping
+// layout.ErrUnknownDType for a dtype ItemSize does not know), metadata, rank over
 // layout.MaxRank, no Config.Root; wrapping layout.ErrSnapshotTooLarge for
 // tensors past layout.MaxSnapshotBytes), layout.ErrBadName, ErrBlockBytes,
 // ctx's error, or an I/O error naming the operation and path (wrapping the
@@ -198,8 +199,6 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	return h, m, nil
 }
 
-var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
-
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
 func writeSingle(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
@@ -258,9 +257,7 @@ func planSingle(path string, h *layout.Header, slots []slotIn) (jsLen int, dataS
 func fillSingle(ctx context.Context, cfg *Config, path string, h *layout.Header, slots []slotIn, jsLen int, dataStart int64, f vfs.File, copied, peak *atomic.Int64) error {
 	err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
 		s := slots[i]
-		hs := hasherPool.Get().(*xxh3.Hasher)
-		defer hasherPool.Put(hs)
-		hs.Reset()
+		var hs xxh3s.Digest // hashes each chunk in place, no copy
 		v := s.view
 		n := v.Elements()
 		chunk := max(1, ChunkBytes/v.ItemSize)
