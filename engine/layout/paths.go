@@ -19,17 +19,22 @@ var nameRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$`)
 // BlocksDirName is the directory of a namespace holding its blocks.
 const BlocksDirName = "blocks"
 
+// PagesDirName is the directory of a namespace holding the pages of the
+// prefix page cache.
+const PagesDirName = "pages"
+
 // LockName is the per-namespace advisory lock file (flock): writers and
 // readers hold it shared, collect holds it exclusive.
 const LockName = ".lock"
 
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of
-// [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks". Such a
-// name is one path element, so root/namespace/name never leaves the root,
-// and it can never be taken for a temp file (those start with '.').
+// [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks" or
+// "pages" (the directories of a namespace). Such a name is one path
+// element, so root/namespace/name never leaves the root, and it can never
+// be taken for a temp file (those start with '.').
 func ValidName(kind, s string) error {
-	if !nameRE.MatchString(s) || s == BlocksDirName {
-		return fmt.Errorf("%w: %s %q (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q)", ErrBadName, kind, s, BlocksDirName)
+	if !nameRE.MatchString(s) || s == BlocksDirName || s == PagesDirName {
+		return fmt.Errorf("%w: %s %q (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q or %q)", ErrBadName, kind, s, BlocksDirName, PagesDirName)
 	}
 	return nil
 }

@@ -36,6 +36,7 @@ const (
 	OpMkdirAll       Op = "mkdirall"
 	OpReadDir        Op = "readdir"
 	OpLstat          Op = "lstat"
+	OpStat           Op = "stat"
 	OpSyncDir        Op = "syncdir"
 	OpLock           Op = "lock"
 )
@@ -43,7 +44,7 @@ const (
 // Ops lists every intercepted operation (not OpAny), in a fixed order.
 func Ops() []Op {
 	return []Op{OpCreate, OpOpen, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
-		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpSyncDir, OpLock}
+		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock}
 }
 
 // Fault describes calls to fail. A call matches when its operation is Op (or
@@ -332,6 +333,14 @@ func (f *FaultFS) Lstat(name string) (os.FileInfo, error) {
 		return nil, err
 	}
 	return f.inner.Lstat(name)
+}
+
+// Stat implements vfs.FS.
+func (f *FaultFS) Stat(name string) (os.FileInfo, error) {
+	if _, err := f.check(OpStat, name); err != nil {
+		return nil, err
+	}
+	return f.inner.Stat(name)
 }
 
 // SyncDir implements vfs.FS.
