@@ -377,7 +377,7 @@ func BenchmarkCollect(b *testing.B) {
 			settle(b, lim)
 		},
 		limit: func(i int) {
-			n, err := unlinkLimit(layout.BlocksDir(filepath.Join(lim, ns(i))), tpl.victims)
+			n, err := unlinkLimit(testutil.BlocksDir(filepath.Join(lim, ns(i))), tpl.victims)
 			if err != nil || n != len(tpl.victims) {
 				b.Fatalf("unlink limit removed %d files (want %d): %v", n, len(tpl.victims), err)
 			}

@@ -250,7 +250,7 @@ func scanStore(t testing.TB, root string) *storeScan {
 				s.snaps[path] = scanned{v: v, layout: snap.Layout}
 				for _, sl := range snap.Header.Slots() {
 					for _, b := range sl.Blocks {
-						s.refs[layout.BlockPath(nsDir, b.Hash)] = true
+						s.refs[testutil.BlockPath(nsDir, b.Hash)] = true
 					}
 				}
 			default:

@@ -19,8 +19,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -28,6 +26,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
 )
@@ -74,6 +73,7 @@ type Config struct {
 // Engine runs jobs against one store. It is safe for concurrent use.
 type Engine struct {
 	cfg     Config
+	store   *store.Store
 	jcfg    jobs.Config
 	log     *slog.Logger
 	pool    *ants.Pool
@@ -142,14 +142,16 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	// The root may itself be a symlink (the operator's choice); anything
-	// below it may not. A new root is created with its parents synced.
-	if st, err := cfg.FS.Lstat(cfg.Root); err == nil && st.Mode()&os.ModeSymlink != 0 {
-	} else if err := layout.MkdirAllSynced(cfg.FS, filepath.Clean(cfg.Root), "", !cfg.NoSync); err != nil {
+	// The root may itself be a symlink, or sit below symlinked directories
+	// (the operator's choice); nothing below it is followed. A new root is
+	// created with its parents synced.
+	st, err := store.Create(cfg.Root, store.Options{FS: cfg.FS, NoSync: cfg.NoSync})
+	if err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
 	e := &Engine{
 		cfg:     cfg,
+		store:   st,
 		log:     cfg.Logger,
 		mailbox: make(chan *job, cfg.Mailbox),
 		slots:   make(chan struct{}, cfg.Mailbox),
@@ -213,12 +215,16 @@ func (r Ref) String() string { return r.Namespace + "/" + r.Name }
 // (wrapping layout.ErrBadName) for invalid names, and when the namespace
 // directory is a symlink, which could lead outside the root.
 func (e *Engine) Path(ref Ref) (string, error) {
-	p, err := layout.SnapshotPath(e.cfg.Root, ref.Namespace, ref.Name)
+	ns, err := e.store.Namespace(ref.Namespace)
 	if err != nil {
 		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
-	if st, err := e.cfg.FS.Lstat(filepath.Dir(p)); err == nil && (st.Mode()&os.ModeSymlink != 0 || !st.IsDir()) {
-		return "", fmt.Errorf("%w: namespace %s is a symlink or not a directory", ErrPath, filepath.Dir(p))
+	p, err := ns.Path(ref.Name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
+	}
+	if err := ns.Check(); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	return p, nil
 }

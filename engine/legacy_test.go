@@ -217,7 +217,7 @@ func bunBlockPath(t testing.TB, root string, ref Ref, s, b int) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return layout.LegacyBlockPath(filepath.Join(root, ref.Namespace), snap.Header.Slots()[s].Blocks[b].Hash)
+	return testutil.LegacyBlockPath(filepath.Join(root, ref.Namespace), snap.Header.Slots()[s].Blocks[b].Hash)
 }
 
 func TestMigrateThroughEngine(t *testing.T) {

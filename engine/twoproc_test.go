@@ -545,7 +545,7 @@ func newReuseRace(t *testing.T) *reuseRace {
 		out := map[string]bool{}
 		for _, s := range h.Slots() {
 			for _, b := range s.Blocks {
-				out[layout.BlockPath(filepath.Dir(r.path), b.Hash)] = true
+				out[testutil.BlockPath(filepath.Dir(r.path), b.Hash)] = true
 			}
 		}
 		return out

@@ -137,14 +137,14 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 	mkfile(t, filepath.Join(root, "bad-json", "broken"), string(append(layout.EncodePrefix(badJS, uint32(26+len(badJS))), badJS...)))
 	mkfile(t, filepath.Join(root, "short", "broken"), string(manifest[:20]))
 	// An unreadable namespace still loses its stale temp files.
-	staleTemp := mkfile(t, layout.TempPath(layout.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
+	staleTemp := mkfile(t, layout.TempPath(testutil.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
 	old := time.Now().Add(-time.Hour)
 	if err := os.Chtimes(staleTemp, old, old); err != nil {
 		t.Fatal(err)
 	}
 
 	good := filepath.Join(root, "good")
-	gb := layout.BlocksDir(good)
+	gb := testutil.BlocksDir(good)
 	hash := orphans["good"][0]
 	foreign := "ff" + hash[2:]
 	if hash[:2] == "ff" {
@@ -211,12 +211,12 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 		switch ns {
 		case "good":
 			for _, h := range orphans[ns] {
-				if _, err := os.Lstat(layout.BlockPath(good, h)); !os.IsNotExist(err) {
+				if _, err := os.Lstat(testutil.BlockPath(good, h)); !os.IsNotExist(err) {
 					t.Fatalf("good: orphan block %s kept", h)
 				}
 			}
 			for h := range blockSet(liveSets[ns]) {
-				if _, err := os.Lstat(layout.BlockPath(good, h)); err != nil {
+				if _, err := os.Lstat(testutil.BlockPath(good, h)); err != nil {
 					t.Fatalf("good: live block %s: %v", h, err)
 				}
 			}
@@ -261,10 +261,10 @@ func TestCollectTempGrace(t *testing.T) {
 	ns := filepath.Join(root, "ns")
 	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
-	block := layout.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
+	block := testutil.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
 	old := time.Now().Add(-time.Hour)
 	var stale, fresh []string
-	for _, target := range []string{filepath.Join(ns, "snap"), block, filepath.Join(layout.BlocksDir(ns), "x")} {
+	for _, target := range []string{filepath.Join(ns, "snap"), block, filepath.Join(testutil.BlocksDir(ns), "x")} {
 		s := mkfile(t, layout.TempPath(target), "partial")
 		if err := os.Chtimes(s, old, old); err != nil {
 			t.Fatal(err)
@@ -328,4 +328,35 @@ func TestCollectBlockGrace(t *testing.T) {
 	if cm.BlocksDeleted != 9 || len(blockFiles(t, ns)) != 0 {
 		t.Fatalf("past grace: %+v", cm)
 	}
+}
+
+// TestCollectTakesAnEmptyFileForNotOurs: kvpersist never publishes an
+// empty file, so one in a namespace is skipped and reported, and the
+// namespace is swept as usual (it does not block the sweep the way an
+// unreadable manifest does).
+func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
+	root := t.TempDir()
+	ns := filepath.Join(root, "ns")
+	mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 1100, true, nil), filepath.Join(ns, "a"), layout.Blocks, 4096))
+	mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 700, false, nil), filepath.Join(ns, "b"), layout.Blocks, 4096))
+	kept := blockFiles(t, ns)
+	if err := os.Remove(filepath.Join(ns, "b")); err != nil {
+		t.Fatal(err)
+	}
+	empty := mkfile(t, filepath.Join(ns, "empty"), "")
+	cm := collect(t, &jobs.CollectSpec{Root: root})
+	if len(cm.Unreadable) != 0 || len(cm.UnsweptNamespaces) != 0 || !slices.Contains(cm.Skipped, empty) {
+		t.Fatalf("unreadable %q, unswept %q, skipped %q; want the empty file skipped", cm.Unreadable, cm.UnsweptNamespaces, cm.Skipped)
+	}
+	if cm.BlocksDeleted == 0 || int(cm.BlocksKept+cm.BlocksDeleted) != len(kept) {
+		t.Fatalf("kept %d, deleted %d of %d blocks: the namespace was not swept", cm.BlocksKept, cm.BlocksDeleted, len(kept))
+	}
+	if _, err := os.Lstat(empty); err != nil {
+		t.Fatalf("the empty file was touched: %v", err)
+	}
+	got, _, _, err := readBack(t, noSync(), filepath.Join(ns, "a"), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqualExpected(t, got, expectedAll(testutil.NewCache(testutil.Tiny, 1100, true, nil)))
 }

@@ -3,10 +3,10 @@ package jobs
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // Delete removes a snapshot file or manifest and fsyncs its directory, so
@@ -19,17 +19,17 @@ import (
 func Delete(ctx context.Context, cfg *Config, path string) (Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	fsys := cfg.fs()
-	nsDir := filepath.Dir(path)
-	if err := checkDir(fsys, nsDir); err != nil {
+	ns, _ := store.NamespaceOf(path, cfg.storeOptions())
+	st := ns.Store()
+	if err := ns.Check(); err != nil {
 		return m, fmt.Errorf("jobs: delete %s: %w", path, err)
 	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return m, err
+		return m, fmt.Errorf("jobs: delete %s: %w", path, err)
 	}
 	defer unlock()
-	ok, err := layout.HasMagic(fsys, path)
+	ok, err := store.IsSnapshotFile(st.FS(), path)
 	if err != nil {
 		return m, fmt.Errorf("jobs: delete: %w", err)
 	}
@@ -39,13 +39,11 @@ func Delete(ctx context.Context, cfg *Config, path string) (Metrics, error) {
 	if err := ctx.Err(); err != nil {
 		return m, err
 	}
-	if err := fsys.Remove(path); err != nil {
+	if err := st.FS().Remove(path); err != nil {
 		return m, fmt.Errorf("jobs: delete: %w", err)
 	}
-	if !cfg.NoSync {
-		if err := fsys.SyncDir(nsDir); err != nil {
-			return m, fmt.Errorf("jobs: delete %s: fsync directory %s: %w", path, nsDir, err)
-		}
+	if err := st.SyncDir(ns.Dir()); err != nil {
+		return m, fmt.Errorf("jobs: delete %s: fsync directory %s: %w", path, ns.Dir(), err)
 	}
 	m.Elapsed = time.Since(start)
 	return m, nil

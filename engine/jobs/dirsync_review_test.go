@@ -42,7 +42,7 @@ func (s *syncRecFS) count(dir string) int {
 }
 
 // The namespace directory's entry in the root is fsynced only by the write
-// that creates the directory (MkdirAllSynced). If that fsync fails (or the
+// that creates the directory (store.Namespace.Create). If that fsync fails (or the
 // process dies between mkdir and the fsync, or another process's write
 // created the directory and has not synced it yet), every later write sees
 // the directory, never syncs the root, and acks snapshots whose namespace

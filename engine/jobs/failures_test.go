@@ -124,7 +124,7 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {
 				t.Fatalf("%v %s: snapshot exists", lay, tc.name)
 			}
-			if _, err := os.Lstat(layout.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
+			if _, err := os.Lstat(testutil.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
 				t.Fatalf("%v %s: blocks directory created", lay, tc.name)
 			}
 			if tmp := temps(t, root); len(tmp) != 0 {

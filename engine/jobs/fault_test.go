@@ -182,7 +182,7 @@ func fxCheckReferenced(t testing.TB, root string) map[string]bool {
 			}
 			for _, tn := range snap.Header.Slots() {
 				for _, ref := range tn.Blocks {
-					p := layout.BlockPath(nsDir, ref.Hash)
+					p := testutil.BlockPath(nsDir, ref.Hash)
 					st, err := os.Lstat(p)
 					if err != nil || !st.Mode().IsRegular() || st.Size() != ref.Bytes {
 						t.Fatalf("%s names block %s (%d bytes): %v", e.Name(), p, ref.Bytes, err)

@@ -211,7 +211,7 @@ func blockSet(h *layout.Header) map[string]int64 {
 func blockFiles(t testing.TB, nsDir string) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	root := layout.BlocksDir(nsDir)
+	root := testutil.BlocksDir(nsDir)
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			if os.IsNotExist(err) && p == root {
@@ -264,7 +264,7 @@ func mustWrite(t testing.TB, cfg *jobs.Config, spec *jobs.WriteSpec) (*layout.He
 func blockPaths(nsDir string, hashes []string) []string {
 	out := make([]string, len(hashes))
 	for i, h := range hashes {
-		out[i] = layout.BlockPath(nsDir, h)
+		out[i] = testutil.BlockPath(nsDir, h)
 	}
 	slices.Sort(out)
 	return out

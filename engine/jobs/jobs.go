@@ -15,13 +15,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"path/filepath"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -57,6 +56,12 @@ func (c *Config) fs() vfs.FS {
 		return vfs.Default
 	}
 	return c.FS
+}
+
+// storeOptions are the store policies of this job's configuration: the
+// store package decides what NoSync and NoLock mean.
+func (c *Config) storeOptions() store.Options {
+	return store.Options{FS: c.fs(), NoSync: c.NoSync, NoLock: c.NoLock}
 }
 
 func (c *Config) helpers() int {
@@ -268,23 +273,6 @@ func parallelWith[W any](ctx context.Context, cfg *Config, n int, newW func() W,
 	}()
 	wg.Wait()
 	return first
-}
-
-// lockNamespace takes the namespace's advisory lock: shared for writers and
-// readers, exclusive for collect. create=false skips a missing lock file
-// (reads of a store no writer has touched, e.g. a read-only source).
-func lockNamespace(ctx context.Context, cfg *Config, nsDir string, exclusive, create bool) (func(), error) {
-	if cfg.NoLock {
-		return func() {}, nil
-	}
-	unlock, err := cfg.fs().Lock(ctx, filepath.Join(nsDir, layout.LockName), exclusive, create)
-	if err != nil {
-		if !create && vfs.IsNotExist(err) {
-			return func() {}, nil
-		}
-		return nil, fmt.Errorf("jobs: lock namespace %s: %w", nsDir, err)
-	}
-	return func() { _ = unlock() }, nil
 }
 
 func maxInt64(a *atomic.Int64, v int64) {

@@ -38,7 +38,7 @@ func TestReviewCollectDeletesBlocksOfLegacyManifestWithUnusualName(t *testing.T)
 	missing := 0
 	for _, tn := range snap.Header.Slots() {
 		for _, b := range tn.Blocks {
-			if _, err := os.Lstat(layout.LegacyBlockPath(ns, b.Hash)); err != nil {
+			if _, err := os.Lstat(testutil.LegacyBlockPath(ns, b.Hash)); err != nil {
 				missing++
 			}
 		}

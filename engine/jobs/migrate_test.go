@@ -350,7 +350,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lost := layout.BlockPath(filepath.Join(dst, "bun-blocks"), snap.Header.Slots()[3].Blocks[5].Hash)
+	lost := testutil.BlockPath(filepath.Join(dst, "bun-blocks"), snap.Header.Slots()[3].Blocks[5].Hash)
 	if err := os.Remove(lost); err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 const zzBlock = 4096
@@ -133,7 +134,7 @@ func TestReusedBlocksDirectoriesAreSynced(t *testing.T) {
 		t.Fatalf("second save reused %d, wrote %d blocks; want 6 and 0", m.BlocksReused, m.BlocksWritten)
 	}
 	for _, b := range h.Slots()[0].Blocks {
-		dir := filepath.Dir(layout.BlockPath(filepath.Join(root, "ns"), b.Hash))
+		dir := filepath.Dir(testutil.BlockPath(filepath.Join(root, "ns"), b.Hash))
 		if fsys.n[dir] != 1 {
 			t.Fatalf("fan-out %s of a reused block fsynced %d times before the manifest, want 1", dir, fsys.n[dir])
 		}

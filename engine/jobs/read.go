@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/minio/sha256-simd"
@@ -109,14 +110,14 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 	start := time.Now()
 	var m Metrics
 	fsys := cfg.fs()
-	nsDir := filepath.Dir(spec.Path)
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 	}
 	defer unlock()
-	if err := checkDir(fsys, nsDir); err != nil {
-		return nil, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
+	if err := ns.Check(); err != nil {
+		return nil, m, fmt.Errorf("%w: read %s: %w", ErrInvalidRequest, spec.Path, err)
 	}
 	f, err := fsys.Open(spec.Path)
 	if err != nil {
@@ -174,7 +175,7 @@ func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, M
 			}
 			ref := slots[tk.slot].Blocks[tk.block]
 			dst := spec.Dest[tk.slot][offs[tk.slot][tk.block]:][:ref.Bytes:ref.Bytes]
-			if err := readBlock(fsys, snap, ref, dst, spec.Verify, &dirs); err != nil {
+			if err := readBlock(ns, snap, ref, dst, spec.Verify, &dirs); err != nil {
 				if _, dup := bad.LoadOrStore(tk.slot, struct{}{}); !dup {
 					fail(tk.slot, fmt.Errorf("block %d: %w", tk.block, err))
 				}
@@ -238,19 +239,20 @@ func readTensor(ctx context.Context, f vfs.File, snap *layout.Snapshot, t *layou
 
 // readBlock reads one block file into dst (exactly its bytes), checking its
 // size first and, with verify, its SHA-256.
-func readBlock(fsys vfs.FS, snap *layout.Snapshot, ref layout.BlockRef, dst []byte, verify bool, dirs *sync.Map) error {
-	nsDir := filepath.Dir(snap.Path)
-	path := layout.BlockPath(nsDir, ref.Hash)
-	if snap.Legacy {
-		path = layout.LegacyBlockPath(nsDir, ref.Hash)
-	}
+func readBlock(ns *store.Namespace, snap *layout.Snapshot, ref layout.BlockRef, dst []byte, verify bool, dirs *sync.Map) error {
+	fsys, nsDir := ns.Store().FS(), ns.Dir()
+	path := ns.SnapshotBlockPath(snap, ref.Hash)
 	// Blocks are opened without following a symlink in their last element;
 	// the directories between the namespace and the block (blocks/ and the
 	// fan-out) must be real directories too, checked once per read.
 	for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
 		v, ok := dirs.Load(d)
 		if !ok {
-			v, _ = dirs.LoadOrStore(d, checkDir(fsys, d))
+			var derr error
+			if err := ns.Store().CheckRealDir(d); err != nil {
+				derr = fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+			}
+			v, _ = dirs.LoadOrStore(d, derr)
 		}
 		if v != nil {
 			if err, _ := v.(error); err != nil {
@@ -306,22 +308,6 @@ func readBlock(fsys vfs.FS, snap *layout.Snapshot, ref layout.BlockRef, dst []by
 const blockReadPiece = 256 << 10
 
 var sha256Pool = sync.Pool{New: func() any { return sha256.New() }}
-
-// checkDir fails unless dir is a real directory (not a symlink to one).
-// A missing directory is not an error here: the block's open reports it.
-func checkDir(fsys vfs.FS, dir string) error {
-	st, err := fsys.Lstat(dir)
-	if err != nil {
-		if vfs.IsNotExist(err) {
-			return nil
-		}
-		return err
-	}
-	if !st.IsDir() {
-		return fmt.Errorf("%w: %s is a symlink or not a directory; refusing to follow it", ErrInvalidRequest, dir)
-	}
-	return nil
-}
 
 // readChunk is the unit, in bytes, in which a single-file read preads and
 // hashes a tensor (measured: 256 KiB to 4 MiB perform alike here).

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
@@ -25,6 +26,15 @@ import (
 type TensorSpec struct {
 	DType string
 	View  gather.View
+	// Meta is the tensor's caller metadata (keys other than the format's,
+	// see layout.Tensor.Meta); nil for none. It round-trips unchanged.
+	Meta layout.Meta
+	// Plan, for the block layout only, is the tensor's precomputed block
+	// plan (for View's shape and itemsize, else ErrInvalidRequest): the
+	// blocks are cut where it says instead of at WriteSpec.BlockBytes.
+	// Migrate uses it to keep a source's block boundaries. nil: cut at
+	// BlockBytes.
+	Plan *gather.Plan
 }
 
 // EntrySpec is one cache entry (e.g. a layer's K and V) or attachment.
@@ -108,7 +118,15 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 		for k, d := range s.t.View.Shape {
 			shape[k] = int64(d)
 		}
-		*s.out = layout.Tensor{Bytes: int64(s.t.View.Bytes()), DType: s.t.DType, Shape: shape}
+		if s.t.Plan != nil {
+			if spec.Layout != layout.Blocks {
+				return nil, nil, fmt.Errorf("%w: %s %s: a block plan is only for the block layout", ErrInvalidRequest, spec.Path, s.name)
+			}
+			if err := s.t.Plan.Fits(s.t.View.Shape, s.t.View.ItemSize); err != nil {
+				return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			}
+		}
+		*s.out = layout.Tensor{Bytes: int64(s.t.View.Bytes()), DType: s.t.DType, Shape: shape, Meta: s.t.Meta}
 	}
 	// Check the caller's metadata (reserved keys, valid JSON) now, before
 	// any byte is written: the block layout encodes only after its blocks.
@@ -155,28 +173,22 @@ func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, M
 	if err != nil {
 		return nil, m, err
 	}
-	nsDir := filepath.Dir(spec.Path)
-	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
+	// The namespace directory, durably, and the root synced in any case:
+	// the namespace's entry must be durable before a snapshot in it is
+	// acked, even if the write that created it died before syncing.
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	if err = ns.Create(); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
-	if !cfg.NoSync {
-		// The namespace's entry in the root must be durable before a
-		// snapshot in it is acked: the write that created the directory may
-		// have died (or failed) before syncing the root, in this or another
-		// process. A clean directory syncs in microseconds.
-		if err = cfg.fs().SyncDir(filepath.Dir(nsDir)); err != nil {
-			return nil, m, fmt.Errorf("jobs: write %s: fsync directory %s: %w", spec.Path, filepath.Dir(nsDir), err)
-		}
-	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
+	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
 	defer unlock()
 	if spec.Layout == layout.Single {
-		err = writeSingle(ctx, cfg, spec, h, slots, &m)
+		err = writeSingle(ctx, cfg, ns, spec, h, slots, &m)
 	} else {
-		err = writeBlocks(ctx, cfg, spec, h, slots, bb, &m)
+		err = writeBlocks(ctx, cfg, ns, spec, h, slots, bb, &m)
 	}
 	m.Elapsed = time.Since(start)
 	if err != nil {
@@ -189,7 +201,7 @@ var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
 
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
-func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	// Tensors in slot order at 4 KiB-aligned offsets; an empty tensor has
 	// off 0 (it occupies nothing). The file ends exactly at the end of the
 	// last non-empty tensor, whether or not fallocate is supported.
@@ -214,7 +226,8 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.He
 	}
 	dataStart := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
 	var copied, peak atomic.Int64
-	err = layout.Publish(cfg.fs(), spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true, Size: dataStart + end},
+	st := ns.Store()
+	err = layout.Publish(st.FS(), spec.Path, st.PublishOptions(true, dataStart+end),
 		func(f vfs.File) error {
 			err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
 				s := slots[i]
@@ -250,12 +263,10 @@ func writeSingle(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.He
 					if err := layout.WriteFull(f, b, at); err != nil {
 						return err
 					}
-					if !cfg.NoSync {
-						// Start write-back now so the final fdatasync
-						// finds most of the file already on its way.
-						if err := f.StartWriteback(at, int64(len(b))); err != nil {
-							return err
-						}
+					// Start write-back now so the final fdatasync
+					// finds most of the file already on its way.
+					if err := st.StartWriteback(f, at, int64(len(b))); err != nil {
+						return err
 					}
 					e += count
 				}
@@ -292,21 +303,24 @@ type blockSlot struct {
 
 // writeBlocks stores the blocks of the validated header h (slots from
 // buildHeader) in blocks of bb bytes and publishes its manifest.
-func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
-	fsys := cfg.fs()
-	nsDir := filepath.Dir(spec.Path)
-	blocksDir := layout.BlocksDir(nsDir)
-	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
+func writeBlocks(ctx context.Context, cfg *Config, ns *store.Namespace, spec *WriteSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
+	if err := ns.CreateBlocksDir(); err != nil {
 		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
 	}
-	w := &blockWriter{cfg: cfg, spec: spec, blocksDir: blocksDir, nsDir: nsDir}
+	w := &blockWriter{cfg: cfg, ns: ns, st: ns.Store(), spec: spec}
 	bs := make([]blockSlot, len(slots))
 	var off int64
 	total := 0
 	for i, s := range slots {
-		p, err := gather.NewPlan(s.t.View.Shape, s.t.View.ItemSize, bb)
-		if err != nil {
-			return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+		var p gather.Plan
+		if s.t.Plan != nil {
+			p = *s.t.Plan // checked by buildHeader
+		} else {
+			var err error
+			p, err = gather.NewPlan(s.t.View.Shape, s.t.View.ItemSize, bb)
+			if err != nil {
+				return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			}
 		}
 		bs[i] = blockSlot{view: s.t.View, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
 		total += p.Len()
@@ -335,19 +349,18 @@ func writeBlocks(ctx context.Context, cfg *Config, spec *WriteSpec, h *layout.He
 // yet), then the blocks directory, then the manifest is published (temp,
 // fdatasync, rename, directory fsync). It fills m's write metrics.
 func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *Metrics) error {
-	fsys := w.cfg.fs()
 	path := w.spec.Path
-	if !w.cfg.NoSync {
+	if w.st.Durable() {
 		var dirs []string
 		for d := range w.needSync.Range {
 			dirs = append(dirs, d.(string))
 		}
 		sort.Strings(dirs)
-		if err := syncDirs(ctx, fsys, dirs, path); err != nil {
+		if err := syncDirs(ctx, w.st, dirs, path); err != nil {
 			return err
 		}
-		if err := fsys.SyncDir(w.blocksDir); err != nil {
-			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.blocksDir, err)
+		if err := w.st.SyncDir(w.ns.BlocksDir()); err != nil {
+			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.ns.BlocksDir(), err)
 		}
 	}
 	js, err := h.Encode()
@@ -361,7 +374,7 @@ func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := layout.Publish(fsys, path, layout.PublishOptions{Sync: !w.cfg.NoSync, SyncDir: true},
+	if err := layout.Publish(w.st.FS(), path, w.st.PublishOptions(true, 0),
 		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
 		return err
 	}
@@ -375,8 +388,9 @@ func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *
 
 type blockWriter struct {
 	cfg               *Config
+	ns                *store.Namespace
+	st                *store.Store
 	spec              *WriteSpec
-	nsDir, blocksDir  string
 	dirs              sync.Map // fan-out dir -> *dirOnce (created this save)
 	needSync          sync.Map // fan-out dir -> struct{}: fsync before the manifest
 	written, reused   atomic.Int64
@@ -388,7 +402,7 @@ type blockWriter struct {
 // goroutines that only wait on the disk (an fsync of a directory with
 // nothing dirty returns in a fraction of a millisecond, but 256 of them one
 // after another add up), joined before it returns. First error wins.
-func syncDirs(ctx context.Context, fsys vfs.FS, dirs []string, forPath string) error {
+func syncDirs(ctx context.Context, st *store.Store, dirs []string, forPath string) error {
 	var (
 		next  atomic.Int64
 		wg    sync.WaitGroup
@@ -402,7 +416,7 @@ func syncDirs(ctx context.Context, fsys vfs.FS, dirs []string, forPath string) e
 				if i >= len(dirs) || ctx.Err() != nil {
 					return
 				}
-				if err := fsys.SyncDir(dirs[i]); err != nil {
+				if err := st.SyncDir(dirs[i]); err != nil {
 					mu.Lock()
 					if first == nil {
 						first = fmt.Errorf("jobs: %s: fsync directory %s: %w", forPath, dirs[i], err)
@@ -430,7 +444,7 @@ func (w *blockWriter) ensureDir(dir string) error {
 	v, _ := w.dirs.LoadOrStore(dir, &dirOnce{})
 	d := v.(*dirOnce)
 	d.once.Do(func() {
-		d.err = layout.MkdirAllSynced(w.cfg.fs(), dir, w.blocksDir, false) // synced with the others before the manifest
+		d.err = w.ns.CreateFanout(dir) // synced with the others before the manifest
 	})
 	return d.err
 }
@@ -485,7 +499,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 			sb.s.Abort()
 			return
 		}
-		if err := sb.s.Commit(layout.PublishOptions{Sync: !w.cfg.NoSync}); err != nil {
+		if err := sb.s.Commit(w.st.PublishOptions(false, 0)); err != nil {
 			fail(fmt.Errorf("jobs: %s: %w", w.spec.Path, err))
 			return
 		}
@@ -565,12 +579,12 @@ func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockR
 	sum := sha256.Sum256(data)
 	name := hex.EncodeToString(sum[:])
 	ref := layout.BlockRef{Hash: name, Bytes: int64(len(data))}
-	path := layout.BlockPath(w.nsDir, name)
+	path := w.ns.BlockPath(name, false)
 	dir := filepath.Dir(path)
 	if err := w.ensureDir(dir); err != nil {
 		return ref, fmt.Errorf("jobs: %s: block directory %s: %w", w.spec.Path, dir, err)
 	}
-	fsys := w.cfg.fs()
+	fsys := w.st.FS()
 	if fi, err := fsys.Lstat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == int64(len(data)) {
 		w.reused.Add(int64(len(data)))
 		w.nReused.Add(1)
@@ -597,10 +611,8 @@ func (w *blockWriter) put(data []byte, staged chan<- stagedBlock) (layout.BlockR
 	if err := layout.WriteFull(s.File, data, 0); err != nil {
 		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
-	if !w.cfg.NoSync {
-		if err := s.File.StartWriteback(0, 0); err != nil {
-			return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
-		}
+	if err := w.st.StartWriteback(s.File, 0, 0); err != nil {
+		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
 	staged <- stagedBlock{s: s, n: int64(len(data))}
 	handed = true

@@ -1,0 +1,153 @@
+package jobs_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// raceFS is a vfs.FS with the hooks the collect-versus-writer schedule
+// needs. A Lock first tries without waiting (the OS FS's Lock takes the
+// flock before it looks at ctx, so a done ctx makes it a try-lock) and
+// calls onBlocked when that fails, before it waits for real.
+type raceFS struct {
+	vfs.FS
+	afterLstat func(name string, err error)
+	onBlocked  func(name string)
+	onRename   func(oldname, newname string)
+}
+
+func (f *raceFS) Lstat(name string) (os.FileInfo, error) {
+	fi, err := f.FS.Lstat(name)
+	if f.afterLstat != nil {
+		f.afterLstat(name, err)
+	}
+	return fi, err
+}
+
+func (f *raceFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
+	done, cancel := context.WithCancel(context.Background())
+	cancel()
+	if u, err := f.FS.Lock(done, name, exclusive, create); err == nil || vfs.IsNotExist(err) {
+		return u, err
+	}
+	if f.onBlocked != nil {
+		f.onBlocked(name)
+	}
+	return f.FS.Lock(ctx, name, exclusive, create)
+}
+
+func (f *raceFS) Rename(oldname, newname string) error {
+	if f.onRename != nil {
+		f.onRename(oldname, newname)
+	}
+	return f.FS.Rename(oldname, newname)
+}
+
+// TestCollectNeverSweepsAWriteInProgress: a collect that first looks at a
+// namespace before a writer has created anything there, then goes on while
+// the writer has stored its blocks (or its temp file) but not yet renamed
+// its snapshot into place, deletes none of the writer's files, with
+// TempGrace < 0 (every temp file stale); the writer publishes and its
+// snapshot reads back verified. (The clock is an hour ahead so that even a
+// temp file created after the collect started is past any grace.) The schedule is forced, not timed: the
+// collect's first Lstat of the namespace's blocks/ waits until the writer
+// either stands before its final rename or is blocked on the namespace
+// lock; the writer's final rename waits until the collect has returned or
+// is itself blocked on the lock.
+func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
+	cases := []struct {
+		name   string
+		lay    layout.Layout
+		before bool // the namespace already holds a snapshot (and its .lock)
+	}{
+		{"blocks-in-a-used-namespace", layout.Blocks, true},
+		{"blocks-in-a-new-empty-namespace", layout.Blocks, false},
+		{"single-file-in-a-used-namespace", layout.Single, true},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			ns := filepath.Join(root, "ns")
+			if tc.before {
+				mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 10, true, nil), filepath.Join(ns, "single0"), layout.Single, 0))
+			} else if err := os.Mkdir(ns, 0o750); err != nil {
+				t.Fatal(err)
+			}
+			target := filepath.Join(ns, "w")
+			c := testutil.NewCache(testutil.Tiny, 1100, true, nil)
+
+			var (
+				atRename      = make(chan struct{}) // the writer stands before its final rename
+				writerBlocked = make(chan struct{}) // the writer waits for the namespace lock
+				release       = make(chan struct{}) // the writer may rename
+				onceAt        sync.Once
+				onceBlocked   sync.Once
+				onceRelease   sync.Once
+				onceStart     sync.Once
+				writeErr      error
+				wg            sync.WaitGroup
+			)
+			let := func() { onceRelease.Do(func() { close(release) }) }
+			wfs := &raceFS{FS: vfs.Default,
+				onBlocked: func(string) { onceBlocked.Do(func() { close(writerBlocked) }) },
+				onRename: func(_, newname string) {
+					if newname == target {
+						onceAt.Do(func() { close(atRename) })
+						<-release
+					}
+				},
+			}
+			startWriter := func() {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					_, _, writeErr = jobs.Write(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, cacheSpec(t, c, target, tc.lay, 4096))
+				}()
+			}
+			cfs := &raceFS{FS: vfs.Default,
+				afterLstat: func(name string, err error) {
+					if name == testutil.BlocksDir(ns) && vfs.IsNotExist(err) {
+						onceStart.Do(func() {
+							startWriter()
+							select {
+							case <-atRename:
+							case <-writerBlocked:
+							}
+						})
+					}
+				},
+				onBlocked: func(string) { let() }, // the writer holds the lock: let it finish
+			}
+			m, err := jobs.Collect(context.Background(), &jobs.Config{FS: cfs, NoSync: true},
+				&jobs.CollectSpec{Root: root, TempGrace: -1, Now: time.Now().Add(time.Hour)})
+			let()
+			wg.Wait()
+			if err != nil {
+				t.Fatalf("Collect: %v", err)
+			}
+			for _, p := range m.Collect.Deleted {
+				if strings.Contains(p, string(filepath.Separator)+"blocks"+string(filepath.Separator)) || strings.Contains(filepath.Base(p), ".w.tmp-") {
+					t.Errorf("collect deleted %s of the write in progress", p)
+				}
+			}
+			if writeErr != nil {
+				t.Fatalf("the write collect overlapped failed: %v", writeErr)
+			}
+			got, _, _, err := readBack(t, noSync(), target, true)
+			if err != nil {
+				t.Fatalf("the snapshot written beside collect does not read back: %v", err)
+			}
+			mustEqualExpected(t, got, expectedAll(c))
+		})
+	}
+}
