@@ -39,31 +39,6 @@ func ValidName(kind, s string) error {
 	return nil
 }
 
-// SnapshotPath is root/namespace/name after validating both names.
-func SnapshotPath(root, namespace, name string) (string, error) {
-	if err := ValidName("namespace", namespace); err != nil {
-		return "", err
-	}
-	if err := ValidName("snapshot name", name); err != nil {
-		return "", err
-	}
-	return filepath.Join(root, namespace, name), nil
-}
-
-// BlocksDir is nsDir/blocks.
-func BlocksDir(nsDir string) string { return filepath.Join(nsDir, BlocksDirName) }
-
-// BlockPath is where kvpersist stores a block: nsDir/blocks/<hash[:2]>/<hash>,
-// a 256-way fan-out. hash must satisfy ValidBlockHash.
-func BlockPath(nsDir, hash string) string {
-	return filepath.Join(nsDir, BlocksDirName, hash[:2], hash)
-}
-
-// LegacyBlockPath is where the Bun worker stored a block: nsDir/blocks/<hash>.
-func LegacyBlockPath(nsDir, hash string) string {
-	return filepath.Join(nsDir, BlocksDirName, hash)
-}
-
 // tempMarker separates a target's name from the random part of its temp file.
 const tempMarker = ".tmp-"
 
