@@ -157,14 +157,15 @@ func writerMain(args []string) int {
 }
 
 // collectorMain is the collector helper, an operator's `kvpersist gc` in a
-// loop: jobs.Collect over the whole root (default temp grace, -blockgrace for
-// blocks) until its stdin is closed, at least once. It prints "collect ok
+// loop: jobs.Collect over the whole root (-tempgrace, default the default;
+// -blockgrace for blocks) until its stdin is closed, at least once. It prints "collect ok
 // <blocks deleted>" or "collect err <message>" per collect.
 func collectorMain(args []string) int {
 	fl := flag.NewFlagSet("collector", flag.ContinueOnError)
 	root := fl.String("root", "", "store root")
 	noLock := fl.Bool("nolock", false, "no namespace lock")
 	blockGrace := fl.Duration("blockgrace", 0, "collect's BlockGrace")
+	tempGrace := fl.Duration("tempgrace", 0, "collect's TempGrace (negative: every temp file)")
 	if err := fl.Parse(args); err != nil {
 		return 2
 	}
@@ -175,7 +176,7 @@ func collectorMain(args []string) int {
 	}()
 	cfg := &jobs.Config{NoSync: true, NoLock: *noLock}
 	for {
-		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectSpec{Root: *root, BlockGrace: *blockGrace})
+		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectSpec{Root: *root, BlockGrace: *blockGrace, TempGrace: *tempGrace})
 		if err != nil {
 			fmt.Fprintf(os.Stdout, "collect err %s\n", strings.ReplaceAll(err.Error(), "\n", " "))
 		} else if cm := m.Collect; len(cm.Unreadable) > 0 || len(cm.Skipped) > 0 {
@@ -409,8 +410,10 @@ func nsPaths(root, ns string, names ...string) []string {
 const twoProcTokens = "200,256,330,384,460,520"
 
 // TestTwoProcessWriteCollect runs a writer process saving in a loop (both
-// layouts, three paths of one namespace) beside a collector process
-// (jobs.Collect of the whole root in a loop) while the test process reads.
+// layouts, three paths of one namespace) and a second one saving single
+// files only (a namespace that never has blocks/) beside a collector
+// process (jobs.Collect of the whole root in a loop, every temp file taken
+// for stale: `gc --temp-grace 0`) while the test process reads.
 // The writer is an engine ("engine") or two goroutines calling jobs.Write
 // directly ("jobs.Write"), both holding the namespace lock shared. Every
 // read during the run returns one version's exact bytes or is refused as
@@ -426,12 +429,22 @@ func TestTwoProcessWriteCollect(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			root := t.TempDir()
 			paths := nsPaths(root, "shared", "p0", "p1", "p2")
-			run := runTwoProc(t, root, paths, false, nil,
+			flat := nsPaths(root, "flat", "f0")
+			run := runTwoProc(t, root, append(paths, flat...), false, []string{"-tempgrace", "-1ns"},
 				[]string{"-ns", "shared", "-paths", "p0,p1,p2", "-n", strconv.Itoa(n), "-id", "A", "-seq", "1000000",
 					"-tokens", twoProcTokens, "-layouts", "blocks,blocks,single", "-engine=" + strconv.FormatBool(mode == "engine"),
-					"-seed", strconv.FormatInt(time.Now().UnixNano(), 10)})
+					"-seed", strconv.FormatInt(time.Now().UnixNano(), 10)},
+				[]string{"-ns", "flat", "-paths", "f0", "-n", strconv.Itoa(n / 3), "-id", "B", "-seq", "2000000",
+					"-tokens", twoProcTokens, "-layouts", "single", "-engine=" + strconv.FormatBool(mode == "engine"),
+					"-seed", strconv.FormatInt(time.Now().UnixNano()+1, 10)})
 			run.logFigures(t)
 			run.checkHelpersClean(t)
+			if w := run.writers[1]; w.acked != n/3 {
+				t.Errorf("namespace without blocks/: %d of %d writes acked", w.acked, n/3)
+			}
+			if _, err := os.Lstat(filepath.Join(root, "flat", "blocks")); !os.IsNotExist(err) {
+				t.Errorf("the single-file namespace has blocks/ (%v)", err)
+			}
 			w := run.writers[0]
 			if w.acked != n {
 				t.Errorf("%d of %d writes acked", w.acked, n)

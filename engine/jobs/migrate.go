@@ -368,6 +368,7 @@ func scanLegacy(fsys vfs.FS, spec *MigrateSpec, rep *MigrateReport) ([]migrateCa
 			return nil, fmt.Errorf("%w: namespace %s is not a directory (symlinks are not followed)", ErrInvalidRequest, ns.Dir())
 		}
 		nsErr := layout.ValidName("namespace", name)
+		dst, _ := store.At(spec.DstRoot, store.Options{FS: fsys}).AnyNamespace(name) // name checked above
 		l, err := ns.List(false)
 		if err != nil {
 			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", ns.Dir(), err)
@@ -383,7 +384,7 @@ func scanLegacy(fsys vfs.FS, spec *MigrateSpec, rep *MigrateReport) ([]migrateCa
 			}
 		}
 		for _, f := range l.Snapshots {
-			c := migrateCandidate{ns: name, name: f.Name, src: f.Path, dst: filepath.Join(spec.DstRoot, name, f.Name)}
+			c := migrateCandidate{ns: name, name: f.Name, src: f.Path, dst: dst.Entry(f.Name)}
 			switch {
 			case f.Err != nil:
 				c.err = fmt.Errorf("jobs: migrate: %w", f.Err)

@@ -35,6 +35,11 @@ func (n *Namespace) Path(name string) (string, error) {
 	return filepath.Join(n.dir, name), nil
 }
 
+// Entry is the path of the entry name of the namespace directory, without
+// validating name: for reporting files kvpersist did not name (a legacy
+// store's), never for creating one (use Path).
+func (n *Namespace) Entry(name string) string { return filepath.Join(n.dir, name) }
+
 // LockPath is the namespace's lock file, <dir>/.lock.
 func (n *Namespace) LockPath() string { return filepath.Join(n.dir, layout.LockName) }
 
