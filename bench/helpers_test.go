@@ -19,7 +19,6 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/gather"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/minio/sha256-simd"
@@ -321,19 +320,7 @@ func (w *workload) request(ref engine.Ref, lay layout.Layout, tokens int) *engin
 // layer one entry {"type":"KVCache","offset":T} with K and V, one attachment
 // {"name":"tokens"} with the int32 token ids, the model as metadata.
 func cacheRequest(c *testutil.Cache, ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
-	views := c.ViewsAt(tokens)
-	dtypes := c.DTypes()
-	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(tokens))}
-	var caches []jobs.EntrySpec
-	for l := 0; l < c.Model.Layers; l++ {
-		caches = append(caches, jobs.EntrySpec{Meta: off, Tensors: []jobs.TensorSpec{
-			{DType: dtypes[2*l], View: views[2*l]}, {DType: dtypes[2*l+1], View: views[2*l+1]},
-		}})
-	}
-	last := len(views) - 1
-	atts := []jobs.EntrySpec{{Meta: layout.Meta{"name": []byte(`"tokens"`)},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[last], View: views[last]}}}}
-	meta := layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": []byte(strconv.Itoa(tokens))}
+	caches, atts, meta := testutil.CacheRequest(c, tokens)
 	return &engine.WriteRequest{Ref: ref, Layout: lay, Meta: meta, Caches: caches, Attachments: atts}
 }
 

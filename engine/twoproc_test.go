@@ -205,30 +205,16 @@ func parseWriterLog(t *testing.T, root string, lines []string) *writerLog {
 	t.Helper()
 	w := &writerLog{submitted: map[int64]crashSubmit{}, lastAck: map[string]int64{}, ok: map[int64]bool{}}
 	for _, l := range lines {
-		f := strings.Fields(l)
-		switch {
-		case len(f) == 5 && f[0] == "submit":
-			seq, err1 := strconv.ParseInt(f[1], 10, 64)
-			tokens, err2 := strconv.Atoi(f[3])
-			lay, err3 := layout.ParseLayout(f[4])
-			if err := errors.Join(err1, err2, err3); err != nil {
-				t.Fatalf("bad line %q: %v", l, err)
-			}
-			w.submitted[seq] = crashSubmit{path: filepath.Join(root, f[2]), tokens: tokens, layout: lay}
-		case len(f) >= 3 && f[0] == "ack":
-			seq, err := strconv.ParseInt(f[1], 10, 64)
-			s, ok := w.submitted[seq]
-			if err != nil || !ok {
-				t.Fatalf("ack of an unknown write: %q", l)
-			}
-			if f[2] != "ok" {
-				w.failed = append(w.failed, l)
-				continue
-			}
+		switch kind, seq, ok := writerLine(t, root, l, w.submitted); {
+		case kind == "submit":
+		case kind == "ack" && !ok:
+			w.failed = append(w.failed, l)
+		case kind == "ack":
 			w.acked++
 			w.ok[seq] = true
 			// An engine acks one path's writes in submission order.
-			w.lastAck[s.path] = max(w.lastAck[s.path], seq)
+			p := w.submitted[seq].path
+			w.lastAck[p] = max(w.lastAck[p], seq)
 		case l == "done":
 		default:
 			t.Fatalf("unexpected writer output %q", l)
@@ -516,29 +502,6 @@ func TestTwoProcessSamePath(t *testing.T) {
 	finalCollect(t, root, run.scan)
 }
 
-// hookFS is the real file system with two observation points, to stop a job
-// at an exact step.
-type hookFS struct {
-	vfs.FS
-	afterLstat func(name string, err error)      // after the real Lstat, before it returns
-	beforeLock func(name string, exclusive bool) // before the real Lock
-}
-
-func (h *hookFS) Lstat(name string) (os.FileInfo, error) {
-	fi, err := h.FS.Lstat(name)
-	if h.afterLstat != nil {
-		h.afterLstat(name, err)
-	}
-	return fi, err
-}
-
-func (h *hookFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
-	if h.beforeLock != nil {
-		h.beforeLock(name, exclusive)
-	}
-	return h.FS.Lock(ctx, name, exclusive, create)
-}
-
 // reuseRace is the dedup-versus-collect race, set up deterministically: the
 // snapshot at path was saved with 200 tokens, then overwritten with 256, so
 // the blocks only the 200-token version has (its partial last block of each
@@ -597,7 +560,7 @@ func (r *reuseRace) write(cfg *jobs.Config, tokens int, seq int64) (*layout.Head
 func (r *reuseRace) rewritePaused(cfg jobs.Config) (reached <-chan string, resume chan<- struct{}, done <-chan error) {
 	reachedC, resumeC, doneC := make(chan string, 1), make(chan struct{}), make(chan error, 1)
 	var once sync.Once
-	cfg.FS = &hookFS{FS: vfs.Default, afterLstat: func(name string, err error) {
+	cfg.FS = &testutil.HookFS{FS: vfs.Default, AfterLstat: func(name string, err error) {
 		if err == nil && r.orphans[name] {
 			once.Do(func() {
 				reachedC <- name
@@ -691,7 +654,7 @@ func TestCollectLockProtectsReusedBlock(t *testing.T) {
 			orphan := <-reached
 			locking := make(chan struct{})
 			var once sync.Once
-			colFS := &hookFS{FS: vfs.Default, beforeLock: func(string, bool) { once.Do(func() { close(locking) }) }}
+			colFS := &testutil.HookFS{FS: vfs.Default, BeforeLock: func(string, bool) { once.Do(func() { close(locking) }) }}
 			type result struct {
 				m   jobs.Metrics
 				err error

@@ -400,3 +400,28 @@ func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
 		}
 	}
 }
+
+// TestReusedBlocksDirectoriesAreSynced: a save whose blocks all exist still
+// fsyncs every fan-out directory holding one of them before its manifest
+// (another writer may have renamed a block in without syncing yet).
+func TestReusedBlocksDirectoriesAreSynced(t *testing.T) {
+	root := t.TempDir()
+	buf := distinctBlocks(6, 9)
+	if _, _, err := jobs.Write(context.Background(), &jobs.Config{}, oneTensorBlocks(filepath.Join(root, "ns", "a"), buf)); err != nil {
+		t.Fatal(err)
+	}
+	fsys := testutil.NewFaultFS(vfs.Default)
+	h, m, err := jobs.Write(context.Background(), &jobs.Config{FS: fsys}, oneTensorBlocks(filepath.Join(root, "ns", "b"), buf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.BlocksReused != 6 || m.BlocksWritten != 0 {
+		t.Fatalf("second save reused %d, wrote %d blocks; want 6 and 0", m.BlocksReused, m.BlocksWritten)
+	}
+	for _, b := range h.Slots()[0].Blocks {
+		dir := filepath.Dir(testutil.BlockPath(filepath.Join(root, "ns"), b.Hash))
+		if n := fsys.CountPath(testutil.OpSyncDir, dir); n != 1 {
+			t.Fatalf("fan-out %s of a reused block fsynced %d times before the manifest, want 1", dir, n)
+		}
+	}
+}

@@ -15,44 +15,6 @@ import (
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
-// raceFS is a vfs.FS with the hooks the collect-versus-writer schedule
-// needs. A Lock first tries without waiting (the OS FS's Lock takes the
-// flock before it looks at ctx, so a done ctx makes it a try-lock) and
-// calls onBlocked when that fails, before it waits for real.
-type raceFS struct {
-	vfs.FS
-	afterLstat func(name string, err error)
-	onBlocked  func(name string)
-	onRename   func(oldname, newname string)
-}
-
-func (f *raceFS) Lstat(name string) (os.FileInfo, error) {
-	fi, err := f.FS.Lstat(name)
-	if f.afterLstat != nil {
-		f.afterLstat(name, err)
-	}
-	return fi, err
-}
-
-func (f *raceFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
-	done, cancel := context.WithCancel(context.Background())
-	cancel()
-	if u, err := f.FS.Lock(done, name, exclusive, create); err == nil || vfs.IsNotExist(err) {
-		return u, err
-	}
-	if f.onBlocked != nil {
-		f.onBlocked(name)
-	}
-	return f.FS.Lock(ctx, name, exclusive, create)
-}
-
-func (f *raceFS) Rename(oldname, newname string) error {
-	if f.onRename != nil {
-		f.onRename(oldname, newname)
-	}
-	return f.FS.Rename(oldname, newname)
-}
-
 // TestCollectNeverSweepsAWriteInProgress: a collect that first looks at a
 // namespace before a writer has created anything there, then goes on while
 // the writer has stored its blocks (or its temp file) but not yet renamed
@@ -98,9 +60,9 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 				wg            sync.WaitGroup
 			)
 			let := func() { onceRelease.Do(func() { close(release) }) }
-			wfs := &raceFS{FS: vfs.Default,
-				onBlocked: func(string) { onceBlocked.Do(func() { close(writerBlocked) }) },
-				onRename: func(_, newname string) {
+			wfs := &testutil.HookFS{FS: vfs.Default,
+				OnLockBlocked: func(string, bool) { onceBlocked.Do(func() { close(writerBlocked) }) },
+				BeforeRename: func(_, newname string) {
 					if newname == target {
 						onceAt.Do(func() { close(atRename) })
 						<-release
@@ -114,8 +76,8 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 					_, _, writeErr = jobs.Write(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, cacheSpec(t, c, target, tc.lay, 4096))
 				}()
 			}
-			cfs := &raceFS{FS: vfs.Default,
-				afterLstat: func(name string, err error) {
+			cfs := &testutil.HookFS{FS: vfs.Default,
+				AfterLstat: func(name string, err error) {
 					if name == testutil.BlocksDir(ns) && vfs.IsNotExist(err) {
 						onceStart.Do(func() {
 							startWriter()
@@ -126,7 +88,7 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 						})
 					}
 				},
-				onBlocked: func(string) { let() }, // the writer holds the lock: let it finish
+				OnLockBlocked: func(string, bool) { let() }, // the writer holds the lock: let it finish
 			}
 			m, err := jobs.Collect(context.Background(), &jobs.Config{FS: cfs, NoSync: true},
 				&jobs.CollectSpec{Root: root, TempGrace: -1, Now: time.Now().Add(time.Hour)})

@@ -10,8 +10,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -82,17 +84,6 @@ func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 	}
 }
 
-func mkfile(t *testing.T, path string, data string) string {
-	t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 func mkdir(t *testing.T, path string) string {
 	t.Helper()
 	if err := os.MkdirAll(path, 0o755); err != nil {
@@ -133,11 +124,11 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 	flipped := slices.Clone(manifest)
 	flipped[40] ^= 0x01
 	badJS := []byte(`{"caches":[{]}`)
-	mkfile(t, filepath.Join(root, "bad-hash", "broken"), string(flipped))
-	mkfile(t, filepath.Join(root, "bad-json", "broken"), string(append(layout.EncodePrefix(badJS, uint32(26+len(badJS))), badJS...)))
-	mkfile(t, filepath.Join(root, "short", "broken"), string(manifest[:20]))
+	testutil.WriteFile(t, filepath.Join(root, "bad-hash", "broken"), string(flipped))
+	testutil.WriteFile(t, filepath.Join(root, "bad-json", "broken"), string(append(layout.EncodePrefix(badJS, uint32(26+len(badJS))), badJS...)))
+	testutil.WriteFile(t, filepath.Join(root, "short", "broken"), string(manifest[:20]))
 	// An unreadable namespace still loses its stale temp files.
-	staleTemp := mkfile(t, layout.TempPath(testutil.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
+	staleTemp := testutil.WriteFile(t, layout.TempPath(testutil.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
 	old := time.Now().Add(-time.Hour)
 	if err := os.Chtimes(staleTemp, old, old); err != nil {
 		t.Fatal(err)
@@ -152,19 +143,19 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 	}
 	wantSkipped := []string{
 		mkdir(t, filepath.Join(root, ".hidden")),
-		mkfile(t, filepath.Join(root, "stray.txt"), "x"),
-		mkfile(t, filepath.Join(good, "-not-a-name"), "x"),
+		testutil.WriteFile(t, filepath.Join(root, "stray.txt"), "x"),
+		testutil.WriteFile(t, filepath.Join(good, "-not-a-name"), "x"),
 		mkdir(t, filepath.Join(good, "olddir")),
 		mkdir(t, filepath.Join(gb, "notes")),
 		mkdir(t, filepath.Join(gb, strings.Repeat("e", 64))),
-		mkfile(t, filepath.Join(gb, "README"), "x"),
-		mkfile(t, filepath.Join(gb, hash[:2], "README"), "x"),
-		mkfile(t, filepath.Join(gb, hash[:2], strings.ToUpper(hash)), "x"),
-		mkfile(t, filepath.Join(gb, "zz", foreign), "x"),     // not a fan-out dir: skipped whole
-		mkfile(t, filepath.Join(gb, foreign[:2], hash), "x"), // a block name in the wrong fan-out dir
+		testutil.WriteFile(t, filepath.Join(gb, "README"), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, hash[:2], "README"), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, hash[:2], strings.ToUpper(hash)), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, "zz", foreign), "x"),     // not a fan-out dir: skipped whole
+		testutil.WriteFile(t, filepath.Join(gb, foreign[:2], hash), "x"), // a block name in the wrong fan-out dir
 	}
 	wantSkipped[len(wantSkipped)-2] = filepath.Join(gb, "zz")
-	mkfile(t, filepath.Join(gb, "notes", "n.txt"), "x")
+	testutil.WriteFile(t, filepath.Join(gb, "notes", "n.txt"), "x")
 	before := map[string]map[string]int64{}
 	for _, ns := range names {
 		before[ns] = blockFiles(t, filepath.Join(root, ns))
@@ -240,7 +231,7 @@ func TestCollectRootErrors(t *testing.T) {
 	root := t.TempDir()
 	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 0))
-	file := mkfile(t, filepath.Join(root, "file"), "x")
+	file := testutil.WriteFile(t, filepath.Join(root, "file"), "x")
 	for _, r := range []string{filepath.Join(root, "missing"), file, filepath.Join(root, "ns")} {
 		_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: r})
 		if !errors.Is(err, jobs.ErrRoot) || !strings.Contains(err.Error(), r) {
@@ -265,15 +256,15 @@ func TestCollectTempGrace(t *testing.T) {
 	old := time.Now().Add(-time.Hour)
 	var stale, fresh []string
 	for _, target := range []string{filepath.Join(ns, "snap"), block, filepath.Join(testutil.BlocksDir(ns), "x")} {
-		s := mkfile(t, layout.TempPath(target), "partial")
+		s := testutil.WriteFile(t, layout.TempPath(target), "partial")
 		if err := os.Chtimes(s, old, old); err != nil {
 			t.Fatal(err)
 		}
 		stale = append(stale, s)
-		fresh = append(fresh, mkfile(t, layout.TempPath(target), "in progress"))
+		fresh = append(fresh, testutil.WriteFile(t, layout.TempPath(target), "in progress"))
 	}
 	// Looks like a temp file but the random part is not hex: not ours.
-	foreign := mkfile(t, filepath.Join(ns, ".snap.tmp-ZZZZZZZZZZZZZZZZ"), "x")
+	foreign := testutil.WriteFile(t, filepath.Join(ns, ".snap.tmp-ZZZZZZZZZZZZZZZZ"), "x")
 	if err := os.Chtimes(foreign, old, old); err != nil {
 		t.Fatal(err)
 	}
@@ -343,7 +334,7 @@ func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
 	if err := os.Remove(filepath.Join(ns, "b")); err != nil {
 		t.Fatal(err)
 	}
-	empty := mkfile(t, filepath.Join(ns, "empty"), "")
+	empty := testutil.WriteFile(t, filepath.Join(ns, "empty"), "")
 	cm := collect(t, &jobs.CollectSpec{Root: root})
 	if len(cm.Unreadable) != 0 || len(cm.UnsweptNamespaces) != 0 || !slices.Contains(cm.Skipped, empty) {
 		t.Fatalf("unreadable %q, unswept %q, skipped %q; want the empty file skipped", cm.Unreadable, cm.UnsweptNamespaces, cm.Skipped)
@@ -359,4 +350,69 @@ func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustEqualExpected(t, got, expectedAll(testutil.NewCache(testutil.Tiny, 1100, true, nil)))
+}
+
+// TestCollectAboveTheRootLeavesTheStoreUsable: a collect run one level
+// above the store root (`kvpersist gc /srv` for /srv/kvstore) takes the
+// store root for a namespace, and creates no lock file in it (it holds no
+// blocks/ or pages/ of its own): later collects of the real root still
+// take it for a root.
+func TestCollectAboveTheRootLeavesTheStoreUsable(t *testing.T) {
+	parent := t.TempDir()
+	store := filepath.Join(parent, "kvstore")
+	v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
+	spec := &jobs.WriteSpec{Path: filepath.Join(store, "conv-1", "turn-1"), Layout: layout.Blocks, BlockBytes: 4096,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
+	if _, _, err := jobs.Write(context.Background(), noSync(), spec); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store}); err != nil {
+		t.Fatalf("collect of the store root: %v", err)
+	}
+	// The operator's slip: one directory too high. It "succeeds".
+	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: parent}); err != nil {
+		t.Logf("collect of the parent: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(store, layout.LockName)); !os.IsNotExist(err) {
+		t.Errorf("the collect of the parent created %s/.lock (%v)", store, err)
+	}
+	_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store})
+	if errors.Is(err, jobs.ErrRoot) {
+		t.Fatalf("after one collect of the parent, collect of the real root fails: %v", err)
+	}
+}
+
+// TestCollectKeepsBlocksOfALegacyManifestWhateverItsName: collect decodes
+// every file that starts with a magic, whatever its name (the Bun worker
+// accepted any, e.g. "turn 2.mlxkv" with a space), and keeps the blocks it
+// names.
+func TestCollectKeepsBlocksOfALegacyManifestWhateverItsName(t *testing.T) {
+	root := t.TempDir()
+	ns := filepath.Join(root, "bun")
+	testutil.CopyTree(t, filepath.Join(testutil.BunFixtures, "blocks"), ns)
+	if err := os.Rename(filepath.Join(ns, "grown.mlxkv"), filepath.Join(ns, "turn 2.mlxkv")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(ns, "snapshot.mlxkv")); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := layout.Load(vfs.Default, filepath.Join(ns, "turn 2.mlxkv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: root})
+	if err != nil {
+		t.Fatal(err)
+	}
+	missing := 0
+	for _, tn := range snap.Header.Slots() {
+		for _, b := range tn.Blocks {
+			if _, err := os.Lstat(testutil.LegacyBlockPath(ns, b.Hash)); err != nil {
+				missing++
+			}
+		}
+	}
+	if missing > 0 {
+		t.Fatalf("collect deleted %d blocks named by the published manifest %q (skipped: %v)", missing, "turn 2.mlxkv", m.Collect.Skipped)
+	}
 }

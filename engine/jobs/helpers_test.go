@@ -47,26 +47,8 @@ func rawJSON(t testing.TB, v any) json.RawMessage {
 // {"name":"tokens"} holding the int32 token ids.
 func cacheSpec(t testing.TB, c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
 	t.Helper()
-	views, dtypes := c.Views(), c.DTypes()
-	spec := &jobs.WriteSpec{
-		Path: path, Layout: lay, BlockBytes: blockBytes,
-		Meta: layout.Meta{"model": rawJSON(t, c.Model.Name), "tokens": rawJSON(t, c.Tokens)},
-	}
-	for l := 0; l < c.Model.Layers; l++ {
-		spec.Caches = append(spec.Caches, jobs.EntrySpec{
-			Meta: layout.Meta{"type": rawJSON(t, "KVCache"), "offset": rawJSON(t, c.Tokens)},
-			Tensors: []jobs.TensorSpec{
-				{DType: dtypes[2*l], View: views[2*l]},
-				{DType: dtypes[2*l+1], View: views[2*l+1]},
-			},
-		})
-	}
-	n := len(views) - 1
-	spec.Attachments = []jobs.EntrySpec{{
-		Meta:    layout.Meta{"name": rawJSON(t, "tokens")},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[n], View: views[n]}},
-	}}
-	return spec
+	caches, atts, meta := testutil.CacheRequest(c, c.Tokens)
+	return &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: blockBytes, Meta: meta, Caches: caches, Attachments: atts}
 }
 
 func expectedAll(c *testutil.Cache) [][]byte {

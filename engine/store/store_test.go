@@ -16,17 +16,6 @@ import (
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
-func write(t *testing.T, path, data string) string {
-	t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte(data), 0o640); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 func TestPaths(t *testing.T) {
 	st := store.At("/r", store.Options{})
 	ns, err := st.Namespace("ns")
@@ -71,20 +60,20 @@ func TestListClassifiesEveryEntry(t *testing.T) {
 	root := t.TempDir()
 	nsDir := filepath.Join(root, "ns")
 	h1, h2, k := strings.Repeat("a1", 32), strings.Repeat("b2", 32), strings.Repeat("c3", 32)
-	snap := write(t, filepath.Join(nsDir, "snap"), layout.Magic+"rest-of-a-torn-file-of-ours")
-	legacy := write(t, filepath.Join(nsDir, "old.mlxkv"), layout.LegacyMagic+"x")
-	short := write(t, filepath.Join(nsDir, "torn"), "KVP") // a prefix of the magic: ours, torn
-	empty := write(t, filepath.Join(nsDir, "empty"), "")
-	junk := write(t, filepath.Join(nsDir, "notes.txt"), "hello")
-	write(t, filepath.Join(nsDir, ".lock"), "")
-	tmp := write(t, layout.TempPath(filepath.Join(nsDir, "w")), "partial")
-	b1 := write(t, filepath.Join(nsDir, "blocks", h1[:2], h1), "block one")
-	flat := write(t, filepath.Join(nsDir, "blocks", h2), "flat block")
-	misplaced := write(t, filepath.Join(nsDir, "blocks", "ff", h1), "wrong fan-out")
-	btmp := write(t, layout.TempPath(filepath.Join(nsDir, "blocks", h2[:2], h2)), "x")
-	page := write(t, filepath.Join(nsDir, "pages", k[:2], k), "page")
-	ptmp := write(t, layout.TempPath(filepath.Join(nsDir, "pages", k[:2], k)), "p")
-	flatPage := write(t, filepath.Join(nsDir, "pages", k), "pages are never flat")
+	snap := testutil.WriteFile(t, filepath.Join(nsDir, "snap"), layout.Magic+"rest-of-a-torn-file-of-ours")
+	legacy := testutil.WriteFile(t, filepath.Join(nsDir, "old.mlxkv"), layout.LegacyMagic+"x")
+	short := testutil.WriteFile(t, filepath.Join(nsDir, "torn"), "KVP") // a prefix of the magic: ours, torn
+	empty := testutil.WriteFile(t, filepath.Join(nsDir, "empty"), "")
+	junk := testutil.WriteFile(t, filepath.Join(nsDir, "notes.txt"), "hello")
+	testutil.WriteFile(t, filepath.Join(nsDir, ".lock"), "")
+	tmp := testutil.WriteFile(t, layout.TempPath(filepath.Join(nsDir, "w")), "partial")
+	b1 := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h1[:2], h1), "block one")
+	flat := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h2), "flat block")
+	misplaced := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", "ff", h1), "wrong fan-out")
+	btmp := testutil.WriteFile(t, layout.TempPath(filepath.Join(nsDir, "blocks", h2[:2], h2)), "x")
+	page := testutil.WriteFile(t, filepath.Join(nsDir, "pages", k[:2], k), "page")
+	ptmp := testutil.WriteFile(t, layout.TempPath(filepath.Join(nsDir, "pages", k[:2], k)), "p")
+	flatPage := testutil.WriteFile(t, filepath.Join(nsDir, "pages", k), "pages are never flat")
 	sub := filepath.Join(nsDir, "sub")
 	if err := os.Mkdir(sub, 0o750); err != nil {
 		t.Fatal(err)
@@ -172,10 +161,10 @@ func TestRootsAndNamespaces(t *testing.T) {
 	// Namespaces: one with blocks/, one with only a .lock, one with only a
 	// snapshot file; a directory holding an empty file or junk is a root.
 	root := filepath.Join(dir, "store")
-	write(t, filepath.Join(root, "withblocks", "blocks", "x"), "")
-	write(t, filepath.Join(root, "lockonly", ".lock"), "")
-	write(t, filepath.Join(root, "snaponly", "s"), layout.Magic)
-	write(t, filepath.Join(root, "emptyfile", "e"), "")
+	testutil.WriteFile(t, filepath.Join(root, "withblocks", "blocks", "x"), "")
+	testutil.WriteFile(t, filepath.Join(root, "lockonly", ".lock"), "")
+	testutil.WriteFile(t, filepath.Join(root, "snaponly", "s"), layout.Magic)
+	testutil.WriteFile(t, filepath.Join(root, "emptyfile", "e"), "")
 	for _, c := range []struct {
 		name string
 		want store.DirKind

@@ -98,6 +98,7 @@ type FaultFS struct {
 
 	mu       sync.Mutex
 	counts   map[Op]int
+	byPath   map[Op]map[string]int // calls per operation and (first) path
 	faults   []*faultState
 	injected []Injection
 	files    []*faultFile // every file handle opened, for Sync counts
@@ -113,7 +114,7 @@ func NewFaultFS(inner vfs.FS) *FaultFS {
 	if inner == nil {
 		inner = vfs.Default
 	}
-	return &FaultFS{inner: inner, counts: map[Op]int{}}
+	return &FaultFS{inner: inner, counts: map[Op]int{}, byPath: map[Op]map[string]int{}}
 }
 
 // Inject adds a fault. Faults are checked in the order injected; the first
@@ -147,7 +148,7 @@ func (f *FaultFS) Reset() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.faults, f.injected, f.files = nil, nil, nil
-	f.counts = map[Op]int{}
+	f.counts, f.byPath = map[Op]int{}, map[Op]map[string]int{}
 }
 
 // Count returns how many calls of op were made (failed ones included).
@@ -155,6 +156,14 @@ func (f *FaultFS) Count(op Op) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.counts[op]
+}
+
+// CountPath returns how many calls of op were made on path (the old path
+// of a Rename; failed calls included), e.g. the fsyncs of one directory.
+func (f *FaultFS) CountPath(op Op, path string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.byPath[op][path]
 }
 
 // Counts returns a copy of the per-operation call counts.
@@ -233,6 +242,10 @@ func (f *FaultFS) check(op Op, paths ...string) (*Fault, error) {
 	defer f.mu.Unlock()
 	f.counts[op]++
 	call := f.counts[op]
+	if f.byPath[op] == nil {
+		f.byPath[op] = map[string]int{}
+	}
+	f.byPath[op][paths[0]]++
 	var hit *faultState
 	for _, s := range f.faults {
 		if !s.matches(op, paths...) {

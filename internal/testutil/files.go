@@ -88,3 +88,15 @@ func LegacyBlockPath(nsDir, hash string) string {
 func BlocksDir(nsDir string) string {
 	return store.NamespaceAt(nsDir, store.Options{}).BlocksDir()
 }
+
+// WriteFile writes data to path (mode 0640), creating its directory.
+func WriteFile(tb TB, path, data string) string {
+	tb.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(data), 0o640); err != nil {
+		tb.Fatal(err)
+	}
+	return path
+}
