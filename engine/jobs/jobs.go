@@ -1,7 +1,10 @@
 // Package jobs holds kvpersist's jobs as plain synchronous functions: Write
 // (single-file or block layout), Read (verified, into caller-owned buffers),
-// Collect (garbage collection of unreferenced blocks), Delete, and Migrate
-// (of stores written by the Bun worker). They start no CPU goroutines of
+// Collect (garbage collection of unreferenced blocks), Delete, Verify (a
+// hash-only re-read, for tools) and Migrate (of stores written by the Bun
+// worker). What a store, a namespace and their entries are, where blocks
+// live, the namespace lock and the sync policy are package store's: no job
+// lists a directory or builds a block path itself. They start no CPU goroutines of
 // their own: a job that can use more cores hands tasks to Config.Spawn (the
 // engine's bounded pool) and does the rest itself, so a job makes progress
 // even when the pool is full. The one exception waits on the disk, not the
@@ -34,9 +37,11 @@ type Config struct {
 	FS vfs.FS
 	// NoSync turns off every fsync (file and directory). Only for tests
 	// and tmpfs: a published snapshot may then vanish in a power cut.
+	// (store.Options.NoSync: the store applies it.)
 	NoSync bool
 	// NoLock turns off the per-namespace advisory lock (flock) that keeps a
-	// collect in another process away from this job's blocks.
+	// collect in another process away from this job's blocks
+	// (store.Options.NoLock).
 	NoLock bool
 	// Spawn lends the job more goroutines (bounded by the pool); nil = none.
 	Spawn Spawn
