@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
@@ -27,7 +28,7 @@ import (
 // MiB and 1 GiB of Llama-3.1-8B KV cache.
 var benchTokens = []int{2048, 8192}
 
-var benchModel = testutil.Llama31_8B
+var benchModel = kvgen.Llama31_8B
 
 // forTokens runs fn as one sub-benchmark per size, named T=<tokens>.
 func forTokens(b *testing.B, fn func(b *testing.B, w *workload)) {
@@ -538,8 +539,8 @@ func BenchmarkDispatch(b *testing.B) {
 	defer closeEngine(b, e)
 	ctx := context.Background()
 	req := &engine.CollectRequest{Namespaces: []string{}}
-	jcfg := &jobs.Config{Logger: quietLogger}
-	spec := &jobs.CollectSpec{Root: root, Namespaces: []string{}}
+	jcfg := &jobs.Config{Root: root, Logger: quietLogger}
+	spec := &jobs.CollectRequest{Namespaces: []string{}}
 	direct := func() {
 		if _, err := jobs.Collect(ctx, jcfg, spec); err != nil {
 			b.Fatal(err)

@@ -20,7 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/minio/sha256-simd"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
@@ -30,7 +30,7 @@ import (
 const tmpfsMagic = 0x01021994
 
 // growTokens is how many tokens the "grown" save adds: one mlx-lm step.
-const growTokens = testutil.Step
+const growTokens = kvgen.Step
 
 // benchRoot is the directory every benchmark and test of this package works
 // in: a fresh subdirectory of diskDir(), removed by TestMain.
@@ -204,18 +204,18 @@ func (a *arena) free() error {
 
 // cacheArenaBytes is the mmap size NewCache needs for model m at tokens
 // tokens, padded, with every piece page-aligned.
-func cacheArenaBytes(m testutil.Model, tokens int) int {
-	return 2*m.Layers*alignPage(m.TensorBytes(testutil.Capacity(tokens))) + alignPage(tokens*testutil.IDSize)
+func cacheArenaBytes(m kvgen.Model, tokens int) int {
+	return 2*m.Layers*alignPage(m.TensorBytes(kvgen.Capacity(tokens))) + alignPage(tokens*kvgen.IDSize)
 }
 
 // workload is the benchmarked KV cache: model m at tokens tokens, held in a
 // padded cache of tokens+growTokens tokens (so the grown save has its
 // tokens), all mmap'd.
 type workload struct {
-	model   testutil.Model
+	model   kvgen.Model
 	tokens  int
 	mem     *arena
-	cache   *testutil.Cache
+	cache   *kvgen.Cache
 	views   []gather.View // ViewsAt(tokens)
 	logical int           // bytes of views
 	// contig is the logical bytes of views, slot after slot (the bytes a
@@ -234,7 +234,7 @@ var (
 )
 
 // getWorkload builds (once per process) the workload of model m at tokens.
-func getWorkload(tb testing.TB, m testutil.Model, tokens int) *workload {
+func getWorkload(tb testing.TB, m kvgen.Model, tokens int) *workload {
 	tb.Helper()
 	workloadsMu.Lock()
 	defer workloadsMu.Unlock()
@@ -250,7 +250,7 @@ func getWorkload(tb testing.TB, m testutil.Model, tokens int) *workload {
 	return w
 }
 
-func newWorkload(m testutil.Model, tokens int) (w *workload, err error) {
+func newWorkload(m kvgen.Model, tokens int) (w *workload, err error) {
 	w = &workload{model: m, tokens: tokens}
 	defer func() {
 		if err != nil {
@@ -261,7 +261,7 @@ func newWorkload(m testutil.Model, tokens int) (w *workload, err error) {
 	if w.mem, err = newArena(cacheArenaBytes(m, all)); err != nil {
 		return nil, err
 	}
-	w.cache = testutil.NewCache(m, all, true, w.mem.alloc)
+	w.cache = kvgen.NewCache(m, all, true, w.mem.alloc)
 	w.views = w.cache.ViewsAt(tokens)
 	arenaBytes := 0
 	for _, v := range w.views {
@@ -319,8 +319,8 @@ func (w *workload) request(ref engine.Ref, lay layout.Layout, tokens int) *engin
 // as the CLI's synth and demo build it (cmd/kvpersist cacheRequest): per
 // layer one entry {"type":"KVCache","offset":T} with K and V, one attachment
 // {"name":"tokens"} with the int32 token ids, the model as metadata.
-func cacheRequest(c *testutil.Cache, ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
-	caches, atts, meta := testutil.CacheRequest(c, tokens)
+func cacheRequest(c *kvgen.Cache, ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
+	caches, atts, meta := kvgen.CacheRequest(c, tokens)
 	return &engine.WriteRequest{Ref: ref, Layout: lay, Meta: meta, Caches: caches, Attachments: atts}
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -22,16 +23,16 @@ import (
 const limitTokens = 300
 
 // TestWorkloadBytes: the workload's contiguous copy holds every slot's
-// logical bytes, as computed independently of the views by testutil.
+// logical bytes, as computed independently of the views by kvgen.
 func TestWorkloadBytes(t *testing.T) {
-	w := getWorkload(t, testutil.Tiny, limitTokens)
-	c := testutil.NewCache(testutil.Tiny, limitTokens, false, nil)
-	if got, want := w.logical, testutil.Tiny.CacheBytes(limitTokens); got != want {
+	w := getWorkload(t, kvgen.Tiny, limitTokens)
+	c := kvgen.NewCache(kvgen.Tiny, limitTokens, false, nil)
+	if got, want := w.logical, kvgen.Tiny.CacheBytes(limitTokens); got != want {
 		t.Fatalf("workload has %d logical bytes, want %d", got, want)
 	}
 	for i := range w.slots {
 		if !bytes.Equal(w.slots[i], c.Expected(i)) {
-			t.Fatalf("contiguous slot %d differs from testutil.Expected", i)
+			t.Fatalf("contiguous slot %d differs from kvgen.Expected", i)
 		}
 	}
 }
@@ -64,7 +65,7 @@ func TestRawWriteLimit(t *testing.T) {
 // TestReadAndHashLimits: preadLimit restores a single-file snapshot's
 // tensors exactly, and shaLimit computes the block manifest's hashes.
 func TestReadAndHashLimits(t *testing.T) {
-	w := getWorkload(t, testutil.Tiny, limitTokens)
+	w := getWorkload(t, kvgen.Tiny, limitTokens)
 	root := mkdir(t, "limits")
 	defer removeAll(t, root)
 	e := newEngine(t, root, true)

@@ -9,7 +9,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // heapBound is the most Go heap a save may use, whatever the snapshot's
@@ -57,7 +57,7 @@ func (c saveCost) String() string {
 //     is the header JSON and the fan-out directories); and no block costs
 //     a block-sized allocation.
 func TestSaveHeapBounded(t *testing.T) {
-	m := testutil.Llama31_8B
+	m := kvgen.Llama31_8B
 	const tiny, small, large = 256, 2048, 8192
 	mem, err := newArena(cacheArenaBytes(m, large))
 	if err != nil {
@@ -68,7 +68,7 @@ func TestSaveHeapBounded(t *testing.T) {
 			t.Error(err)
 		}
 	}()
-	cache := testutil.NewCache(m, large, true, mem.alloc)
+	cache := kvgen.NewCache(m, large, true, mem.alloc)
 	root := mkdir(t, "memory")
 	defer removeAll(t, root)
 	e := newEngine(t, root, true)

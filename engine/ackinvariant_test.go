@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
-	"path/filepath"
 	"sort"
 	"sync"
 	"sync/atomic"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"golang.org/x/sys/unix"
 )
@@ -56,15 +56,15 @@ func (a *arena) alloc(r *region, n int) []byte {
 	return b[:n:n]
 }
 
-// cache builds a testutil cache whose every buffer is its own mapping.
-func (a *arena) cache(m testutil.Model, tokens int, padded bool) (*testutil.Cache, *region) {
+// cache builds a kvgen cache whose every buffer is its own mapping.
+func (a *arena) cache(m kvgen.Model, tokens int, padded bool) (*kvgen.Cache, *region) {
 	r := &region{}
-	c := testutil.NewCache(m, tokens, padded, func(n int) []byte { return a.alloc(r, n) })
+	c := kvgen.NewCache(m, tokens, padded, func(n int) []byte { return a.alloc(r, n) })
 	return c, r
 }
 
 // dest maps one read destination per slot of model m at tokens tokens.
-func (a *arena) dest(m testutil.Model, tokens int) ([][]byte, *region) {
+func (a *arena) dest(m kvgen.Model, tokens int) ([][]byte, *region) {
 	r := &region{}
 	sizes := slotBytes(m, tokens)
 	out := make([][]byte, len(sizes))
@@ -111,7 +111,7 @@ func (a *arena) free() {
 // expected bytes of (model, tokens).
 type invPath struct {
 	ref    Ref
-	model  testutil.Model
+	model  kvgen.Model
 	tokens int
 }
 
@@ -187,9 +187,9 @@ func TestAckInvariant(t *testing.T) {
 	var paths []*invPath
 	for ns := range 3 {
 		for p := range 4 {
-			ip := &invPath{ref: refOf(fmt.Sprintf("inv%d", ns), fmt.Sprintf("p%d", p)), model: testutil.Tiny, tokens: []int{40, 64, 100}[(ns+p)%3]}
+			ip := &invPath{ref: refOf(fmt.Sprintf("inv%d", ns), fmt.Sprintf("p%d", p)), model: kvgen.Tiny, tokens: []int{40, 64, 100}[(ns+p)%3]}
 			if ns == 0 && p == 3 { // 65 tensors, 513 blocks: one such path
-				ip.model, ip.tokens = testutil.Llama31_8B, 8
+				ip.model, ip.tokens = kvgen.Llama31_8B, 8
 			}
 			paths = append(paths, ip)
 			c, _ := cacheOf(ip.model, ip.tokens, false)
@@ -255,23 +255,22 @@ func TestAckInvariant(t *testing.T) {
 				p := paths[rng.IntN(len(paths))]
 				j := &invJob{path: p}
 				var req Request
-				var ack *chan<- Result
 				switch x := rng.IntN(10); {
 				case x < 5:
 					c, mem := a.cache(p.model, p.tokens, rng.IntN(2) == 0)
 					w := writeReq(p.ref, c, layout.Layout(1+rng.IntN(2)), []int{0, 4096}[rng.IntN(2)])
 					w.Packed = rng.IntN(3) == 0
-					req, ack, j.kind, j.mem = w, &w.Ack, KindWrite, mem
+					req, j.kind, j.mem = w, KindWrite, mem
 				case x < 9:
 					dest, mem := a.dest(p.model, p.tokens)
 					r := &ReadRequest{Ref: p.ref, Dest: dest, Verify: rng.IntN(2) == 0}
-					req, ack, j.kind, j.mem, j.dest = r, &r.Ack, KindRead, mem, dest
+					req, j.kind, j.mem, j.dest = r, KindRead, mem, dest
 				default:
 					c := &CollectRequest{}
 					if rng.IntN(2) == 0 {
 						c.Namespaces = []string{p.ref.Namespace}
 					}
-					req, ack, j.kind, j.mem, j.path = c, &c.Ack, KindCollect, &region{}, nil
+					req, j.kind, j.mem, j.path = c, KindCollect, &region{}, nil
 				}
 				ctx, cancel := context.WithCancel(bg)
 				cancels = append(cancels, cancel)
@@ -291,9 +290,8 @@ func TestAckInvariant(t *testing.T) {
 				var job *Job
 				var err error
 				if useShared {
-					*ack = shared
 					sharedMu.Lock()
-					job, err = submit(ctx, req)
+					job, err = submit(ctx, req, AckTo(shared))
 					if err == nil {
 						j.id = job.ID
 						mu.Lock()
@@ -417,8 +415,8 @@ wait:
 	// or the setup one).
 	for _, p := range paths {
 		dest := destOf(p.model, p.tokens)
-		cfg := &jobs.Config{NoSync: true}
-		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadSpec{Path: filepath.Join(root, p.ref.Namespace, p.ref.Name), Dest: dest, Verify: true}); err != nil {
+		cfg := &jobs.Config{Root: root, NoSync: true}
+		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadRequest{Ref: p.ref, Dest: dest, Verify: true}); err != nil {
 			t.Fatalf("final read of %s: %v", p.ref, err)
 		}
 		_, want := cacheOf(p.model, p.tokens, false)

@@ -35,6 +35,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -66,8 +67,8 @@ const tinyBlockBytes = jobs.MinBlockBytes
 // cacheEntries describes the first tokens tokens of c as mlx-lm's caches are
 // saved: per layer {"type":"KVCache","offset":T} with K and V, then the
 // attachment {"name":"tokens"} with the int32 token ids.
-func cacheEntries(c *testutil.Cache, tokens int) (caches, attachments []jobs.EntrySpec) {
-	caches, attachments, _ = testutil.CacheRequest(c, tokens)
+func cacheEntries(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec) {
+	caches, attachments, _ = kvgen.CacheRequest(c, tokens)
 	return caches, attachments
 }
 
@@ -82,7 +83,7 @@ type version struct {
 
 func (v version) meta() layout.Meta {
 	return layout.Meta{
-		"model":  json.RawMessage(strconv.Quote(testutil.Tiny.Name)),
+		"model":  json.RawMessage(strconv.Quote(kvgen.Tiny.Name)),
 		"writer": json.RawMessage(strconv.Quote(v.Writer)),
 		"seq":    json.RawMessage(strconv.FormatInt(v.Seq, 10)),
 		"tokens": json.RawMessage(strconv.Itoa(v.Tokens)),
@@ -102,7 +103,7 @@ func versionOf(h *layout.Header) (version, error) {
 			return v, fmt.Errorf("metadata %q: %w", k, err)
 		}
 	}
-	if model != testutil.Tiny.Name || v.Tokens <= 0 {
+	if model != kvgen.Tiny.Name || v.Tokens <= 0 {
 		return v, fmt.Errorf("metadata names model %q with %d tokens", model, v.Tokens)
 	}
 	return v, nil
@@ -111,12 +112,12 @@ func versionOf(h *layout.Header) (version, error) {
 var expectedByTokens sync.Map // tokens -> [][]byte
 
 // expectedSlots returns every slot's logical bytes of a Tiny cache of tokens
-// tokens (testutil's element-by-element reference, independent of views).
+// tokens (kvgen's element-by-element reference, independent of views).
 func expectedSlots(tokens int) [][]byte {
 	if v, ok := expectedByTokens.Load(tokens); ok {
 		return v.([][]byte)
 	}
-	c := testutil.NewCache(testutil.Tiny, tokens, false, nil)
+	c := kvgen.NewCache(kvgen.Tiny, tokens, false, nil)
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)
@@ -175,7 +176,10 @@ func verifySnapshot(cfg *jobs.Config, path string) (*layout.Snapshot, version, e
 	if err != nil {
 		return nil, version{}, fmt.Errorf("%s: %w", path, err)
 	}
-	got, _, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: true, Expect: snap.Header})
+	rc := *cfg
+	rc.Root = filepath.Dir(filepath.Dir(path))
+	ref := jobs.Ref{Namespace: filepath.Base(filepath.Dir(path)), Name: filepath.Base(path)}
+	got, _, err := jobs.Read(context.Background(), &rc, &jobs.ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: snap.Header})
 	if err != nil {
 		return nil, version{}, err
 	}
@@ -427,7 +431,7 @@ func crashWriterMain(args []string) int {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
-	cache := testutil.NewCache(testutil.Tiny, crashMaxTokens, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, crashMaxTokens, true, nil)
 	rng := rand.New(rand.NewPCG(*seed, 2))
 	tokens := make([]int, len(crashPaths))
 	for i := range tokens {
@@ -445,7 +449,7 @@ func crashWriterMain(args []string) int {
 				if k := rng.IntN(3); k > 0 {
 					nss = []string{crashPaths[0].ns, crashPaths[4].ns}[k-1 : k]
 				}
-				if _, err := e.Submit(context.Background(), &engine.CollectRequest{Namespaces: nss, Ack: acks}); err != nil {
+				if _, err := e.Submit(context.Background(), &engine.CollectRequest{Namespaces: nss}, engine.AckTo(acks)); err != nil {
 					fmt.Fprintln(os.Stderr, err)
 					return 1
 				}
@@ -463,7 +467,7 @@ func crashWriterMain(args []string) int {
 			caches, atts := cacheEntries(cache, v.Tokens)
 			say("submit %d %s/%s %d %s", v.Seq, cp.ns, cp.name, v.Tokens, lay)
 			j, err := e.Submit(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: cp.ns, Name: cp.name},
-				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: rng.IntN(4) == 0, Ack: acks})
+				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: rng.IntN(4) == 0}, engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
@@ -676,7 +680,7 @@ func checkAfterCrash(t *testing.T, rng *rand.Rand, root string, submitted map[in
 	ctx := context.Background()
 	now := time.Now()
 	stale, young := splitTemps(t, scan.temps, now)
-	m, err := jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: root, Now: now})
+	m, err := jobs.Collect(ctx, &jobs.Config{Root: root}, &jobs.CollectRequest{Now: now})
 	if err != nil {
 		t.Fatalf("collect after a crash: %v", err)
 	}
@@ -728,7 +732,7 @@ func checkAfterCrash(t *testing.T, rng *rand.Rand, root string, submitted map[in
 	}
 	now = time.Now()
 	stale, young = splitTemps(t, temps, now)
-	m, err = jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: root, Now: now})
+	m, err = jobs.Collect(ctx, &jobs.Config{Root: root}, &jobs.CollectRequest{Now: now})
 	if err != nil {
 		t.Fatalf("second collect: %v", err)
 	}

@@ -385,29 +385,30 @@ func (e *Engine) execute(j *job, res *Result) {
 	var err error
 	switch r := j.req.(type) {
 	case *WriteRequest:
-		bb := r.BlockBytes
-		if bb == 0 {
-			bb = e.cfg.BlockBytes
+		w := *r // a shallow copy: the caller's request is not modified
+		if w.BlockBytes == 0 {
+			w.BlockBytes = e.cfg.BlockBytes
 		}
-		res.Header, res.Metrics, err = jobs.Write(j.ctx, &cfg, &jobs.WriteSpec{
-			Path: j.path, Layout: r.Layout, Meta: r.Meta, Caches: r.Caches, Attachments: r.Attachments,
-			BlockBytes: bb, Packed: r.Packed,
-		})
+		res.Header, res.Metrics, err = jobs.Write(j.ctx, &cfg, &w)
 	case *ReadRequest:
 		var snap *layout.Snapshot
-		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, &jobs.ReadSpec{Path: j.path, Dest: r.Dest, Verify: r.Verify, Expect: r.Expect})
+		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
 		if err == nil {
 			res.Header = snap.Header
 		}
 	case *DeleteRequest:
-		res.Metrics, err = jobs.Delete(j.ctx, &cfg, j.path)
+		res.Metrics, err = jobs.Delete(j.ctx, &cfg, r)
 	case *CollectRequest:
-		res.Metrics, err = jobs.Collect(j.ctx, &cfg, &jobs.CollectSpec{
-			Root: e.cfg.Root, Namespaces: r.Namespaces, DryRun: r.DryRun,
-			TempGrace: e.cfg.TempGrace, BlockGrace: e.cfg.BlockGrace,
-		})
+		c := *r
+		if c.TempGrace == 0 {
+			c.TempGrace = e.cfg.TempGrace
+		}
+		if c.BlockGrace == 0 {
+			c.BlockGrace = e.cfg.BlockGrace
+		}
+		res.Metrics, err = jobs.Collect(j.ctx, &cfg, &c)
 	case *MigrateRequest:
-		res.Metrics, err = e.runMigrate(j.ctx, &cfg, r)
+		res.Metrics, err = jobs.Migrate(j.ctx, &cfg, r)
 	}
 	if err != nil {
 		res.Header = nil

@@ -12,6 +12,11 @@
 // layout) or a manifest (block layout) whose blocks live in
 // <Root>/<namespace>/blocks/. Namespaces and names are plain file names
 // (layout.ValidName).
+//
+// This package is all an embedder imports: the request, view, header,
+// report and error types of the subpackages (jobs, layout, gather) are
+// aliased here and their sentinels re-exported (api.go); the subpackages
+// stay usable on their own. See Example for a save and a verified restore.
 package engine
 
 import (
@@ -55,13 +60,15 @@ type Config struct {
 	// Mailbox is how many accepted jobs may wait to start (Stats.Queued)
 	// before Submit blocks (and TrySubmit returns ErrBusy); default 256.
 	Mailbox int
-	// BlockBytes is the default block size of block-layout writes, in bytes;
-	// default 1 MiB (jobs.DefaultBlockBytes). See jobs.CheckBlockBytes.
+	// BlockBytes is the block size of block-layout writes that leave
+	// theirs 0, in bytes; default 1 MiB (DefaultBlockBytes): a power of two
+	// from 4 KiB to 64 MiB.
 	BlockBytes int
 	// NoSync turns every fsync off. Only for tests and tmpfs.
 	NoSync bool
-	// TempGrace and BlockGrace are collect's grace periods (see
-	// jobs.CollectSpec); zero TempGrace means jobs.DefaultTempGrace.
+	// TempGrace and BlockGrace are collect's grace periods, for collect
+	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
+	// means jobs.DefaultTempGrace (10 minutes).
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
@@ -168,6 +175,7 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e.pool = pool
 	e.jcfg = jobs.Config{
+		Root:    cfg.Root,
 		FS:      cfg.FS,
 		NoSync:  cfg.NoSync,
 		Helpers: cfg.Workers - 1,
@@ -202,15 +210,6 @@ func (e *Engine) Stats() Stats {
 	}
 }
 
-// Ref names a snapshot: <Root>/<Namespace>/<Name>.
-type Ref struct {
-	Namespace string
-	Name      string
-}
-
-// String is "namespace/name".
-func (r Ref) String() string { return r.Namespace + "/" + r.Name }
-
 // Path resolves ref to its file path under the root. It fails with ErrPath
 // (wrapping layout.ErrBadName) for invalid names, and when the namespace
 // directory is a symlink, which could lead outside the root.
@@ -231,11 +230,13 @@ func (e *Engine) Path(ref Ref) (string, error) {
 
 // Stat decodes and validates a snapshot's header (dtypes, shapes, bytes per
 // tensor, caller metadata) without reading tensor data, so a caller can
-// allocate destination buffers before submitting a read. It runs on the
-// calling goroutine and sees what is published now: to read after a write,
-// wait for the write's ack first. Errors wrap layout's decoding sentinels
-// (layout.ErrHeaderHash, ...) or fs.ErrNotExist.
-func (e *Engine) Stat(ref Ref) (*layout.Snapshot, error) {
+// allocate destination buffers before submitting a read: check
+// Header.TotalBytes (at most MaxSnapshotBytes) against what you can afford
+// first. It runs on the calling goroutine and sees what is published now: to
+// read after a write, wait for the write's ack first. Errors wrap the
+// decoding sentinels (ErrHeaderHash, ErrSnapshotTooLarge, ...), ErrNotFound
+// or ErrPath.
+func (e *Engine) Stat(ref Ref) (*Snapshot, error) {
 	p, err := e.Path(ref)
 	if err != nil {
 		return nil, err
@@ -244,15 +245,26 @@ func (e *Engine) Stat(ref Ref) (*layout.Snapshot, error) {
 }
 
 // Result is a job's ack: sent exactly once, after the engine's last touch of
-// the job's buffers.
+// the job's buffers. What each kind reports, always through Result:
+//
+//   - write: Header (as published: offsets, hashes, block lists) and Metrics
+//     (LogicalBytes, WrittenBytes, ReusedBytes, ...);
+//   - read: Header (as read) and Metrics (ReadBytes, ...);
+//   - collect: Metrics.Collect (what was kept, deleted, skipped);
+//   - migrate: Metrics.Migrate (one item per legacy snapshot) and the summed
+//     Metrics of the migrated snapshots;
+//   - delete: Metrics.
+//
+// On error Header is nil; Metrics.Collect and Metrics.Migrate still hold what
+// was done before the error.
 type Result struct {
 	ID   uint64 // the Job's ID
 	Kind Kind
-	Ref  Ref // the snapshot (zero for collect)
-	// Header is, for a write, the header as published (offsets, hashes,
-	// block lists); for a read, the header that was read. nil on error.
-	Header  *layout.Header
-	Metrics jobs.Metrics
+	Ref  Ref // the snapshot (zero for collect and migrate)
+	// Header is, for a write, the header as published; for a read, the
+	// header that was read. nil for other kinds and on error.
+	Header  *Header
+	Metrics Metrics
 	Err     error
 }
 
@@ -289,65 +301,19 @@ func (k Kind) String() string {
 type Job struct {
 	ID uint64
 	// Ack receives the job's Result exactly once (buffered: it never blocks
-	// the engine). nil when the request named its own Ack channel.
+	// the engine). nil when Submit was given AckTo.
 	Ack <-chan Result
 }
 
-// Request is a *WriteRequest, *ReadRequest, *CollectRequest,
-// *MigrateRequest or *DeleteRequest.
-type Request interface{ request() }
+// SubmitOption changes how Submit and TrySubmit deliver a job's Result
+// (see AckTo).
+type SubmitOption struct{ ack chan<- Result }
 
-// WriteRequest saves a KV cache. The views' memory, and the request itself
-// (its Meta maps included), must stay valid and unchanged until the ack. The
-// Result's Header shares the request's Meta values (they are immutable JSON).
-type WriteRequest struct {
-	Ref
-	Layout      layout.Layout // layout.Single or layout.Blocks
-	Meta        layout.Meta   // top-level caller metadata
-	Caches      []jobs.EntrySpec
-	Attachments []jobs.EntrySpec
-	BlockBytes  int  // 0 means Config.BlockBytes
-	Packed      bool // see jobs.WriteSpec.Packed
-	// Ack, when non-nil, receives the Result instead of a channel made by
-	// the engine (to multiplex many jobs on one channel, by Result.ID). The
-	// engine sends on it from a job goroutine and waits for room: give it a
-	// buffer, or keep receiving.
-	Ack chan<- Result
-}
-
-// ReadRequest restores a snapshot into Dest (one buffer per tensor slot, of
-// exactly the slot's bytes: see Stat). Dest must stay valid until the ack.
-type ReadRequest struct {
-	Ref
-	Dest   [][]byte
-	Verify bool
-	// Expect, when non-nil, is the header the caller allocated for (from
-	// Stat): a differing dtype or shape fails with jobs.ErrMismatch.
-	Expect *layout.Header
-	Ack    chan<- Result // see WriteRequest.Ack
-}
-
-// CollectRequest garbage-collects unreferenced blocks.
-type CollectRequest struct {
-	// Namespaces to collect; nil means every namespace of the root. A
-	// collect runs alone in its namespaces (all of them when nil).
-	Namespaces []string
-	DryRun     bool
-	Ack        chan<- Result // see WriteRequest.Ack
-}
-
-func (*WriteRequest) request()   {}
-func (*ReadRequest) request()    {}
-func (*CollectRequest) request() {}
-func (*DeleteRequest) request()  {}
-
-// DeleteRequest removes a snapshot file or manifest (jobs.Delete). It is
-// ordered like a write of its path: it waits for every earlier job on the
-// path, and later ones wait for it. Its blocks stay until a collect.
-type DeleteRequest struct {
-	Ref
-	Ack chan<- Result // see WriteRequest.Ack
-}
+// AckTo sends the job's Result on ack instead of a channel made by the
+// engine (Job.Ack is then nil), to multiplex many jobs on one channel, by
+// Result.ID. The engine sends on it from a job goroutine and waits for
+// room: give it a buffer, or keep receiving (Close waits for every ack).
+func AckTo(ack chan<- Result) SubmitOption { return SubmitOption{ack: ack} }
 
 // job is the engine's record of an accepted request.
 type job struct {
@@ -375,43 +341,16 @@ type job struct {
 // version stays readable). Errors: ErrClosed, ErrPath (a nil request, an
 // invalid namespace or name), ctx.Err() (also when ctx is already done), or
 // an unknown request type; on error nothing was queued and no ack will come.
-func (e *Engine) Submit(ctx context.Context, req Request) (*Job, error) {
-	return e.submit(ctx, req, true)
+func (e *Engine) Submit(ctx context.Context, req Request, opts ...SubmitOption) (*Job, error) {
+	return e.submit(ctx, req, true, opts)
 }
 
 // TrySubmit is Submit without waiting: a full mailbox returns ErrBusy.
-func (e *Engine) TrySubmit(ctx context.Context, req Request) (*Job, error) {
-	return e.submit(ctx, req, false)
+func (e *Engine) TrySubmit(ctx context.Context, req Request, opts ...SubmitOption) (*Job, error) {
+	return e.submit(ctx, req, false, opts)
 }
 
-// requestAck returns a request's caller-supplied ack channel (nil if none).
-func requestAck(req Request) chan<- Result {
-	switch r := req.(type) {
-	case *WriteRequest:
-		if r != nil {
-			return r.Ack
-		}
-	case *ReadRequest:
-		if r != nil {
-			return r.Ack
-		}
-	case *CollectRequest:
-		if r != nil {
-			return r.Ack
-		}
-	case *MigrateRequest:
-		if r != nil {
-			return r.Ack
-		}
-	case *DeleteRequest:
-		if r != nil {
-			return r.Ack
-		}
-	}
-	return nil
-}
-
-func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, error) {
+func (e *Engine) submit(ctx context.Context, req Request, wait bool, opts []SubmitOption) (*Job, error) {
 	if ctx == nil {
 		ctx = context.Background()
 	}
@@ -494,9 +433,12 @@ func (e *Engine) submit(ctx context.Context, req Request, wait bool) (*Job, erro
 	}
 	j.id = e.nextID.Add(1)
 	out := &Job{ID: j.id}
-	if ack := requestAck(req); ack != nil {
-		j.ack = ack
-	} else {
+	for _, o := range opts {
+		if o.ack != nil {
+			j.ack = o.ack
+		}
+	}
+	if j.ack == nil {
 		ch := make(chan Result, 1)
 		j.ack, j.ownAck, out.Ack = ch, true, ch
 	}
@@ -520,9 +462,10 @@ func (e *Engine) kick() {
 // those blocked on a full mailbox), lets every accepted job run and be acked,
 // releases the pool and returns when no goroutine of the engine is left. If
 // ctx ends first, the remaining jobs are cancelled (acked with an error
-// wrapping ErrClosed) and Close still waits for their acks, then returns
-// ctx's error. Every accepted job is acked exactly once. Close is idempotent
-// and safe to call concurrently.
+// wrapping ErrClosed) and Close still waits for their acks (a cancelled job
+// acks promptly), then returns ctx's error without waiting for the pool's
+// idle workers to exit (they exit on their own). Every accepted job is
+// acked exactly once. Close is idempotent and safe to call concurrently.
 func (e *Engine) Close(ctx context.Context) error {
 	if ctx == nil {
 		ctx = context.Background()
@@ -544,7 +487,15 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.kick()
 		<-e.stopped
 	}
-	if perr := e.pool.ReleaseTimeout(10 * time.Second); perr != nil && !errors.Is(perr, ants.ErrPoolClosed) {
+	// The pool's workers exit once released; wait for them only while ctx
+	// allows (every job has been acked by now).
+	switch perr := e.pool.ReleaseContext(ctx); {
+	case perr == nil, errors.Is(perr, ants.ErrPoolClosed): // released, or by an earlier Close
+	case ctx.Err() != nil && errors.Is(perr, ctx.Err()):
+		if err == nil {
+			err = perr
+		}
+	default:
 		err = errors.Join(err, fmt.Errorf("engine: releasing pool: %w", perr))
 	}
 	return err
@@ -553,13 +504,7 @@ func (e *Engine) Close(ctx context.Context) error {
 // Do submits req (waiting while the mailbox is full) and waits for its ack.
 // Even when ctx ends first it waits for the ack (the cancelled job acks
 // promptly), so the caller's buffers are free when Do returns.
-//
-// Do needs the engine's own ack channel: a request with Ack set is refused
-// before it is submitted.
 func (e *Engine) Do(ctx context.Context, req Request) Result {
-	if requestAck(req) != nil {
-		return Result{Err: fmt.Errorf("engine: Do needs the engine's own ack channel (request has Ack set)")}
-	}
 	j, err := e.Submit(ctx, req)
 	if err != nil {
 		return Result{Err: err}

@@ -13,7 +13,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // TestMain (main_test.go, package engine_test) checks with goleak that no
@@ -82,18 +82,18 @@ type fixtureKey struct {
 
 type fixture struct {
 	once     sync.Once
-	cache    *testutil.Cache
+	cache    *kvgen.Cache
 	expected [][]byte
 }
 
 // cacheOf returns a shared cache of model m with tokens tokens, built with
-// ordinary memory, and its expected slot bytes (testutil.Expected: computed
+// ordinary memory, and its expected slot bytes (kvgen.Expected: computed
 // element by element, independently of the buffers and strides).
-func cacheOf(m testutil.Model, tokens int, padded bool) (*testutil.Cache, [][]byte) {
+func cacheOf(m kvgen.Model, tokens int, padded bool) (*kvgen.Cache, [][]byte) {
 	v, _ := fixtures.LoadOrStore(fixtureKey{m.Name, tokens, padded}, &fixture{})
 	f := v.(*fixture)
 	f.once.Do(func() {
-		f.cache = testutil.NewCache(m, tokens, padded, nil)
+		f.cache = kvgen.NewCache(m, tokens, padded, nil)
 		f.expected = make([][]byte, f.cache.Slots())
 		for i := range f.expected {
 			f.expected[i] = f.cache.Expected(i)
@@ -105,7 +105,7 @@ func cacheOf(m testutil.Model, tokens int, padded bool) (*testutil.Cache, [][]by
 // writeReq builds the write request of cache c the way mlx-lm's caches are
 // saved (as cmd/kvpersist's cacheRequest): per layer one entry with K and V,
 // one attachment with the int32 token ids.
-func writeReq(ref Ref, c *testutil.Cache, lay layout.Layout, blockBytes int) *WriteRequest {
+func writeReq(ref Ref, c *kvgen.Cache, lay layout.Layout, blockBytes int) *WriteRequest {
 	views, dtypes := c.Views(), c.DTypes()
 	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(c.Tokens))}
 	r := &WriteRequest{Ref: ref, Layout: lay, BlockBytes: blockBytes,
@@ -122,18 +122,18 @@ func writeReq(ref Ref, c *testutil.Cache, lay layout.Layout, blockBytes int) *Wr
 }
 
 // slotBytes is each slot's size in bytes for model m at tokens tokens.
-func slotBytes(m testutil.Model, tokens int) []int {
+func slotBytes(m kvgen.Model, tokens int) []int {
 	out := make([]int, 2*m.Layers+1)
 	for i := range out {
 		out[i] = m.TensorBytes(tokens)
 	}
-	out[len(out)-1] = tokens * testutil.IDSize
+	out[len(out)-1] = tokens * kvgen.IDSize
 	return out
 }
 
 // destOf allocates read destinations for model m at tokens tokens, filled
 // with 0xA5 so that a slot left unwritten shows.
-func destOf(m testutil.Model, tokens int) [][]byte {
+func destOf(m kvgen.Model, tokens int) [][]byte {
 	sizes := slotBytes(m, tokens)
 	out := make([][]byte, len(sizes))
 	for i, n := range sizes {
@@ -170,9 +170,9 @@ func mustDo(t testing.TB, e *Engine, req Request) Result {
 }
 
 // mustSubmit submits req and fails the test on error.
-func mustSubmit(t testing.TB, e *Engine, ctx context.Context, req Request) *Job {
+func mustSubmit(t testing.TB, e *Engine, ctx context.Context, req Request, opts ...SubmitOption) *Job {
 	t.Helper()
-	j, err := e.Submit(ctx, req)
+	j, err := e.Submit(ctx, req, opts...)
 	if err != nil {
 		t.Fatalf("Submit %T: %v", req, err)
 	}
@@ -206,7 +206,7 @@ func ackOK(t testing.TB, j *Job) Result {
 
 // readBack restores ref into fresh buffers for model m at tokens tokens and
 // compares them with the expected bytes.
-func readBack(t testing.TB, e *Engine, ref Ref, m testutil.Model, tokens int) {
+func readBack(t testing.TB, e *Engine, ref Ref, m kvgen.Model, tokens int) {
 	t.Helper()
 	dest := destOf(m, tokens)
 	r := mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Verify: true})

@@ -215,9 +215,8 @@ func TestMigrateThroughEngine(t *testing.T) {
 	bunStore(t, src)
 	before := testutil.TreeDigest(t, src)
 	e := newEngine(t, Config{Root: filepath.Join(t.TempDir(), "kv")})
-	var rep jobs.MigrateReport
 	var items []string
-	res := mustDo(t, e, &MigrateRequest{SrcRoot: src, Report: &rep,
+	res := mustDo(t, e, &MigrateRequest{SrcRoot: src,
 		OnItem: func(it jobs.MigrateItem) { items = append(items, it.Status.String()+" "+it.Ref()) }})
 	if res.Kind != KindMigrate || res.Kind.String() != "migrate" || res.Header != nil {
 		t.Fatalf("result %+v", res)
@@ -225,6 +224,7 @@ func TestMigrateThroughEngine(t *testing.T) {
 	if m := res.Metrics; m.LogicalBytes != bunLogical || m.ReadBytes != bunLogical || m.ReusedBytes != 4096 || m.BlocksReused != 16 {
 		t.Fatalf("metrics %+v", m)
 	}
+	rep := res.Metrics.Migrate
 	if rep.Migrated != 3 || len(items) != 3 || items[0] != "migrated bun-blocks/grown.mlxkv" {
 		t.Fatalf("report %+v, items %v", rep, items)
 	}
@@ -242,9 +242,8 @@ func TestMigrateThroughEngine(t *testing.T) {
 		equalSlots(t, "migrated "+ref.String(), got, bunWant(t, ref))
 	}
 	// A re-run skips all three; a collect keeps every block (all named).
-	rep = jobs.MigrateReport{}
-	res = mustDo(t, e, &MigrateRequest{SrcRoot: src, Report: &rep})
-	if rep.Skipped != 3 || res.Metrics.WrittenBytes != 0 {
+	res = mustDo(t, e, &MigrateRequest{SrcRoot: src})
+	if rep := res.Metrics.Migrate; rep.Skipped != 3 || res.Metrics.WrittenBytes != 0 {
 		t.Fatalf("re-run: %+v, metrics %+v", rep, res.Metrics)
 	}
 	col := mustDo(t, e, &CollectRequest{})
@@ -261,8 +260,8 @@ func TestMigrateThroughEngineCorrupt(t *testing.T) {
 	bunStore(t, src)
 	bunFlip(t, filepath.Join(src, "bun-single", "snapshot.mlxkv"), 16384+10)
 	e := newEngine(t, Config{Root: filepath.Join(t.TempDir(), "kv")})
-	var rep jobs.MigrateReport
-	res := e.Do(bg, &MigrateRequest{SrcRoot: src, Report: &rep})
+	res := e.Do(bg, &MigrateRequest{SrcRoot: src})
+	rep := res.Metrics.Migrate
 	var merr *jobs.MigrateError
 	if !errors.As(res.Err, &merr) || !errors.Is(res.Err, jobs.ErrCorrupt) || len(merr.Failed) != 1 || merr.Failed[0].Ref() != bunSingle.String() {
 		t.Fatalf("got %v, want a MigrateError for %s wrapping ErrCorrupt", res.Err, bunSingle)

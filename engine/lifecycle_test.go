@@ -17,6 +17,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
@@ -30,7 +31,7 @@ func TestBackpressure(t *testing.T) {
 	h := installHook(t)
 	arena := newArena(t) // unmapped after the engine's Close
 	e := newEngine(t, Config{Workers: 1, Mailbox: 2})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	release := h.hold(t, "write a/h")
 	first := mustSubmit(t, e, bg, writeReq(refOf("a", "h"), c, layout.Single, 0))
@@ -91,7 +92,7 @@ func TestBackpressure(t *testing.T) {
 func TestCancelPending(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 1})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	mustDo(t, e, writeReq(refOf("a", "c"), c, layout.Single, 0))
 	release := h.hold(t, "write a/h")
@@ -105,8 +106,7 @@ func TestCancelPending(t *testing.T) {
 	mine := make(chan Result, 1)
 	ctxD, cancelD := context.WithCancel(bg)
 	dreq := writeReq(refOf("a", "d"), c, layout.Blocks, 4096)
-	dreq.Ack = mine
-	d := mustSubmit(t, e, ctxD, dreq)
+	d := mustSubmit(t, e, ctxD, dreq, AckTo(mine))
 	survivor := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "c"), Dest: destOf(m, 40), Verify: true})
 
 	cancelB()
@@ -184,9 +184,9 @@ func TestCancelRunning(t *testing.T) {
 			cfs := &cancelFS{FS: vfs.Default}
 			e := newEngine(t, Config{Workers: 2, FS: cfs, BlockBytes: 4096})
 			// Many steps to stop between: 65 tensors, or 41 blocks.
-			m, oldT, newT := testutil.Llama31_8B, 8, 16
+			m, oldT, newT := kvgen.Llama31_8B, 8, 16
 			if lay == layout.Blocks {
-				m, oldT, newT = testutil.Tiny, 500, 600
+				m, oldT, newT = kvgen.Tiny, 500, 600
 			}
 			old, _ := cacheOf(m, oldT, false)
 			ref := refOf("conv", "turn")
@@ -216,7 +216,7 @@ func TestCancelRunning(t *testing.T) {
 func TestPanicRecovered(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 2})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	ref := refOf("a", "boom")
 	mustDo(t, e, writeReq(ref, c, layout.Single, 0))
@@ -255,7 +255,7 @@ func TestPanicRecovered(t *testing.T) {
 func TestCloseDrains(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	h := installHook(t)
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	e, err := New(Config{Root: t.TempDir(), Workers: 1, Mailbox: 1, NoSync: true, Logger: newEngineLogger()})
 	if err != nil {
@@ -321,7 +321,7 @@ func TestCloseDrains(t *testing.T) {
 func TestCloseAbort(t *testing.T) {
 	defer goleak.VerifyNone(t, goleak.IgnoreCurrent())
 	h := installHook(t)
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	root := t.TempDir()
 	e, err := New(Config{Root: root, Workers: 1, NoSync: true, Logger: newEngineLogger()})
@@ -335,7 +335,7 @@ func TestCloseAbort(t *testing.T) {
 	q1 := mustSubmit(t, e, bg, writeReq(refOf("a", "q1"), c, layout.Single, 0))
 	q2 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "old"), Dest: destOf(m, 40)})
 	mine := make(chan Result, 1)
-	q3 := mustSubmit(t, e, bg, &CollectRequest{Ack: mine})
+	q3 := mustSubmit(t, e, bg, &CollectRequest{}, AckTo(mine))
 
 	ctx, cancel := context.WithCancel(bg)
 	closed := make(chan error, 1)
@@ -389,13 +389,12 @@ func TestCloseAbort(t *testing.T) {
 func TestClosedAckChannel(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 1})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	release := h.hold(t, "write a/x")
 	mine := make(chan Result)
 	req := writeReq(refOf("a", "x"), c, layout.Single, 0)
-	req.Ack = mine
-	mustSubmit(t, e, bg, req)
+	mustSubmit(t, e, bg, req, AckTo(mine))
 	h.await(t, "enter write a/x", 1)
 	close(mine)
 	release()

@@ -1,19 +1,17 @@
 package engine
 
 import (
-	"context"
 	"fmt"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
-// MigrateRequest rewrites the snapshots of a store written by the original
+// A MigrateRequest rewrites the snapshots of a store written by the original
 // Bun worker (files beginning with layout.LegacyMagic) into the engine's
 // store, in kvpersist's format: SrcRoot/<ns>/<name> becomes
 // <Root>/<ns>/<name>, same layout, caller metadata unchanged, every tensor
-// verified on the way (see jobs.Migrate and jobs.MigrateSpec). The source
-// is only read.
+// verified on the way (see jobs.Migrate). The source is only read.
 //
 // Ordering: a migrate is a write to every destination namespace it may
 // touch (the namespaces named, or every directory of SrcRoot listed at
@@ -21,36 +19,11 @@ import (
 // namespaces, and every later job in them waits for it; jobs in other
 // namespaces run beside it.
 //
-// The job's Result has no Header; its Metrics sum the migrated snapshots'
-// (LogicalBytes, ReadBytes, WrittenBytes, ReusedBytes, ...). Its Err is a
-// *jobs.MigrateError when some snapshots failed (the others were migrated),
-// or the error that stopped the migration.
-type MigrateRequest struct {
-	// SrcRoot is the legacy store's root (each directory under it a
-	// namespace). It must not be the engine's root, nor contain it or lie
-	// inside it.
-	SrcRoot string
-	// Namespaces to migrate; nil means every directory under SrcRoot at
-	// submission. Names must be valid namespace names (ErrPath).
-	Namespaces []string
-	// BlockBytes: 0 keeps a manifest's block boundaries (the same blocks as
-	// the source); otherwise manifests are re-cut at this size (see
-	// jobs.MigrateSpec.BlockBytes; Config.BlockBytes is not used here).
-	BlockBytes int
-	// Force re-migrates snapshots already migrated and overwrites
-	// destinations that hold something else.
-	Force bool
-	// OnPlan and OnItem, when non-nil, report progress: called on the job's
-	// goroutine, one at a time, before the ack (see jobs.MigrateSpec).
-	OnPlan func(snapshots int, logicalBytes int64)
-	OnItem func(jobs.MigrateItem)
-	// Report, when non-nil, receives the per-snapshot report before the
-	// ack; it belongs to the engine until then.
-	Report *jobs.MigrateReport
-	Ack    chan<- Result // see WriteRequest.Ack
-}
-
-func (*MigrateRequest) request() {}
+// The job's Result has no Header; Metrics.Migrate is the per-snapshot
+// report and the other Metrics sum the migrated snapshots' (LogicalBytes,
+// ReadBytes, WrittenBytes, ReusedBytes, ...). Its Err is a *MigrateError
+// when some snapshots failed (the others were migrated), or the error that
+// stopped the migration.
 
 // prepareMigrate validates a migrate request on the submitting goroutine
 // and sets j's kind, scope (the valid namespace names: ordering) and request
@@ -93,16 +66,4 @@ func (e *Engine) prepareMigrate(j *job, r *MigrateRequest) error {
 	}
 	j.kind, j.ns, j.req = KindMigrate, ns, &c
 	return nil
-}
-
-// runMigrate runs a migrate job on a pool worker.
-func (e *Engine) runMigrate(ctx context.Context, cfg *jobs.Config, r *MigrateRequest) (jobs.Metrics, error) {
-	rep, m, err := jobs.Migrate(ctx, cfg, &jobs.MigrateSpec{
-		SrcRoot: r.SrcRoot, DstRoot: e.cfg.Root, Namespaces: r.Namespaces,
-		BlockBytes: r.BlockBytes, Force: r.Force, OnPlan: r.OnPlan, OnItem: r.OnItem,
-	})
-	if r.Report != nil {
-		*r.Report = *rep
-	}
-	return m, err
 }

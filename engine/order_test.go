@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // The ordering rules, each observed deterministically: testHook holds a job
@@ -20,7 +20,7 @@ import (
 func TestOrderReadAfterWrite(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 4})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c40, _ := cacheOf(m, 40, true)
 	c64, want64 := cacheOf(m, 64, true)
 	p, other := refOf("a", "p"), refOf("a", "other")
@@ -50,7 +50,7 @@ func TestOrderReadAfterWrite(t *testing.T) {
 func TestOrderWritesPublishInOrder(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 4})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c40, _ := cacheOf(m, 40, false)
 	c64, _ := cacheOf(m, 64, true)
 	p := refOf("a", "p")
@@ -96,7 +96,7 @@ func mustEncode(t testing.TB, h *layout.Header) string {
 func TestOrderParallel(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 2})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	rp := h.hold(t, "write a/p")
 	rq := h.hold(t, "write a/q")
@@ -131,7 +131,7 @@ func TestOrderParallel(t *testing.T) {
 func TestOrderCollectAlone(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 4, BlockBytes: 4096})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, false)
 	mustDo(t, e, writeReq(refOf("a", "x"), c, layout.Blocks, 0))
 
@@ -171,7 +171,7 @@ func TestOrderCollectAlone(t *testing.T) {
 func TestOrderCollectAll(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 4})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, false)
 	mustDo(t, e, writeReq(refOf("z", "x"), c, layout.Single, 0))
 	rr := h.hold(t, "read z/x")
@@ -205,7 +205,7 @@ func TestOrderCollectAll(t *testing.T) {
 func TestOrderReadPriority(t *testing.T) {
 	h := installHook(t)
 	e := newEngine(t, Config{Workers: 1, Mailbox: 32})
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	c, _ := cacheOf(m, 40, true)
 	const nReads = readBurst + 3
 	var names []string

@@ -16,7 +16,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // hostileRefs are names that would leave the store root, or are not one
@@ -67,7 +67,7 @@ func newPathEngine(t *testing.T, root string) *engine.Engine {
 func TestPathRejectsEscapes(t *testing.T) {
 	root := filepath.Join(t.TempDir(), "store")
 	e := newPathEngine(t, root)
-	c := testutil.NewCache(testutil.Tiny, 8, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 8, true, nil)
 	views := c.Views()
 	for _, ref := range hostileRefs {
 		if p, err := e.Path(ref); !errors.Is(err, engine.ErrPath) || !errors.Is(err, layout.ErrBadName) {
@@ -131,12 +131,12 @@ func TestPathAcceptsPlainNames(t *testing.T) {
 func TestPathRefusesSymlinkedNamespace(t *testing.T) {
 	root := t.TempDir()
 	e := newPathEngine(t, root)
-	c := testutil.NewCache(testutil.Tiny, 8, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 8, true, nil)
 	views, dtypes := c.Views(), c.DTypes()
 	// A real snapshot outside the store, reachable through the link.
 	outside := t.TempDir()
-	h, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, &jobs.WriteSpec{
-		Path: filepath.Join(outside, "x"), Layout: layout.Single,
+	h, _, err := jobs.Write(context.Background(), &jobs.Config{Root: filepath.Dir(outside), NoSync: true}, &jobs.WriteRequest{
+		Ref: jobs.Ref{Namespace: filepath.Base(outside), Name: "x"}, Layout: layout.Single,
 		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: dtypes[0], View: views[0]}}}},
 	})
 	if err != nil {

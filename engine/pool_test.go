@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // A large job uses the whole pool: with nothing else to run, its goroutine
@@ -19,7 +19,7 @@ import (
 func TestLargeJobUsesWholePool(t *testing.T) {
 	const workers = 4
 	root := t.TempDir()
-	llama, tiny := testutil.Llama31_8B, testutil.Tiny
+	llama, tiny := kvgen.Llama31_8B, kvgen.Tiny
 	cl, _ := cacheOf(llama, 8, true)
 	ct, _ := cacheOf(tiny, 600, true)
 	for i, req := range []Request{
@@ -60,11 +60,11 @@ func TestPoolFullOfParents(t *testing.T) {
 			// Large single files (65 tensors) and large block manifests
 			// (41 blocks): see TestLargeJobUsesWholePool.
 			type big struct {
-				m      testutil.Model
+				m      kvgen.Model
 				tokens int
 				lay    layout.Layout
 			}
-			kinds := []big{{testutil.Llama31_8B, 8, layout.Single}, {testutil.Tiny, 600, layout.Blocks}}
+			kinds := []big{{kvgen.Llama31_8B, 8, layout.Single}, {kvgen.Tiny, 600, layout.Blocks}}
 			const n = 6
 			for i := range n {
 				k := kinds[i%2]

@@ -20,7 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"go.uber.org/goleak"
 )
 
@@ -65,7 +65,7 @@ type soakWrite struct {
 type soak struct {
 	t     *testing.T
 	root  string
-	cache *testutil.Cache
+	cache *kvgen.Cache
 	seq   atomic.Int64
 	// lastTokens holds, per path, the tokens of the last write submitted
 	// there: a read that allocates for them usually finds that version.
@@ -244,7 +244,7 @@ func TestSoak(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d: %d rounds of %d operations", seed, rounds, ops)
 	s := &soak{
-		t: t, root: t.TempDir(), cache: testutil.NewCache(testutil.Tiny, slices.Max(soakTokens), true, nil),
+		t: t, root: t.TempDir(), cache: kvgen.NewCache(kvgen.Tiny, slices.Max(soakTokens), true, nil),
 		writes: map[int64]*soakWrite{}, readSeqs: map[int64]string{},
 	}
 	start := time.Now()
@@ -378,7 +378,7 @@ func (s *soak) one(e *engine.Engine, rng *rand.Rand, closing *atomic.Bool,
 			s.check(op, r)
 			return
 		}
-		j, err := submit(ctx, req)
+		j, err := submit(ctx, req, engine.AckTo(acks))
 		if cancelNow != nil {
 			cancelNow()
 		}
@@ -408,7 +408,7 @@ func (s *soak) one(e *engine.Engine, rng *rand.Rand, closing *atomic.Bool,
 			caches, atts := cacheEntries(s.cache, tokens)
 			s.lastTokens.Store(filepath.Join(s.root, ref.Namespace, ref.Name), tokens)
 			op := &soakOp{kind: engine.KindWrite, path: filepath.Join(s.root, ref.Namespace, ref.Name), seq: v.Seq, tokens: tokens, canceled: canceled, closing: closing}
-			run(op, &engine.WriteRequest{Ref: ref, Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: packed, Ack: acks})
+			run(op, &engine.WriteRequest{Ref: ref, Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Packed: packed})
 		}
 	case k < 96: // read
 		op := &soakOp{kind: engine.KindRead, path: path, canceled: canceled, closing: closing}
@@ -431,9 +431,6 @@ func (s *soak) one(e *engine.Engine, rng *rand.Rand, closing *atomic.Bool,
 			}
 		}
 		req.Dest = op.dest
-		if !viaDo {
-			req.Ack = acks
-		}
 		run(op, req)
 	default: // collect
 		op := &soakOp{kind: engine.KindCollect, canceled: canceled, closing: closing}
@@ -445,9 +442,6 @@ func (s *soak) one(e *engine.Engine, rng *rand.Rand, closing *atomic.Bool,
 			req.Namespaces = []string{"b"}
 		case 3:
 			req.Namespaces = []string{"a", "b"}
-		}
-		if !viaDo {
-			req.Ack = acks
 		}
 		run(op, req)
 	}

@@ -28,6 +28,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -78,7 +79,7 @@ func writerMain(args []string) int {
 	for _, v := range tokens {
 		maxT = max(maxT, v)
 	}
-	cache := testutil.NewCache(testutil.Tiny, maxT, true, nil)
+	cache := kvgen.NewCache(kvgen.Tiny, maxT, true, nil)
 	var mu sync.Mutex
 	rng := rand.New(rand.NewPCG(*seed, 3))
 	seq := *seq0
@@ -103,11 +104,11 @@ func writerMain(args []string) int {
 		var wg sync.WaitGroup
 		for g := 0; g < 2; g++ {
 			wg.Go(func() {
-				cfg := &jobs.Config{NoSync: true, NoLock: *noLock}
+				cfg := &jobs.Config{Root: *root, NoSync: true, NoLock: *noLock}
 				for i := g; i < *n; i += 2 {
 					v, name, lay := next()
 					caches, atts := cacheEntries(cache, v.Tokens)
-					_, _, err := jobs.Write(context.Background(), cfg, &jobs.WriteSpec{Path: filepath.Join(*root, *ns, name),
+					_, _, err := jobs.Write(context.Background(), cfg, &jobs.WriteRequest{Ref: jobs.Ref{Namespace: *ns, Name: name},
 						Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, BlockBytes: tinyBlockBytes})
 					report(v.Seq, err)
 				}
@@ -134,7 +135,7 @@ func writerMain(args []string) int {
 			v, name, lay := next()
 			caches, atts := cacheEntries(cache, v.Tokens)
 			j, err := e.Submit(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: name},
-				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts, Ack: acks})
+				Layout: lay, Meta: v.meta(), Caches: caches, Attachments: atts}, engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
@@ -174,9 +175,9 @@ func collectorMain(args []string) int {
 		_, _ = io.Copy(io.Discard, os.Stdin)
 		close(stop)
 	}()
-	cfg := &jobs.Config{NoSync: true, NoLock: *noLock}
+	cfg := &jobs.Config{Root: *root, NoSync: true, NoLock: *noLock}
 	for {
-		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectSpec{Root: *root, BlockGrace: *blockGrace, TempGrace: *tempGrace})
+		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectRequest{BlockGrace: *blockGrace, TempGrace: *tempGrace})
 		if err != nil {
 			fmt.Fprintf(os.Stdout, "collect err %s\n", strings.ReplaceAll(err.Error(), "\n", " "))
 		} else if cm := m.Collect; len(cm.Unreadable) > 0 || len(cm.Skipped) > 0 {
@@ -366,7 +367,7 @@ func (run *twoProcRun) checkHelpersClean(t *testing.T) {
 // finalCollect collects the quiet store and reads every snapshot back.
 func finalCollect(t *testing.T, root string, scan *storeScan) {
 	t.Helper()
-	m, err := jobs.Collect(context.Background(), &jobs.Config{NoSync: true}, &jobs.CollectSpec{Root: root})
+	m, err := jobs.Collect(context.Background(), &jobs.Config{Root: root, NoSync: true}, &jobs.CollectRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -509,14 +510,16 @@ func TestTwoProcessSamePath(t *testing.T) {
 // reuses them if they are still there.
 type reuseRace struct {
 	root, path string
-	cache      *testutil.Cache
+	ref        jobs.Ref // path under root
+	cache      *kvgen.Cache
 	orphans    map[string]bool // block file paths
 }
 
 func newReuseRace(t *testing.T) *reuseRace {
 	t.Helper()
-	r := &reuseRace{root: t.TempDir(), cache: testutil.NewCache(testutil.Tiny, 256, true, nil), orphans: map[string]bool{}}
-	r.path = filepath.Join(r.root, "ns", "conv")
+	r := &reuseRace{root: t.TempDir(), cache: kvgen.NewCache(kvgen.Tiny, 256, true, nil), orphans: map[string]bool{}}
+	r.ref = jobs.Ref{Namespace: "ns", Name: "conv"}
+	r.path = filepath.Join(r.root, r.ref.Namespace, r.ref.Name)
 	blocks := func(h *layout.Header) map[string]bool {
 		out := map[string]bool{}
 		for _, s := range h.Slots() {
@@ -548,7 +551,9 @@ func newReuseRace(t *testing.T) *reuseRace {
 
 func (r *reuseRace) write(cfg *jobs.Config, tokens int, seq int64) (*layout.Header, error) {
 	caches, atts := cacheEntries(r.cache, tokens)
-	h, _, err := jobs.Write(context.Background(), cfg, &jobs.WriteSpec{Path: r.path, Layout: layout.Blocks,
+	c := *cfg
+	c.Root = r.root
+	h, _, err := jobs.Write(context.Background(), &c, &jobs.WriteRequest{Ref: r.ref, Layout: layout.Blocks,
 		Meta: version{Writer: "A", Seq: seq, Tokens: tokens}.meta(), Caches: caches, Attachments: atts, BlockBytes: tinyBlockBytes})
 	return h, err
 }
@@ -610,8 +615,8 @@ func TestCollectWithoutLockLosesReusedBlock(t *testing.T) {
 			}
 			reached, resume, done := r.rewritePaused(jobs.Config{NoSync: true, NoLock: true})
 			orphan := <-reached
-			m, err := jobs.Collect(context.Background(), &jobs.Config{NoSync: true, NoLock: true},
-				&jobs.CollectSpec{Root: r.root, BlockGrace: tc.blockGrace})
+			m, err := jobs.Collect(context.Background(), &jobs.Config{Root: r.root, NoSync: true, NoLock: true},
+				&jobs.CollectRequest{BlockGrace: tc.blockGrace})
 			close(resume)
 			werr := <-done
 			if err != nil || werr != nil {
@@ -661,8 +666,8 @@ func TestCollectLockProtectsReusedBlock(t *testing.T) {
 			}
 			colDone := make(chan result, 1)
 			go func() { // owned by the test: it receives colDone
-				m, err := jobs.Collect(context.Background(), &jobs.Config{FS: colFS, NoSync: true, NoLock: tc.noLock},
-					&jobs.CollectSpec{Root: r.root, BlockGrace: tc.blockGrace})
+				m, err := jobs.Collect(context.Background(), &jobs.Config{Root: r.root, FS: colFS, NoSync: true, NoLock: tc.noLock},
+					&jobs.CollectRequest{BlockGrace: tc.blockGrace})
 				colDone <- result{m, err}
 			}()
 			if tc.noLock {

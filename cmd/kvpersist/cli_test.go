@@ -21,6 +21,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"go.uber.org/goleak"
 )
@@ -238,7 +239,7 @@ func TestVerifyCleanStore(t *testing.T) {
 		t.Fatal("the store has no blocks")
 	}
 	// Every block file once, and the 5 tensors of the single file.
-	tensorBytes := int64(testutil.Tiny.CacheBytes(300))
+	tensorBytes := int64(kvgen.Tiny.CacheBytes(300))
 	if !rep.Clean || len(rep.Problems) != 0 || rep.Checked.Namespaces != 2 || rep.Checked.Snapshots != len(testStore) ||
 		rep.Checked.Blocks != nBlocks || rep.Checked.Tensors != 5 || rep.Checked.Bytes != blockBytes+tensorBytes {
 		t.Errorf("report %+v; want clean, 2 namespaces, %d snapshots, %d blocks, 5 tensors, %d bytes",
@@ -519,7 +520,7 @@ func TestDuPhysicalIsBytesOnDisk(t *testing.T) {
 		n := 0
 		for _, s := range testStore {
 			if s.ns == row.Namespace {
-				logical += int64(testutil.Tiny.CacheBytes(s.tokens))
+				logical += int64(kvgen.Tiny.CacheBytes(s.tokens))
 				n++
 			}
 		}
@@ -560,9 +561,9 @@ func TestLsListsEverySnapshot(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !ok || r.LogicalBytes != int64(testutil.Tiny.CacheBytes(s.tokens)) || r.Layout != s.layout || r.Tensors != 5 ||
+		if !ok || r.LogicalBytes != int64(kvgen.Tiny.CacheBytes(s.tokens)) || r.Layout != s.layout || r.Tensors != 5 ||
 			r.Error != nil || r.FileBytes != st.Size() || !r.Modified.Equal(st.ModTime()) {
-			t.Errorf("ls %s/%s: %+v (found %v), want logical %d, layout %s", s.ns, s.name, r, ok, testutil.Tiny.CacheBytes(s.tokens), s.layout)
+			t.Errorf("ls %s/%s: %+v (found %v), want logical %d, layout %s", s.ns, s.name, r, ok, kvgen.Tiny.CacheBytes(s.tokens), s.layout)
 		}
 	}
 	out := mustRun(t, exitOK, "ls", root)
@@ -622,7 +623,7 @@ var rowRE = regexp.MustCompile(`(?m)^(\d+)\s+(cache|attachment) (\d+)\s+(\d+)\s+
 
 func TestInspect(t *testing.T) {
 	root := synthStore(t, testStore)
-	m := testutil.Tiny
+	m := kvgen.Tiny
 	for _, tc := range []struct {
 		path   string
 		tokens int
@@ -643,7 +644,7 @@ func TestInspect(t *testing.T) {
 			wantDType, wantShape, wantBytes := "bfloat16", kvShape, m.TensorBytes(tc.tokens)
 			wantEntry := fmt.Sprintf("cache %d %d", i/2, i%2)
 			if i == 4 {
-				wantDType, wantShape, wantBytes, wantEntry = "int32", fmt.Sprintf("[%d]", tc.tokens), tc.tokens*testutil.IDSize, "attachment 0 0"
+				wantDType, wantShape, wantBytes, wantEntry = "int32", fmt.Sprintf("[%d]", tc.tokens), tc.tokens*kvgen.IDSize, "attachment 0 0"
 			}
 			where := strconv.Itoa(len(slots[i].Blocks))
 			hash := "-"

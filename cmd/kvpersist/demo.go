@@ -3,8 +3,11 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	iofs "io/fs"
 	"os"
+	"path/filepath"
 	"text/tabwriter"
 	"time"
 
@@ -12,7 +15,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func init() {
@@ -24,6 +27,9 @@ func init() {
 	})
 }
 
+// defaultDemoNamespace is the namespace the demo writes when --ns is not given.
+const defaultDemoNamespace = "kvpersist-demo"
+
 func runDemo(ctx context.Context, c *cli, args []string) int {
 	cmd := commands["demo"]
 	fs := c.flags(cmd)
@@ -31,13 +37,15 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	tokenList := fs.String("tokens", "2048,4096,6144,8192", "tokens in the cache at each turn, comma-separated, growing")
 	blockBytes := fs.Int("block-bytes", jobs.DefaultBlockBytes, "block size in bytes (power of two, 4 KiB to 64 MiB)")
 	root := fs.String("root", "", "store root (default: a temporary directory, removed at the end unless --keep)")
+	nsName := fs.String("ns", defaultDemoNamespace, "namespace the demo writes, deletes in and collects (nothing else of the store is touched)")
+	reuse := fs.Bool("reuse-ns", false, "use --ns even if it exists: its turn-NN and final-single snapshots are overwritten (and older turns deleted unless --keep)")
 	keep := fs.Bool("keep", false, "keep the store (and every turn's manifest) at the end")
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tmpfs only; numbers then flatter the disk)")
 	if _, code := c.parse(fs, args); code >= 0 {
 		return code
 	}
-	m, err := testutil.ModelByName(*model)
+	m, err := kvgen.ModelByName(*model)
 	if err != nil {
 		return c.fail("%v", err)
 	}
@@ -53,7 +61,20 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
 		return c.fail("--block-bytes: %v", err)
 	}
+	if err := layout.ValidName("namespace", *nsName); err != nil {
+		return c.fail("--ns: %v", err)
+	}
+	ns := *nsName
 	dir := *root
+	if dir != "" && !*reuse {
+		// The store may be the operator's: never overwrite or delete
+		// snapshots the demo did not write.
+		if _, err := os.Lstat(filepath.Join(dir, ns)); err == nil {
+			return c.fail("namespace %s already exists in %s: the demo would overwrite its snapshots; pick another --ns, or pass --reuse-ns", ns, dir)
+		} else if !errors.Is(err, iofs.ErrNotExist) {
+			return c.fail("%v", err)
+		}
+	}
 	if dir == "" {
 		if dir, err = os.MkdirTemp("", "kvpersist-demo-"); err != nil {
 			return c.fail("%v", err)
@@ -69,15 +90,14 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	defer e.Close(context.Background())
 
 	last := turns[len(turns)-1]
-	fmt.Fprintf(c.stdout, "kvpersist demo: %s (%d layers, %d KV heads, head_dim %d, %s), turns %v tokens, store %s\n",
-		m.Name, m.Layers, m.KVHeads, m.HeadDim, m.DType, turns, dir)
+	fmt.Fprintf(c.stdout, "kvpersist demo: %s (%d layers, %d KV heads, head_dim %d, %s), turns %v tokens, store %s, namespace %s\n",
+		m.Name, m.Layers, m.KVHeads, m.HeadDim, m.DType, turns, dir, ns)
 	fmt.Fprintf(c.stdout, "building the conversation's KV cache: %s at %d tokens, capacity-padded as mlx-lm keeps it...\n",
 		humanBytes(int64(m.CacheBytes(last))), last)
-	cache := testutil.NewCache(m, last, true, nil)
+	cache := kvgen.NewCache(m, last, true, nil)
 
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "turn\tlayout\ttokens\tlogical\twritten\treused\tdedup\tsave MB/s\trestore MB/s\t")
-	const ns = "conversation"
 	var names []string
 	row := func(turn string, l layout.Layout, tokens int, name string) error {
 		caches, atts, meta := cacheRequest(cache, tokens)
@@ -122,13 +142,13 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 			}
 		}
 	}
-	col := e.Do(ctx, &engine.CollectRequest{})
+	col := e.Do(ctx, &engine.CollectRequest{Namespaces: []string{ns}}) // the demo's namespace only
 	if col.Err != nil {
 		return c.fail("collect: %v", col.Err)
 	}
 	cm := col.Metrics.Collect
-	fmt.Fprintf(c.stdout, "collect: %d manifests scanned, %d blocks kept, %d deleted, %s freed in %v\n",
-		cm.ManifestsScanned, cm.BlocksKept, cm.BlocksDeleted, humanBytes(cm.BytesFreed), col.Metrics.Elapsed.Round(time.Millisecond))
+	fmt.Fprintf(c.stdout, "collect of namespace %s: %d manifests scanned, %d blocks kept, %d deleted, %s freed in %v\n",
+		ns, cm.ManifestsScanned, cm.BlocksKept, cm.BlocksDeleted, humanBytes(cm.BytesFreed), col.Metrics.Elapsed.Round(time.Millisecond))
 	final := names[len(names)-1]
 	if _, _, err := restoreAndCompare(ctx, c, e, engine.Ref{Namespace: ns, Name: final}, cache.ViewsAt(last)); err != nil {
 		fmt.Fprintf(c.stderr, "kvpersist demo: after collect: %v\n", err)

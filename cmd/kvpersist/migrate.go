@@ -73,9 +73,8 @@ func runMigrate(ctx context.Context, c *cli, args []string) int {
 
 	// The callbacks run on the job's goroutine while this one waits in Do.
 	bar := &progress{}
-	var rep jobs.MigrateReport
 	res := e.Do(ctx, &engine.MigrateRequest{
-		SrcRoot: src, Namespaces: namespaces, BlockBytes: *blockBytes, Force: *force, Report: &rep,
+		SrcRoot: src, Namespaces: namespaces, BlockBytes: *blockBytes, Force: *force,
 		OnPlan: func(n int, bytes int64) {
 			fmt.Fprintf(c.stdout, "migrate %s -> %s: %d legacy snapshot(s), %s of tensors\n", src, dst, n, humanBytes(bytes))
 			if bytes > 0 {
@@ -85,14 +84,18 @@ func runMigrate(ctx context.Context, c *cli, args []string) int {
 		OnItem: func(it jobs.MigrateItem) { bar.Add(it.LogicalBytes) },
 	})
 	bar.Done()
+	rep := res.Metrics.Migrate
+	if rep == nil { // the job did not start
+		rep = &jobs.MigrateReport{}
+	}
 	var merr *jobs.MigrateError
 	if res.Err != nil && !errors.As(res.Err, &merr) {
 		if len(rep.Items) > 0 {
-			printMigrateReport(c, &rep, *quiet)
+			printMigrateReport(c, rep, *quiet)
 		}
 		return c.fail("migrate: %v", res.Err)
 	}
-	printMigrateReport(c, &rep, *quiet)
+	printMigrateReport(c, rep, *quiet)
 	m := res.Metrics
 	fmt.Fprintf(c.stdout, "%d snapshot(s): %d migrated, %d skipped, %d failed; %s of tensors migrated, %s written, %s reused (dedup); %d other entries left alone\n",
 		len(rep.Items), rep.Migrated, rep.Skipped, rep.Failed,

@@ -7,7 +7,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 func init() {
@@ -20,9 +20,9 @@ func init() {
 }
 
 // cacheRequest is the write request of a conversation's cache as mlx-lm
-// saves it (testutil.CacheRequest).
-func cacheRequest(c *testutil.Cache, tokens int) (caches, attachments []jobs.EntrySpec, meta layout.Meta) {
-	return testutil.CacheRequest(c, tokens)
+// saves it (kvgen.CacheRequest).
+func cacheRequest(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec, meta layout.Meta) {
+	return kvgen.CacheRequest(c, tokens)
 }
 
 func runSynth(ctx context.Context, c *cli, args []string) int {
@@ -43,7 +43,7 @@ func runSynth(ctx context.Context, c *cli, args []string) int {
 		fs.Usage()
 		return exitUsage
 	}
-	m, err := testutil.ModelByName(*model)
+	m, err := kvgen.ModelByName(*model)
 	if err != nil {
 		return c.fail("%v", err)
 	}
@@ -59,7 +59,7 @@ func runSynth(ctx context.Context, c *cli, args []string) int {
 		return c.fail("%v", err)
 	}
 	defer e.Close(context.Background())
-	cache := testutil.NewCache(m, *tokens, true, nil)
+	cache := kvgen.NewCache(m, *tokens, true, nil)
 	caches, atts, meta := cacheRequest(cache, *tokens)
 	res := e.Do(ctx, &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: *name}, Layout: l,
 		Meta: meta, Caches: caches, Attachments: atts, BlockBytes: *blockBytes})

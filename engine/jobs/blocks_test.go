@@ -14,14 +14,15 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 func TestDedupGrownCache(t *testing.T) {
 	const bb = 4096
 	ns := filepath.Join(t.TempDir(), "ns")
-	c1 := testutil.NewCache(testutil.Tiny, 1100, true, nil)
-	c2 := testutil.NewCache(testutil.Tiny, 1300, true, nil)
+	c1 := kvgen.NewCache(kvgen.Tiny, 1100, true, nil)
+	c2 := kvgen.NewCache(kvgen.Tiny, 1300, true, nil)
 
 	h1, m1 := mustWrite(t, withHelpers(1), cacheSpec(t, c1, filepath.Join(ns, "a"), layout.Blocks, bb))
 	// First save: per K/V head row 1100*16*2 = 35200 bytes = 8 blocks of
@@ -44,7 +45,7 @@ func TestDedupGrownCache(t *testing.T) {
 			m2.ReusedBytes, wantReused, m2.BlocksReused, m2.BlocksWritten)
 	}
 	st, _ := os.Stat(filepath.Join(ns, "b"))
-	if want := int64(testutil.Tiny.CacheBytes(1300)) - wantReused + st.Size(); m2.WrittenBytes != want {
+	if want := int64(kvgen.Tiny.CacheBytes(1300)) - wantReused + st.Size(); m2.WrittenBytes != want {
 		t.Fatalf("grown save WrittenBytes %d, want %d", m2.WrittenBytes, want)
 	}
 	// The shared blocks are the same refs in both manifests.
@@ -72,7 +73,7 @@ func TestDedupGrownCache(t *testing.T) {
 	}
 	for _, c := range []struct {
 		name string
-		c    *testutil.Cache
+		c    *kvgen.Cache
 	}{{"a", c1}, {"b", c2}} {
 		got, _, _, err := readBack(t, noSync(), filepath.Join(ns, c.name), true)
 		if err != nil {
@@ -85,7 +86,7 @@ func TestDedupGrownCache(t *testing.T) {
 func TestPackedMatchesSegmented(t *testing.T) {
 	const bb = 4096
 	ns := filepath.Join(t.TempDir(), "ns")
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	want := expectedAll(c)
 
 	hs, ms := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "seg"), layout.Blocks, bb))
@@ -119,7 +120,7 @@ func TestPackedMatchesSegmented(t *testing.T) {
 	mustEqualExpected(t, got, want)
 
 	// A contiguous cache, packed: nothing to gather.
-	cc := testutil.NewCache(testutil.Tiny, 300, false, nil)
+	cc := kvgen.NewCache(kvgen.Tiny, 300, false, nil)
 	spec = cacheSpec(t, cc, filepath.Join(ns, "packed-contiguous"), layout.Blocks, bb)
 	spec.Packed = true
 	hc, mc := mustWrite(t, noSync(), spec)
@@ -135,9 +136,9 @@ func TestPackedMatchesSegmented(t *testing.T) {
 
 // writeTiny writes Tiny padded at T=300 (blocks of 4096: K/V rows of
 // 4096+4096+1408 bytes) and returns the header.
-func writeTiny(t *testing.T, path string, lay layout.Layout) (*testutil.Cache, *layout.Header) {
+func writeTiny(t *testing.T, path string, lay layout.Layout) (*kvgen.Cache, *layout.Header) {
 	t.Helper()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, lay, 4096))
 	return c, h
 }
@@ -306,10 +307,10 @@ func TestBlockBytesValidation(t *testing.T) {
 	// One 1.5 MiB uint8 row: the default 1 MiB cut gives 1 MiB + 512 KiB.
 	data := make([]byte, 3<<19)
 	rand.NewChaCha8([32]byte{1}).Read(data)
-	spec := func(path string, bb int) *jobs.WriteSpec {
-		return &jobs.WriteSpec{Path: path, Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
+	spec := func(path string, bb int) *wreq {
+		return &wreq{path, &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: bb, Caches: []jobs.EntrySpec{{
 			Tensors: []jobs.TensorSpec{{DType: "uint8", View: gather.View{Base: data, Shape: []int{len(data)}, Strides: []int{1}, ItemSize: 1}}},
-		}}}
+		}}}}
 	}
 	root := t.TempDir()
 	h, _ := mustWrite(t, noSync(), spec(filepath.Join(root, "ok", "s"), 0))
@@ -324,7 +325,7 @@ func TestBlockBytesValidation(t *testing.T) {
 	}
 	for _, bb := range []int{1000, 3, 128 << 20, 2048, 4097, 3 << 12, -4096} {
 		path := filepath.Join(root, "bad", "s")
-		_, _, err := jobs.Write(context.Background(), noSync(), spec(path, bb))
+		_, _, err := writeAt(context.Background(), noSync(), spec(path, bb))
 		if !errors.Is(err, jobs.ErrBlockBytes) {
 			t.Fatalf("blockBytes %d: %v, want ErrBlockBytes", bb, err)
 		}
@@ -349,7 +350,7 @@ func TestBlockBytesValidation(t *testing.T) {
 // anything is created.
 func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
 	root := t.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	spec := cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 4096)
 	k := &spec.Caches[0].Tensors[0]
 	p, err := gather.NewPlan(k.View.Shape, k.View.ItemSize, 3000)
@@ -368,14 +369,14 @@ func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
 			t.Fatalf("block %d: %d bytes, want %d", i, r.Bytes, want[i])
 		}
 	}
-	snap, err := layout.Load(vfs.Default, spec.Path)
+	snap, err := layout.Load(vfs.Default, spec.path)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if got := snap.Header.Slots()[0].Meta; !layout.MetaEqual(got, layout.Meta{"scale": rawJSON(t, 0.5)}) {
 		t.Errorf("tensor metadata %v", got)
 	}
-	got, _, _, err := readBack(t, noSync(), spec.Path, true)
+	got, _, _, err := readBack(t, noSync(), spec.path, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -392,7 +393,7 @@ func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
 	}{{"plan of another shape", layout.Blocks, &other}, {"plan for a single file", layout.Single, &p}} {
 		bad := cacheSpec(t, c, filepath.Join(root, "bad", "s"), tc.lay, 4096)
 		bad.Caches[0].Tensors[0].Plan = tc.plan
-		if _, _, err := jobs.Write(context.Background(), noSync(), bad); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := writeAt(context.Background(), noSync(), bad); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Errorf("%s: %v, want ErrInvalidRequest", tc.name, err)
 		}
 		if _, err := os.Lstat(filepath.Join(root, "bad")); !os.IsNotExist(err) {
@@ -407,11 +408,11 @@ func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
 func TestReusedBlocksDirectoriesAreSynced(t *testing.T) {
 	root := t.TempDir()
 	buf := distinctBlocks(6, 9)
-	if _, _, err := jobs.Write(context.Background(), &jobs.Config{}, oneTensorBlocks(filepath.Join(root, "ns", "a"), buf)); err != nil {
+	if _, _, err := writeAt(context.Background(), &jobs.Config{}, oneTensorBlocks(filepath.Join(root, "ns", "a"), buf)); err != nil {
 		t.Fatal(err)
 	}
 	fsys := testutil.NewFaultFS(vfs.Default)
-	h, m, err := jobs.Write(context.Background(), &jobs.Config{FS: fsys}, oneTensorBlocks(filepath.Join(root, "ns", "b"), buf))
+	h, m, err := writeAt(context.Background(), &jobs.Config{FS: fsys}, oneTensorBlocks(filepath.Join(root, "ns", "b"), buf))
 	if err != nil {
 		t.Fatal(err)
 	}

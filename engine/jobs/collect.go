@@ -21,28 +21,10 @@ const DefaultTempGrace = store.DefaultTempGrace
 // namespace directory rather than the root above namespaces (store.ErrRoot).
 var ErrRoot = store.ErrRoot
 
-// CollectSpec describes a garbage collection.
-type CollectSpec struct {
-	// Root is the store root: each directory directly under it is a
-	// namespace (holding snapshot files, manifests and a blocks/ directory).
-	// Passing a namespace directory itself is an ErrRoot error.
+// collectSpec is a collect request with its root.
+type collectSpec struct {
 	Root string
-	// Namespaces limits the collection to these; nil means every one.
-	Namespaces []string
-	// DryRun deletes nothing; Deleted then lists what would be deleted.
-	DryRun bool
-	// TempGrace: temp files younger than this are kept. 0 means
-	// DefaultTempGrace; a negative value removes every temp file (only when
-	// no writer can be running).
-	TempGrace time.Duration
-	// BlockGrace: unreferenced blocks whose file was written less than this
-	// long ago (by mtime) are kept: a second line of defence for writers that
-	// do not take the namespace lock, covering blocks they just wrote. It does
-	// not cover an old block such a writer decides to reuse (its mtime is
-	// not refreshed); only the lock protects reuse. 0 keeps none back.
-	BlockGrace time.Duration
-	// Now is the clock for the grace periods; zero means time.Now().
-	Now time.Time
+	*CollectRequest
 }
 
 // CollectMetrics reports what a collect found and did.
@@ -69,18 +51,23 @@ type CollectMetrics struct {
 	Deleted []string
 }
 
-// Collect marks, for each namespace under spec.Root, every block named by a
-// decodable manifest, and sweeps the block files no manifest names and the
-// stale temp files. Safe by construction: it takes the namespace's lock
-// exclusively before it lists anything (writers, readers and deletes hold
-// it shared, in this and other processes), sweeps only what that listing
-// shows, and deletes only while it holds the lock. The lock file is created
-// when the namespace holds blocks/ or pages/; a namespace with neither and
-// no lock file has never had a writer that takes the lock (every writer
-// creates it before its first file), and nothing in it is deleted. A dry
-// run never creates a file: it takes the lock only if the lock file exists.
-// Pages of the prefix page cache are always kept (for now).
-func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, error) {
+// Collect marks, for each namespace under cfg.Root (those of
+// req.Namespaces, or all), every block named by a decodable manifest, and
+// sweeps the block files no manifest names and the stale temp files. Its
+// report is the returned Metrics.Collect (never nil). A root that is
+// missing, not a directory, or a namespace itself is ErrRoot.
+//
+// Safe by construction: it takes the namespace's lock exclusively before it
+// lists anything (writers, readers and deletes hold it shared, in this and
+// other processes), sweeps only what that listing shows, and deletes only
+// while it holds the lock. The lock file is created when the namespace
+// holds blocks/ or pages/; a namespace with neither and no lock file has
+// never had a writer that takes the lock (every writer creates it before
+// its first file), and nothing in it is deleted. A dry run never creates a
+// file: it takes the lock only if the lock file exists. Pages of the prefix
+// page cache are always kept (for now).
+func Collect(ctx context.Context, cfg *Config, req *CollectRequest) (Metrics, error) {
+	spec := &collectSpec{Root: cfg.Root, CollectRequest: req}
 	start := time.Now()
 	cm := &CollectMetrics{}
 	m := Metrics{Collect: cm}
@@ -120,7 +107,7 @@ func Collect(ctx context.Context, cfg *Config, spec *CollectSpec) (Metrics, erro
 
 type collector struct {
 	cfg  *Config
-	spec *CollectSpec
+	spec *collectSpec
 	cm   *CollectMetrics
 	now  time.Time
 }

@@ -12,6 +12,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -41,12 +42,12 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 			root := t.TempDir()
 			ns := filepath.Join(root, "ns")
 			if tc.before {
-				mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 10, true, nil), filepath.Join(ns, "single0"), layout.Single, 0))
+				mustWrite(t, noSync(), cacheSpec(t, kvgen.NewCache(kvgen.Tiny, 10, true, nil), filepath.Join(ns, "single0"), layout.Single, 0))
 			} else if err := os.Mkdir(ns, 0o750); err != nil {
 				t.Fatal(err)
 			}
 			target := filepath.Join(ns, "w")
-			c := testutil.NewCache(testutil.Tiny, 1100, true, nil)
+			c := kvgen.NewCache(kvgen.Tiny, 1100, true, nil)
 
 			var (
 				atRename      = make(chan struct{}) // the writer stands before its final rename
@@ -73,7 +74,7 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					_, _, writeErr = jobs.Write(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, cacheSpec(t, c, target, tc.lay, 4096))
+					_, _, writeErr = writeAt(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, cacheSpec(t, c, target, tc.lay, 4096))
 				}()
 			}
 			cfs := &testutil.HookFS{FS: vfs.Default,
@@ -90,8 +91,8 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 				},
 				OnLockBlocked: func(string, bool) { let() }, // the writer holds the lock: let it finish
 			}
-			m, err := jobs.Collect(context.Background(), &jobs.Config{FS: cfs, NoSync: true},
-				&jobs.CollectSpec{Root: root, TempGrace: -1, Now: time.Now().Add(time.Hour)})
+			m, err := collectAt(context.Background(), &jobs.Config{FS: cfs, NoSync: true}, root,
+				&jobs.CollectRequest{TempGrace: -1, Now: time.Now().Add(time.Hour)})
 			let()
 			wg.Wait()
 			if err != nil {

@@ -14,12 +14,13 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
-func collect(t *testing.T, spec *jobs.CollectSpec) *jobs.CollectMetrics {
+func collect(t *testing.T, root string, req *jobs.CollectRequest) *jobs.CollectMetrics {
 	t.Helper()
-	m, err := jobs.Collect(context.Background(), noSync(), spec)
+	m, err := collectAt(context.Background(), noSync(), root, req)
 	if err != nil {
 		t.Fatalf("Collect: %v", err)
 	}
@@ -29,14 +30,14 @@ func collect(t *testing.T, spec *jobs.CollectSpec) *jobs.CollectMetrics {
 func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c1 := testutil.NewCache(testutil.Tiny, 1100, true, nil)
-	c2 := testutil.NewCache(testutil.Tiny, 1300, true, nil)
+	c1 := kvgen.NewCache(kvgen.Tiny, 1100, true, nil)
+	c2 := kvgen.NewCache(kvgen.Tiny, 1300, true, nil)
 	ha, _ := mustWrite(t, noSync(), cacheSpec(t, c1, filepath.Join(ns, "a"), layout.Blocks, 4096))
 	hb, _ := mustWrite(t, noSync(), cacheSpec(t, c2, filepath.Join(ns, "b"), layout.Blocks, 4096))
 	before := blockFiles(t, ns)
 
 	// Nothing is unreferenced while both manifests exist.
-	if cm := collect(t, &jobs.CollectSpec{Root: root}); len(cm.Deleted) != 0 || cm.BlocksKept != int64(len(before)) || cm.ManifestsScanned != 2 {
+	if cm := collect(t, root, &jobs.CollectRequest{}); len(cm.Deleted) != 0 || cm.BlocksKept != int64(len(before)) || cm.ManifestsScanned != 2 {
 		t.Fatalf("with both manifests: %+v", cm)
 	}
 	if err := os.Remove(filepath.Join(ns, "a")); err != nil {
@@ -58,7 +59,7 @@ func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 		t.Fatalf("%d blocks only in a, want 9", len(want))
 	}
 
-	dry := collect(t, &jobs.CollectSpec{Root: root, DryRun: true})
+	dry := collect(t, root, &jobs.CollectRequest{DryRun: true})
 	if !slices.Equal(dry.Deleted, want) || dry.BlocksDeleted != 9 || dry.BytesFreed != freed {
 		t.Fatalf("dry run: deleted %v (%d, %d bytes), want %v (%d bytes)", dry.Deleted, dry.BlocksDeleted, dry.BytesFreed, want, freed)
 	}
@@ -66,7 +67,7 @@ func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 		t.Fatalf("dry run deleted %d files", len(before)-len(after))
 	}
 
-	real := collect(t, &jobs.CollectSpec{Root: root})
+	real := collect(t, root, &jobs.CollectRequest{})
 	if !slices.Equal(real.Deleted, dry.Deleted) || real.BlocksDeleted != 9 || real.BytesFreed != freed ||
 		real.BlocksKept != int64(len(setB)) || real.ManifestsScanned != 1 || real.Namespaces != 1 {
 		t.Fatalf("collect: %+v", real)
@@ -79,7 +80,7 @@ func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 		t.Fatal(err)
 	}
 	mustEqualExpected(t, got, expectedAll(c2))
-	if again := collect(t, &jobs.CollectSpec{Root: root}); len(again.Deleted) != 0 {
+	if again := collect(t, root, &jobs.CollectRequest{}); len(again.Deleted) != 0 {
 		t.Fatalf("second collect deleted %v", again.Deleted)
 	}
 }
@@ -97,8 +98,8 @@ func mkdir(t *testing.T, path string) string {
 // left alone.
 func TestCollectPastUnreadableManifests(t *testing.T) {
 	root := t.TempDir()
-	keep := testutil.NewCache(testutil.Tiny, 300, true, nil)
-	gone := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	keep := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	gone := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	names := []string{"bad-hash", "bad-json", "good", "short"}
 	orphans := map[string][]string{}
 	liveSets := map[string]*layout.Header{}
@@ -161,7 +162,7 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 		before[ns] = blockFiles(t, filepath.Join(root, ns))
 	}
 
-	cm := collect(t, &jobs.CollectSpec{Root: root})
+	cm := collect(t, root, &jobs.CollectRequest{})
 
 	wantUnswept := []string{filepath.Join(root, "bad-hash"), filepath.Join(root, "bad-json"), filepath.Join(root, "short")}
 	if !slices.Equal(cm.UnsweptNamespaces, wantUnswept) {
@@ -229,11 +230,11 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 
 func TestCollectRootErrors(t *testing.T) {
 	root := t.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 0))
 	file := testutil.WriteFile(t, filepath.Join(root, "file"), "x")
 	for _, r := range []string{filepath.Join(root, "missing"), file, filepath.Join(root, "ns")} {
-		_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: r})
+		_, err := collectAt(context.Background(), noSync(), r, &jobs.CollectRequest{})
 		if !errors.Is(err, jobs.ErrRoot) || !strings.Contains(err.Error(), r) {
 			t.Fatalf("root %s: %v, want ErrRoot naming it", r, err)
 		}
@@ -241,7 +242,7 @@ func TestCollectRootErrors(t *testing.T) {
 	if len(blockFiles(t, filepath.Join(root, "ns"))) != 9 {
 		t.Fatal("blocks deleted")
 	}
-	_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: root, Namespaces: []string{"../x"}})
+	_, err := collectAt(context.Background(), noSync(), root, &jobs.CollectRequest{Namespaces: []string{"../x"}})
 	if !errors.Is(err, layout.ErrBadName) {
 		t.Fatalf("namespace ../x: %v", err)
 	}
@@ -250,7 +251,7 @@ func TestCollectRootErrors(t *testing.T) {
 func TestCollectTempGrace(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
 	block := testutil.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
 	old := time.Now().Add(-time.Hour)
@@ -269,7 +270,7 @@ func TestCollectTempGrace(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	cm := collect(t, &jobs.CollectSpec{Root: root})
+	cm := collect(t, root, &jobs.CollectRequest{})
 	slices.Sort(stale)
 	if got := slices.Sorted(slices.Values(cm.Deleted)); !slices.Equal(got, stale) || cm.TempRemoved != 3 || cm.BlocksDeleted != 0 {
 		t.Fatalf("deleted %v, want the stale temps %v", cm.Deleted, stale)
@@ -288,7 +289,7 @@ func TestCollectTempGrace(t *testing.T) {
 		t.Fatalf("foreign file not reported: %v", cm.Skipped)
 	}
 	// A negative grace removes every temp file.
-	cm = collect(t, &jobs.CollectSpec{Root: root, TempGrace: -1})
+	cm = collect(t, root, &jobs.CollectRequest{TempGrace: -1})
 	if cm.TempRemoved != 3 {
 		t.Fatalf("TempRemoved %d, want 3", cm.TempRemoved)
 	}
@@ -306,16 +307,16 @@ func TestCollectTempGrace(t *testing.T) {
 func TestCollectBlockGrace(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
 	if err := os.Remove(filepath.Join(ns, "snap")); err != nil {
 		t.Fatal(err)
 	}
-	cm := collect(t, &jobs.CollectSpec{Root: root, BlockGrace: time.Hour})
+	cm := collect(t, root, &jobs.CollectRequest{BlockGrace: time.Hour})
 	if cm.BlocksDeleted != 0 || cm.BlocksKept != 9 {
 		t.Fatalf("within grace: %+v", cm)
 	}
-	cm = collect(t, &jobs.CollectSpec{Root: root, BlockGrace: time.Hour, Now: time.Now().Add(2 * time.Hour)})
+	cm = collect(t, root, &jobs.CollectRequest{BlockGrace: time.Hour, Now: time.Now().Add(2 * time.Hour)})
 	if cm.BlocksDeleted != 9 || len(blockFiles(t, ns)) != 0 {
 		t.Fatalf("past grace: %+v", cm)
 	}
@@ -328,14 +329,14 @@ func TestCollectBlockGrace(t *testing.T) {
 func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
 	root := t.TempDir()
 	ns := filepath.Join(root, "ns")
-	mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 1100, true, nil), filepath.Join(ns, "a"), layout.Blocks, 4096))
-	mustWrite(t, noSync(), cacheSpec(t, testutil.NewCache(testutil.Tiny, 700, false, nil), filepath.Join(ns, "b"), layout.Blocks, 4096))
+	mustWrite(t, noSync(), cacheSpec(t, kvgen.NewCache(kvgen.Tiny, 1100, true, nil), filepath.Join(ns, "a"), layout.Blocks, 4096))
+	mustWrite(t, noSync(), cacheSpec(t, kvgen.NewCache(kvgen.Tiny, 700, false, nil), filepath.Join(ns, "b"), layout.Blocks, 4096))
 	kept := blockFiles(t, ns)
 	if err := os.Remove(filepath.Join(ns, "b")); err != nil {
 		t.Fatal(err)
 	}
 	empty := testutil.WriteFile(t, filepath.Join(ns, "empty"), "")
-	cm := collect(t, &jobs.CollectSpec{Root: root})
+	cm := collect(t, root, &jobs.CollectRequest{})
 	if len(cm.Unreadable) != 0 || len(cm.UnsweptNamespaces) != 0 || !slices.Contains(cm.Skipped, empty) {
 		t.Fatalf("unreadable %q, unswept %q, skipped %q; want the empty file skipped", cm.Unreadable, cm.UnsweptNamespaces, cm.Skipped)
 	}
@@ -349,7 +350,7 @@ func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	mustEqualExpected(t, got, expectedAll(testutil.NewCache(testutil.Tiny, 1100, true, nil)))
+	mustEqualExpected(t, got, expectedAll(kvgen.NewCache(kvgen.Tiny, 1100, true, nil)))
 }
 
 // TestCollectAboveTheRootLeavesTheStoreUsable: a collect run one level
@@ -361,22 +362,22 @@ func TestCollectAboveTheRootLeavesTheStoreUsable(t *testing.T) {
 	parent := t.TempDir()
 	store := filepath.Join(parent, "kvstore")
 	v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
-	spec := &jobs.WriteSpec{Path: filepath.Join(store, "conv-1", "turn-1"), Layout: layout.Blocks, BlockBytes: 4096,
-		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
-	if _, _, err := jobs.Write(context.Background(), noSync(), spec); err != nil {
+	spec := &wreq{filepath.Join(store, "conv-1", "turn-1"), &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: 4096,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+	if _, _, err := writeAt(context.Background(), noSync(), spec); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store}); err != nil {
+	if _, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{}); err != nil {
 		t.Fatalf("collect of the store root: %v", err)
 	}
 	// The operator's slip: one directory too high. It "succeeds".
-	if _, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: parent}); err != nil {
+	if _, err := collectAt(context.Background(), noSync(), parent, &jobs.CollectRequest{}); err != nil {
 		t.Logf("collect of the parent: %v", err)
 	}
 	if _, err := os.Lstat(filepath.Join(store, layout.LockName)); !os.IsNotExist(err) {
 		t.Errorf("the collect of the parent created %s/.lock (%v)", store, err)
 	}
-	_, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: store})
+	_, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{})
 	if errors.Is(err, jobs.ErrRoot) {
 		t.Fatalf("after one collect of the parent, collect of the real root fails: %v", err)
 	}
@@ -400,7 +401,7 @@ func TestCollectKeepsBlocksOfALegacyManifestWhateverItsName(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: root})
+	m, err := collectAt(context.Background(), noSync(), root, &jobs.CollectRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -9,16 +9,20 @@ import (
 	"github.com/kvpersist/kvpersist/engine/store"
 )
 
-// Delete removes a snapshot file or manifest and fsyncs its directory, so
-// the removal survives a power cut. Its blocks stay until a collect finds
-// them unreferenced. It holds the namespace's lock shared, like a write, so
+// Delete removes the snapshot file or manifest req.Ref (under cfg.Root) and
+// fsyncs its directory, so the removal survives a power cut. Its blocks stay
+// until a collect finds them unreferenced. It holds the namespace's lock shared, like a write, so
 // it never interleaves with a collect in another process. A missing file is
 // an error wrapping fs.ErrNotExist; a file that does not start with a
 // kvpersist or Bun-worker magic is refused (layout.ErrBadMagic), so Delete
 // only removes what kvpersist would read as a snapshot.
-func Delete(ctx context.Context, cfg *Config, path string) (Metrics, error) {
+func Delete(ctx context.Context, cfg *Config, req *DeleteRequest) (Metrics, error) {
 	start := time.Now()
 	var m Metrics
+	path, err := cfg.snapshotPath(req.Ref)
+	if err != nil {
+		return m, fmt.Errorf("jobs: delete %s: %w", req.Ref, err)
+	}
 	ns, _ := store.NamespaceOf(path, cfg.storeOptions())
 	st := ns.Store()
 	if err := ns.Check(); err != nil {

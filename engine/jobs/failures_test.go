@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -56,8 +57,8 @@ func (f hookFile) WriteAt(p []byte, off int64) (int, error) {
 // Two Writes of the same path at once (the original used one fixed
 // "<path>.tmp" for both) both succeed; the result is one whole version.
 func TestConcurrentWritesSamePath(t *testing.T) {
-	c40 := testutil.NewCache(testutil.Tiny, 40, true, nil)
-	c48 := testutil.NewCache(testutil.Tiny, 48, true, nil)
+	c40 := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
+	c48 := kvgen.NewCache(kvgen.Tiny, 48, true, nil)
 	want := map[int64][][]byte{40: expectedAll(c40), 48: expectedAll(c48)}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		root := t.TempDir()
@@ -66,11 +67,11 @@ func TestConcurrentWritesSamePath(t *testing.T) {
 		for round := 0; round < 6; round++ {
 			var wg sync.WaitGroup
 			errs := make([]error, 2)
-			for i, c := range []*testutil.Cache{c40, c48} {
+			for i, c := range []*kvgen.Cache{c40, c48} {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					_, _, errs[i] = jobs.Write(context.Background(), withHelpers(1), cacheSpec(t, c, path, lay, 4096))
+					_, _, errs[i] = writeAt(context.Background(), withHelpers(1), cacheSpec(t, c, path, lay, 4096))
 				}()
 			}
 			wg.Wait()
@@ -98,20 +99,20 @@ func TestConcurrentWritesSamePath(t *testing.T) {
 }
 
 func TestInvalidRequestWritesNothing(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	cases := []struct {
 		name string
-		mut  func(s *jobs.WriteSpec)
+		mut  func(s *wreq)
 		msg  string
 	}{
-		{"itemsize disagrees with dtype", func(s *jobs.WriteSpec) { s.Caches[1].Tensors[0].DType = "float32" }, "cache 1 tensor 0 (slot 2): view itemsize 2 bytes, dtype float32 has 4"},
-		{"unknown dtype", func(s *jobs.WriteSpec) { s.Attachments[0].Tensors[0].DType = "int31" }, "attachment 0 tensor 0 (slot 4)"},
-		{"view out of bounds", func(s *jobs.WriteSpec) {
+		{"itemsize disagrees with dtype", func(s *wreq) { s.Caches[1].Tensors[0].DType = "float32" }, "cache 1 tensor 0 (slot 2): view itemsize 2 bytes, dtype float32 has 4"},
+		{"unknown dtype", func(s *wreq) { s.Attachments[0].Tensors[0].DType = "int31" }, "attachment 0 tensor 0 (slot 4)"},
+		{"view out of bounds", func(s *wreq) {
 			v := &s.Caches[0].Tensors[1].View
 			v.Base = v.Base[:len(v.Base)/2] // cuts into head 1's tokens
 		}, "cache 0 tensor 1 (slot 1)"},
-		{"rank mismatch", func(s *jobs.WriteSpec) { s.Caches[0].Tensors[0].View.Strides = []int{1} }, "slot 0"},
-		{"no tensors", func(s *jobs.WriteSpec) { s.Caches, s.Attachments = nil, nil }, "no tensors"},
+		{"rank mismatch", func(s *wreq) { s.Caches[0].Tensors[0].View.Strides = []int{1} }, "slot 0"},
+		{"no tensors", func(s *wreq) { s.Caches, s.Attachments = nil, nil }, "no tensors"},
 	}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		for _, tc := range cases {
@@ -119,7 +120,7 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 			path := filepath.Join(root, "ns", "snap")
 			spec := cacheSpec(t, c, path, lay, 0)
 			tc.mut(spec)
-			_, _, err := jobs.Write(context.Background(), noSync(), spec)
+			_, _, err := writeAt(context.Background(), noSync(), spec)
 			if !errors.Is(err, jobs.ErrInvalidRequest) || !strings.Contains(err.Error(), tc.msg) {
 				t.Fatalf("%v %s: got %v, want ErrInvalidRequest naming %q", lay, tc.name, err, tc.msg)
 			}
@@ -134,17 +135,41 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 			}
 		}
 	}
-	_, _, err := jobs.Write(context.Background(), noSync(), cacheSpec(t, c, filepath.Join(t.TempDir(), "ns", "s"), layout.Layout(9), 0))
+	_, _, err := writeAt(context.Background(), noSync(), cacheSpec(t, c, filepath.Join(t.TempDir(), "ns", "s"), layout.Layout(9), 0))
 	if !errors.Is(err, jobs.ErrInvalidRequest) {
 		t.Fatalf("unknown layout: %v", err)
+	}
+}
+
+// A request whose tensors sum past layout.MaxSnapshotBytes (1 TiB), here a
+// broadcast view (stride 0) of 2^41 int32 elements over 4 bytes of memory,
+// is refused before anything is created: readers would refuse the snapshot.
+// The context is cancelled so that a writer that did not check could not
+// fill the disk: it fails with the context's error instead.
+func TestWriteRefusesSnapshotPastSizeLimit(t *testing.T) {
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		root := t.TempDir()
+		spec := cacheSpec(t, c, filepath.Join(root, "ns", "snap"), lay, 0)
+		spec.Attachments[0].Tensors[0] = jobs.TensorSpec{DType: "int32",
+			View: gather.View{Base: make([]byte, 4), Shape: []int{1 << 41}, Strides: []int{0}, ItemSize: 4}}
+		_, _, err := writeAt(ctx, noSync(), spec)
+		if !errors.Is(err, layout.ErrSnapshotTooLarge) || !errors.Is(err, jobs.ErrInvalidRequest) {
+			t.Fatalf("%v: got %v, want ErrSnapshotTooLarge and ErrInvalidRequest", lay, err)
+		}
+		if _, err := os.Lstat(filepath.Join(root, "ns")); !os.IsNotExist(err) {
+			t.Fatalf("%v: namespace directory created (%v)", lay, err)
+		}
 	}
 }
 
 // A context cancelled in the middle of a write fails it with the context's
 // error, leaves no temp file, and the previous snapshot still reads back.
 func TestCancelMidWrite(t *testing.T) {
-	cOld := testutil.NewCache(testutil.Tiny, 300, true, nil)
-	cNew := testutil.NewCache(testutil.Tiny, 348, true, nil)
+	cOld := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	cNew := kvgen.NewCache(kvgen.Tiny, 348, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			root := t.TempDir()
@@ -171,7 +196,7 @@ func TestCancelMidWrite(t *testing.T) {
 					}
 				}
 			}
-			_, _, err := jobs.Write(ctx, &jobs.Config{FS: fsys, NoSync: true}, cacheSpec(t, cNew, path, lay, 4096))
+			_, _, err := writeAt(ctx, &jobs.Config{FS: fsys, NoSync: true}, cacheSpec(t, cNew, path, lay, 4096))
 			if !errors.Is(err, context.Canceled) {
 				t.Fatalf("got %v, want context.Canceled", err)
 			}
@@ -220,8 +245,8 @@ func TestScratchBounded(t *testing.T) {
 			want = append(want, base[h*C*D*2:h*C*D*2+T*D*2]...)
 		}
 		path := filepath.Join(t.TempDir(), "ns", "s")
-		h, m := mustWrite(t, withHelpers(1), &jobs.WriteSpec{Path: path, Layout: layout.Single,
-			Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}})
+		h, m := mustWrite(t, withHelpers(1), &wreq{path, &jobs.WriteRequest{Layout: layout.Single,
+			Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}})
 		if m.ScratchPeak != jobs.ChunkBytes || m.CopiedBytes != int64(len(want)) {
 			t.Fatalf("ScratchPeak %d (want %d), CopiedBytes %d (want %d)", m.ScratchPeak, jobs.ChunkBytes, m.CopiedBytes, len(want))
 		}
@@ -251,9 +276,9 @@ func TestScratchBounded(t *testing.T) {
 			}
 		}
 		ns := filepath.Join(t.TempDir(), "ns")
-		spec := func(name string, packed bool) *jobs.WriteSpec {
-			return &jobs.WriteSpec{Path: filepath.Join(ns, name), Layout: layout.Blocks, BlockBytes: bb, Packed: packed,
-				Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
+		spec := func(name string, packed bool) *wreq {
+			return &wreq{filepath.Join(ns, name), &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: bb, Packed: packed,
+				Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
 		}
 		h, m := mustWrite(t, withHelpers(1), spec("seg", false))
 		if m.ScratchPeak != bb || m.CopiedBytes != int64(len(want)) {
@@ -291,8 +316,8 @@ func TestWriteRefusesMoreAxesThanReadersAccept(t *testing.T) {
 			}
 			shape[len(shape)-1] = 4
 			v := gather.View{Base: make([]byte, 8), Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}
-			spec := &jobs.WriteSpec{Path: path, Layout: lay, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
-			_, _, werr := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, spec)
+			spec := &wreq{path, &jobs.WriteRequest{Layout: lay, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+			_, _, werr := writeAt(context.Background(), &jobs.Config{NoSync: true}, spec)
 			if !errors.Is(werr, jobs.ErrInvalidRequest) {
 				t.Fatalf("Write of %d axes: %v, want ErrInvalidRequest", len(shape), werr)
 			}
@@ -307,10 +332,10 @@ func TestWriteRefusesMoreAxesThanReadersAccept(t *testing.T) {
 const panicBlock = 4096
 
 // oneTensorBlocks saves b as one uint8 tensor in blocks of panicBlock bytes.
-func oneTensorBlocks(path string, b []byte) *jobs.WriteSpec {
-	return &jobs.WriteSpec{Path: path, Layout: layout.Blocks, BlockBytes: panicBlock,
+func oneTensorBlocks(path string, b []byte) *wreq {
+	return &wreq{path, &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: panicBlock,
 		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "uint8",
-			View: gather.View{Base: b, Shape: []int{len(b)}, Strides: []int{1}, ItemSize: 1}}}}}}
+			View: gather.View{Base: b, Shape: []int{len(b)}, Strides: []int{1}, ItemSize: 1}}}}}}}
 }
 
 // distinctBlocks returns n distinct blocks' worth of bytes (covers ~all 256 fan-outs).
@@ -340,7 +365,7 @@ func (p panicFS) Rename(o, n string) error {
 // panic that escapes shows as the child's crash.
 func TestAPanicInABlockSyncerFailsTheWrite(t *testing.T) {
 	if os.Getenv("KVPERSIST_PANIC_CHILD") == "1" {
-		_, _, err := jobs.Write(context.Background(), &jobs.Config{FS: panicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(os.Getenv("KVPERSIST_PANIC_ROOT"), "ns", "a"), distinctBlocks(4, 4)))
+		_, _, err := writeAt(context.Background(), &jobs.Config{FS: panicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(os.Getenv("KVPERSIST_PANIC_ROOT"), "ns", "a"), distinctBlocks(4, 4)))
 		if !errors.Is(err, jobs.ErrPanic) {
 			t.Fatalf("want ErrPanic, got %v", err)
 		}
@@ -375,7 +400,7 @@ func (wbPanicFile) StartWriteback(off, n int64) error { panic("test: writeback p
 // write with ErrPanic and leaves no temp file.
 func TestAPanicWhileStoringABlockLeavesNoTempFile(t *testing.T) {
 	root := t.TempDir()
-	_, _, err := jobs.Write(context.Background(), &jobs.Config{FS: wbPanicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(root, "ns", "a"), distinctBlocks(4, 5)))
+	_, _, err := writeAt(context.Background(), &jobs.Config{FS: wbPanicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(root, "ns", "a"), distinctBlocks(4, 5)))
 	if !errors.Is(err, jobs.ErrPanic) {
 		t.Fatalf("want ErrPanic, got %v", err)
 	}

@@ -27,17 +27,18 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // fxSpec is the write request of cache c as kvpersist's callers build it
 // (see cmd/kvpersist cacheRequest): one entry per layer with K and V, one
 // "tokens" attachment, model metadata.
-func fxSpec(c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
+func fxSpec(c *kvgen.Cache, path string, lay layout.Layout, blockBytes int) *wreq {
 	views, dtypes := c.Views(), c.DTypes()
 	tokens := []byte(strconv.Itoa(c.Tokens))
-	spec := &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: blockBytes,
-		Meta: layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": tokens}}
+	spec := &wreq{path, &jobs.WriteRequest{Layout: lay, BlockBytes: blockBytes,
+		Meta: layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": tokens}}}
 	for l := 0; l < c.Model.Layers; l++ {
 		spec.Caches = append(spec.Caches, jobs.EntrySpec{
 			Meta: layout.Meta{"type": []byte(`"KVCache"`), "offset": tokens},
@@ -54,7 +55,7 @@ func fxSpec(c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *
 }
 
 // fxExpected is every slot's Expected bytes.
-func fxExpected(c *testutil.Cache) [][]byte {
+func fxExpected(c *kvgen.Cache) [][]byte {
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)
@@ -63,9 +64,9 @@ func fxExpected(c *testutil.Cache) [][]byte {
 }
 
 // fxWrite writes c at path with the real FS and no fsync.
-func fxWrite(t testing.TB, c *testutil.Cache, path string, lay layout.Layout) *layout.Header {
+func fxWrite(t testing.TB, c *kvgen.Cache, path string, lay layout.Layout) *layout.Header {
 	t.Helper()
-	h, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, fxSpec(c, path, lay, 4<<10))
+	h, _, err := writeAt(context.Background(), &jobs.Config{NoSync: true}, fxSpec(c, path, lay, 4<<10))
 	if err != nil {
 		t.Fatalf("write %s: %v", path, err)
 	}
@@ -143,7 +144,7 @@ func fxReadVerify(t testing.TB, path string, want [][]byte) {
 		sizes[i] = len(want[i])
 	}
 	gs, dest := guardedDests(sizes)
-	if _, _, err := jobs.Read(context.Background(), &jobs.Config{NoSync: true}, &jobs.ReadSpec{Path: path, Dest: dest, Verify: true}); err != nil {
+	if _, _, err := readAt(context.Background(), &jobs.Config{NoSync: true}, path, &jobs.ReadRequest{Dest: dest, Verify: true}); err != nil {
 		t.Fatalf("read %s: %v", path, err)
 	}
 	checkGuards(t, gs)
@@ -307,9 +308,9 @@ func faultRoot(t testing.TB) string {
 }
 
 func TestFaultInjection(t *testing.T) {
-	prev := testutil.NewCache(testutil.Tiny, 256, true, nil) // the snapshot already stored
-	next := testutil.NewCache(testutil.Tiny, 300, true, nil) // the one being written
-	old := testutil.NewCache(testutil.Tiny, 100, true, nil)  // a deleted snapshot's blocks
+	prev := kvgen.NewCache(kvgen.Tiny, 256, true, nil) // the snapshot already stored
+	next := kvgen.NewCache(kvgen.Tiny, 300, true, nil) // the one being written
+	old := kvgen.NewCache(kvgen.Tiny, 100, true, nil)  // a deleted snapshot's blocks
 	wantPrev, wantNext := fxExpected(prev), fxExpected(next)
 	ctx := context.Background()
 	snapPath := func(root string) string { return filepath.Join(root, "ns", "snap") }
@@ -334,15 +335,15 @@ func TestFaultInjection(t *testing.T) {
 				fxWrite(t, prev, snapPath(root), lay)
 			},
 			job: func(cfg *jobs.Config, root string) (jobs.Metrics, error) {
-				_, m, err := jobs.Write(ctx, cfg, fxSpec(next, snapPath(root), lay, 4<<10))
+				_, m, err := writeAt(ctx, cfg, fxSpec(next, snapPath(root), lay, 4<<10))
 				return m, err
 			},
 			check: writeCheck,
 		}
 	}
 
-	collectSpec := func(root string) *jobs.CollectSpec {
-		return &jobs.CollectSpec{Root: root, Now: time.Now().Add(time.Hour)} // planted temps are stale
+	collectReq := func() *jobs.CollectRequest {
+		return &jobs.CollectRequest{Now: time.Now().Add(time.Hour)} // planted temps are stale
 	}
 	var cleanDeleted []string
 	collectKind := faultKind{
@@ -371,7 +372,7 @@ func TestFaultInjection(t *testing.T) {
 			}
 		},
 		job: func(cfg *jobs.Config, root string) (jobs.Metrics, error) {
-			return jobs.Collect(ctx, cfg, collectSpec(root))
+			return collectAt(ctx, cfg, root, collectReq())
 		},
 		check: func(t *testing.T, root string, inj testutil.Injection, m jobs.Metrics, err error) {
 			nsDir := filepath.Join(root, "ns")
@@ -415,7 +416,7 @@ func TestFaultInjection(t *testing.T) {
 			},
 			job: func(cfg *jobs.Config, root string) (jobs.Metrics, error) {
 				gs, dest := guardedDests(sizesOf(wantPrev))
-				_, m, err := jobs.Read(ctx, cfg, &jobs.ReadSpec{Path: filepath.Join(root, "ns", name), Dest: dest, Verify: true})
+				_, m, err := readAt(ctx, cfg, filepath.Join(root, "ns", name), &jobs.ReadRequest{Dest: dest, Verify: true})
 				for i, g := range gs {
 					if k := g.intact(); k >= 0 {
 						return m, fmt.Errorf("destination %d: guard byte %d overwritten", i, k)
@@ -487,7 +488,7 @@ func TestFaultInjection(t *testing.T) {
 					// The next jobs succeed: a clean collect (which leaves
 					// exactly the referenced blocks and no temp file), then
 					// a clean write and its read-back.
-					cm, err := jobs.Collect(ctx, &jobs.Config{NoSync: true}, collectSpec(root))
+					cm, err := collectAt(ctx, &jobs.Config{NoSync: true}, root, collectReq())
 					if err != nil {
 						t.Fatalf("collect after the fault: %v", err)
 					}
@@ -498,7 +499,7 @@ func TestFaultInjection(t *testing.T) {
 						t.Fatalf("after a clean collect %d block files, %d referenced (collect %+v)", len(files), len(refs), cm.Collect)
 					}
 					p := filepath.Join(root, "ns", "after")
-					if _, _, err := jobs.Write(ctx, &jobs.Config{NoSync: true}, fxSpec(next, p, k.nextLayout, 4<<10)); err != nil {
+					if _, _, err := writeAt(ctx, &jobs.Config{NoSync: true}, fxSpec(next, p, k.nextLayout, 4<<10)); err != nil {
 						t.Fatalf("clean write after the fault: %v", err)
 					}
 					fxReadVerify(t, p, wantNext)
@@ -544,7 +545,7 @@ func total(m map[testutil.Op]int) int {
 // file once it is stale.
 func TestFaultSyncThenRemoveFails(t *testing.T) {
 	ctx := context.Background()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			root := t.TempDir()
@@ -552,7 +553,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 			ffs := testutil.NewFaultFS(nil)
 			ffs.FailNth(testutil.OpSync, 1, syscall.EIO)
 			ffs.FailNth(testutil.OpRemove, 1, syscall.EROFS)
-			_, _, err := jobs.Write(ctx, &jobs.Config{FS: ffs}, fxSpec(c, path, lay, 4<<10))
+			_, _, err := writeAt(ctx, &jobs.Config{FS: ffs}, fxSpec(c, path, lay, 4<<10))
 			if !errors.Is(err, syscall.EIO) || !errors.Is(err, syscall.EROFS) || !strings.Contains(err.Error(), "removing temp file") {
 				t.Fatalf("error %v, want the fsync's EIO and the removal's EROFS", err)
 			}
@@ -566,7 +567,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 			if len(tmp) != 1 {
 				t.Fatalf("temp files %v, want the one that could not be removed", tmp)
 			}
-			m, err := jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: root, TempGrace: -1})
+			m, err := collectAt(ctx, &jobs.Config{}, root, &jobs.CollectRequest{TempGrace: -1})
 			if err != nil || !slices.Contains(m.Collect.Deleted, tmp[0]) {
 				t.Fatalf("collect: %v, deleted %v, want %s", err, m.Collect.Deleted, tmp[0])
 			}
@@ -583,7 +584,7 @@ func TestFaultSyncThenRemoveFails(t *testing.T) {
 // an fsync, and publishes nothing.
 func TestFaultConcurrentBlockWrite(t *testing.T) {
 	ctx := context.Background()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	for _, op := range []testutil.Op{testutil.OpSync, testutil.OpWriteAt, testutil.OpRename, testutil.OpCreate} {
 		t.Run(string(op), func(t *testing.T) {
 			root := t.TempDir()
@@ -591,7 +592,7 @@ func TestFaultConcurrentBlockWrite(t *testing.T) {
 			ffs := testutil.NewFaultFS(nil)
 			ffs.Inject(testutil.Fault{Op: op, Path: "/blocks/", Nth: 3, Persist: true, Err: syscall.EIO})
 			cfg := &jobs.Config{FS: ffs, Helpers: 3, Spawn: func(fn func()) bool { go fn(); return true }}
-			_, _, err := jobs.Write(ctx, cfg, fxSpec(c, path, layout.Blocks, 4<<10))
+			_, _, err := writeAt(ctx, cfg, fxSpec(c, path, layout.Blocks, 4<<10))
 			inj := ffs.Injected()
 			if len(inj) == 0 {
 				t.Fatal("no fault fired")
@@ -623,15 +624,15 @@ func TestWriteSyncsTheRootEvenWhenTheNamespaceExists(t *testing.T) {
 			ffs.Inject(testutil.Fault{Op: testutil.OpSyncDir, Glob: root, Nth: 1, Err: syscall.EIO})
 			cfg := &jobs.Config{FS: ffs}
 			v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
-			spec := func(name string) *jobs.WriteSpec {
-				return &jobs.WriteSpec{Path: filepath.Join(root, "ns", name), Layout: lay, BlockBytes: 4096,
-					Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}
+			spec := func(name string) *wreq {
+				return &wreq{filepath.Join(root, "ns", name), &jobs.WriteRequest{Layout: lay, BlockBytes: 4096,
+					Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
 			}
-			if _, _, err := jobs.Write(context.Background(), cfg, spec("a")); err == nil {
+			if _, _, err := writeAt(context.Background(), cfg, spec("a")); err == nil {
 				t.Fatalf("first write: want the injected fsync failure of the root")
 			}
 			before := ffs.CountPath(testutil.OpSyncDir, root)
-			if _, _, err := jobs.Write(context.Background(), cfg, spec("b")); err != nil {
+			if _, _, err := writeAt(context.Background(), cfg, spec("b")); err != nil {
 				t.Fatalf("second write: %v", err)
 			}
 			if ffs.CountPath(testutil.OpSyncDir, root) == before {

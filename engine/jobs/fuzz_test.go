@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
@@ -36,7 +37,7 @@ const (
 
 // fzFlag bits of FuzzReadHeader's flags argument.
 const (
-	fzVerify  = 1 << iota // ReadSpec.Verify
+	fzVerify  = 1 << iota // ReadRequest.Verify
 	fzHelpers             // two helper goroutines
 )
 
@@ -152,11 +153,11 @@ func FuzzReadHeader(f *testing.F) {
 	root := faultRoot(f) // tmpfs when there is one: each input is written to a file
 	nsDir := filepath.Join(root, "ns")
 	bunBlocks(f, nsDir)
-	c := testutil.NewCache(testutil.Tiny, 3, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 3, true, nil)
 	files := map[layout.Layout][]byte{}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		p := filepath.Join(nsDir, "seed-"+lay.String())
-		if _, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, fxSpec(c, p, lay, 4<<10)); err != nil {
+		if _, _, err := writeAt(context.Background(), &jobs.Config{NoSync: true}, fxSpec(c, p, lay, 4<<10)); err != nil {
 			f.Fatal(err)
 		}
 		b, err := os.ReadFile(p)
@@ -215,7 +216,7 @@ func FuzzReadHeader(f *testing.F) {
 			sizes = append(sizes, int(tn.Bytes))
 		}
 		_, dest := guardedDests(sizes)
-		if _, _, err := jobs.Read(ctx, &jobs.Config{NoSync: true}, &jobs.ReadSpec{Path: p, Dest: dest, Verify: true}); err != nil {
+		if _, _, err := readAt(ctx, &jobs.Config{NoSync: true}, p, &jobs.ReadRequest{Dest: dest, Verify: true}); err != nil {
 			f.Fatalf("seed %d does not read back: %v", i, err)
 		}
 	}
@@ -234,7 +235,7 @@ func FuzzReadHeader(f *testing.F) {
 		if err != nil {
 			// Read must reject it the same way, touching nothing.
 			gs, dest := guardedDests([]int{16, 0})
-			if _, _, rerr := jobs.Read(ctx, cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: true}); rerr == nil || errors.Is(rerr, jobs.ErrPanic) {
+			if _, _, rerr := readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest, Verify: true}); rerr == nil || errors.Is(rerr, jobs.ErrPanic) {
 				t.Fatalf("Load failed (%v) but Read returned %v", err, rerr)
 			}
 			for _, g := range gs {
@@ -265,7 +266,7 @@ func FuzzReadHeader(f *testing.F) {
 			}
 		}
 		gs, dest := guardedDests(sizes)
-		_, _, err = jobs.Read(ctx, cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: flags&fzVerify != 0})
+		_, _, err = readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest, Verify: flags&fzVerify != 0})
 		checkGuards(t, gs)
 		if errors.Is(err, jobs.ErrPanic) {
 			t.Fatalf("Read panicked: %v", err)

@@ -18,11 +18,52 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
 
 // noSync is the configuration of most tests: no fsync, one goroutine.
+// wreq is a write request with the path it is written at: the tests
+// address snapshots by path (<root>/<namespace>/<name>), under many
+// temporary roots.
+type wreq struct {
+	path string
+	*jobs.WriteRequest
+}
+
+// at returns a copy of cfg whose Root is the store root holding path
+// (<root>/<namespace>/<name>), and path's Ref.
+func at(cfg *jobs.Config, path string) (*jobs.Config, jobs.Ref) {
+	c := *cfg
+	ns := filepath.Dir(path)
+	c.Root = filepath.Dir(ns)
+	return &c, jobs.Ref{Namespace: filepath.Base(ns), Name: filepath.Base(path)}
+}
+
+// writeAt is jobs.Write of w at w.path.
+func writeAt(ctx context.Context, cfg *jobs.Config, w *wreq) (*layout.Header, jobs.Metrics, error) {
+	c, ref := at(cfg, w.path)
+	r := *w.WriteRequest
+	r.Ref = ref
+	return jobs.Write(ctx, c, &r)
+}
+
+// readAt is jobs.Read of the snapshot at path.
+func readAt(ctx context.Context, cfg *jobs.Config, path string, req *jobs.ReadRequest) (*layout.Snapshot, jobs.Metrics, error) {
+	c, ref := at(cfg, path)
+	r := *req
+	r.Ref = ref
+	return jobs.Read(ctx, c, &r)
+}
+
+// collectAt is jobs.Collect of the store at root.
+func collectAt(ctx context.Context, cfg *jobs.Config, root string, req *jobs.CollectRequest) (jobs.Metrics, error) {
+	c := *cfg
+	c.Root = root
+	return jobs.Collect(ctx, &c, req)
+}
+
 func noSync() *jobs.Config { return &jobs.Config{NoSync: true} }
 
 // goSpawn lends a real goroutine every time (tests only: unbounded).
@@ -45,13 +86,13 @@ func rawJSON(t testing.TB, v any) json.RawMessage {
 // cacheSpec describes c the way mlx-lm's caches are saved: one entry per
 // layer {"type":"KVCache","offset":T} with K and V, then one attachment
 // {"name":"tokens"} holding the int32 token ids.
-func cacheSpec(t testing.TB, c *testutil.Cache, path string, lay layout.Layout, blockBytes int) *jobs.WriteSpec {
+func cacheSpec(t testing.TB, c *kvgen.Cache, path string, lay layout.Layout, blockBytes int) *wreq {
 	t.Helper()
-	caches, atts, meta := testutil.CacheRequest(c, c.Tokens)
-	return &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: blockBytes, Meta: meta, Caches: caches, Attachments: atts}
+	caches, atts, meta := kvgen.CacheRequest(c, c.Tokens)
+	return &wreq{path, &jobs.WriteRequest{Layout: lay, BlockBytes: blockBytes, Meta: meta, Caches: caches, Attachments: atts}}
 }
 
-func expectedAll(c *testutil.Cache) [][]byte {
+func expectedAll(c *kvgen.Cache) [][]byte {
 	out := make([][]byte, c.Slots())
 	for i := range out {
 		out[i] = c.Expected(i)
@@ -80,7 +121,7 @@ func readBack(t testing.TB, cfg *jobs.Config, path string, verify bool) ([][]byt
 	for i, tn := range snap.Header.Slots() {
 		dest[i] = make([]byte, tn.Bytes)
 	}
-	s, m, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: verify})
+	s, m, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: verify})
 	return dest, s, m, err
 }
 
@@ -233,11 +274,11 @@ func sortedKeys[V any](m map[string]V) []string {
 	return out
 }
 
-func mustWrite(t testing.TB, cfg *jobs.Config, spec *jobs.WriteSpec) (*layout.Header, jobs.Metrics) {
+func mustWrite(t testing.TB, cfg *jobs.Config, spec *wreq) (*layout.Header, jobs.Metrics) {
 	t.Helper()
-	h, m, err := jobs.Write(context.Background(), cfg, spec)
+	h, m, err := writeAt(context.Background(), cfg, spec)
 	if err != nil {
-		t.Fatalf("Write %s: %v", spec.Path, err)
+		t.Fatalf("Write %s: %v", spec.path, err)
 	}
 	return h, m
 }

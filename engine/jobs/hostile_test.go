@@ -22,6 +22,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -37,7 +38,7 @@ type hsStore struct {
 
 func newHsStore(t *testing.T) *hsStore {
 	t.Helper()
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil) // rows of 9600 bytes: 3 blocks each
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil) // rows of 9600 bytes: 3 blocks each
 	root := t.TempDir()
 	s := &hsStore{root: root, nsDir: filepath.Join(root, "ns"), want: fxExpected(c)}
 	s.single = filepath.Join(s.nsDir, "single")
@@ -97,7 +98,7 @@ func legacyManifest(t *testing.T, h *layout.Header) []byte {
 // readGuarded reads path into guarded buffers of the given sizes.
 func readGuarded(cfg *jobs.Config, path string, sizes []int, verify bool, expect *layout.Header) ([]guarded, [][]byte, error) {
 	gs, dest := guardedDests(sizes)
-	_, _, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: verify, Expect: expect})
+	_, _, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: verify, Expect: expect})
 	return gs, dest, err
 }
 
@@ -163,7 +164,7 @@ func TestHostileBlockNames(t *testing.T) {
 	}
 	// Collect treats such a manifest as unreadable: the namespace is not
 	// swept, and neither bait file is touched.
-	m, err := jobs.Collect(context.Background(), &jobs.Config{NoSync: true}, &jobs.CollectSpec{Root: s.root})
+	m, err := collectAt(context.Background(), &jobs.Config{NoSync: true}, s.root, &jobs.CollectRequest{})
 	if err != nil || len(m.Collect.Unreadable) == 0 || !strings.Contains(strings.Join(m.Collect.Unreadable, "\n"), "evil") || m.Collect.BlocksDeleted != 0 {
 		t.Fatalf("collect: %v, unreadable %v, %d blocks deleted", err, m.Collect.Unreadable, m.Collect.BlocksDeleted)
 	}
@@ -225,7 +226,7 @@ func TestHostileSymlinks(t *testing.T) {
 			}
 		}
 		// Collect neither follows nor deletes the link's target.
-		if _, err := jobs.Collect(ctx, &jobs.Config{}, &jobs.CollectSpec{Root: s.root}); err != nil {
+		if _, err := collectAt(ctx, &jobs.Config{}, s.root, &jobs.CollectRequest{}); err != nil {
 			t.Fatal(err)
 		}
 		if st, err := os.Stat(outside); err != nil || st.Size() != ref.Bytes {
@@ -245,7 +246,7 @@ func TestHostileSymlinks(t *testing.T) {
 			if err := os.Symlink(victim, link); err != nil {
 				t.Fatal(err)
 			}
-			c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+			c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 			fxWrite(t, c, link, lay)
 			if st, err := os.Lstat(link); err != nil || !st.Mode().IsRegular() {
 				t.Fatalf("%s after the write: %v %v, want a regular file", link, st, err)
@@ -259,7 +260,7 @@ func TestHostileSymlinks(t *testing.T) {
 	t.Run("symlinked-directories", func(t *testing.T) {
 		// A namespace, blocks or fan-out directory that is a symlink is
 		// refused by writers: nothing lands in the directory it points to.
-		c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+		c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 		for _, which := range []string{"namespace", "blocks", "fanout"} {
 			root := t.TempDir()
 			elsewhere := t.TempDir()
@@ -282,7 +283,7 @@ func TestHostileSymlinks(t *testing.T) {
 			if err := os.Symlink(elsewhere, link); err != nil {
 				t.Fatal(err)
 			}
-			_, _, err := jobs.Write(ctx, &jobs.Config{NoSync: true}, fxSpec(c, filepath.Join(nsDir, "snap"), layout.Blocks, 4<<10))
+			_, _, err := writeAt(ctx, &jobs.Config{NoSync: true}, fxSpec(c, filepath.Join(nsDir, "snap"), layout.Blocks, 4<<10))
 			if err == nil || !strings.Contains(err.Error(), "symlink") {
 				t.Fatalf("%s: write through a symlinked directory: %v", which, err)
 			}
@@ -300,11 +301,11 @@ func TestHostileSymlinks(t *testing.T) {
 func TestHostileFileModes(t *testing.T) {
 	old := syscall.Umask(0)
 	defer syscall.Umask(old)
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	root := t.TempDir()
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		p := filepath.Join(root, "ns", "snap-"+lay.String())
-		if _, _, err := jobs.Write(context.Background(), &jobs.Config{}, fxSpec(c, p, lay, 4<<10)); err != nil {
+		if _, _, err := writeAt(context.Background(), &jobs.Config{}, fxSpec(c, p, lay, 4<<10)); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -10,7 +10,9 @@
 // even when the pool is full. The one exception waits on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
 // fsync waiters), joined before it returns. The engine (package
-// engine) schedules them; tools and tests may call them directly.
+// engine) schedules them; tools and tests may call them directly, with the
+// same request types (WriteRequest, ReadRequest, ...; request.go), naming
+// snapshots by Ref under Config.Root.
 package jobs
 
 import (
@@ -33,6 +35,10 @@ type Spawn func(fn func()) bool
 
 // Config is what every job needs from its caller.
 type Config struct {
+	// Root is the store's root directory: each directory directly under it
+	// is a namespace. Requests name snapshots under it (Ref); Collect
+	// collects it; Migrate writes into it.
+	Root string
 	// FS is the file system; nil means vfs.Default.
 	FS vfs.FS
 	// NoSync turns off every fsync (file and directory). Only for tests
@@ -100,7 +106,10 @@ type Metrics struct {
 	// BlocksWritten / BlocksReused count blocks (block layout).
 	BlocksWritten, BlocksReused int64
 
-	Collect *CollectMetrics // collect only
+	// Collect is a collect's report (nil for other kinds).
+	Collect *CollectMetrics
+	// Migrate is a migrate's per-snapshot report (nil for other kinds).
+	Migrate *MigrateReport
 }
 
 // Sentinel errors of the jobs, usable with errors.Is. Returned errors wrap
@@ -115,7 +124,7 @@ var (
 	// count, or a buffer whose length differs from its tensor's bytes.
 	ErrDestination = errors.New("destination does not match snapshot")
 	// ErrMismatch: the snapshot's dtype or shape differs from what the
-	// caller expected (see ReadSpec.Expect).
+	// caller expected (see ReadRequest.Expect).
 	ErrMismatch = errors.New("snapshot differs from expected")
 	// ErrCorrupt: a tensor or block failed verification.
 	ErrCorrupt = errors.New("data failed verification")

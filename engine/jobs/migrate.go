@@ -20,7 +20,7 @@ import (
 var (
 	// ErrDestinationExists: a migration's destination already holds a file
 	// that is not this snapshot's migration (other tensors or metadata, or a
-	// file that does not decode). It is left alone unless MigrateSpec.Force.
+	// file that does not decode). It is left alone unless MigrateRequest.Force.
 	ErrDestinationExists = errors.New("destination holds another snapshot")
 	// ErrUnsupported: a legacy snapshot uses something kvpersist's format
 	// cannot carry unchanged (per-tensor metadata keys in a single-file
@@ -28,51 +28,10 @@ var (
 	ErrUnsupported = errors.New("legacy snapshot cannot be migrated unchanged")
 )
 
-// MigrateSpec describes a migration of the stores written by the original
-// Bun worker (files beginning with layout.LegacyMagic) into kvpersist's
-// format.
-//
-// Every legacy snapshot SrcRoot/<ns>/<name> is restored with verification
-// (Bun.hash per tensor, SHA-256 per block) and rewritten, in the same layout,
-// at DstRoot/<ns>/<name>. The source is only read: no file, lock or temp file
-// is created under SrcRoot.
-type MigrateSpec struct {
-	// SrcRoot is the root of the legacy store: each directory directly under
-	// it is a namespace holding snapshot files, manifests and (block layout)
-	// a flat blocks/ directory.
-	SrcRoot string
-	// DstRoot is the root of the kvpersist store written. It must differ
-	// from SrcRoot and neither may contain the other (ErrInvalidRequest).
+// migrateSpec is a migrate request with its destination root.
+type migrateSpec struct {
 	DstRoot string
-	// Namespaces lists the namespace directories of SrcRoot to migrate, as
-	// plain directory names; nil means every directory under SrcRoot. A name
-	// kvpersist does not accept (layout.ValidName) is still scanned, and each
-	// legacy snapshot in it is reported as failed (wrapping layout.ErrBadName).
-	Namespaces []string
-	// BlockBytes, for block manifests: 0 (the default) keeps the source's
-	// block boundaries exactly, so the migrated manifest names the very same
-	// blocks (same sizes, same SHA-256 names) and dedup between snapshots is
-	// preserved as the original had it, whatever its block size was. A
-	// non-zero value re-cuts every tensor at that size through Write
-	// (CheckBlockBytes applies), so that later kvpersist writes at the same
-	// size share blocks with the migrated snapshots.
-	BlockBytes int
-	// Force migrates even when the destination already holds the snapshot
-	// (re-migrates) or holds another file (overwrites it atomically).
-	// Without it a destination is taken as migrated from its header alone
-	// (see StatusSkipped): a single-file snapshot's data is not compared,
-	// since the two formats hash tensors differently. Sources are expected
-	// not to change once the original worker is retired; if one did (same
-	// shapes, new data), Force migrates it again.
-	Force bool
-	// OnPlan, when non-nil, is called once after the scan with the number
-	// of legacy snapshots found and the sum of their tensor bytes (snapshots
-	// whose header does not decode count 0 bytes).
-	OnPlan func(snapshots int, logicalBytes int64)
-	// OnItem, when non-nil, is called after each snapshot, in the order of
-	// MigrateReport.Items. Both callbacks run on Migrate's own goroutine,
-	// one at a time, and never after Migrate returns.
-	OnItem func(MigrateItem)
+	*MigrateRequest
 }
 
 // MigrateStatus says what Migrate did with one legacy snapshot.
@@ -114,7 +73,7 @@ type MigrateItem struct {
 	// SourceBlockBytes is the largest block of a legacy manifest, in bytes
 	// (the original's blockBytes when some row was at least that long).
 	SourceBlockBytes int64
-	// Recut is true when the manifest was re-cut at MigrateSpec.BlockBytes
+	// Recut is true when the manifest was re-cut at MigrateRequest.BlockBytes
 	// and its block boundaries differ from the source's.
 	Recut bool
 	// Metrics of the read and write (ReadBytes of the read; WrittenBytes,
@@ -140,7 +99,7 @@ type MigrateReport struct {
 	Items                     []MigrateItem
 	Migrated, Skipped, Failed int
 	// Ignored lists entries of the scanned namespaces (and, when
-	// MigrateSpec.Namespaces is nil, of SrcRoot) that are not legacy
+	// MigrateRequest.Namespaces is nil, of SrcRoot) that are not legacy
 	// snapshots: kvpersist files, temp files of the original worker
 	// (<name>.tmp), other files, directories and symlinks. The blocks/
 	// directory and kvpersist's .lock are expected and not listed.
@@ -223,9 +182,9 @@ func resolvePath(p string) string {
 
 // SourceNamespaces lists the directories directly under root, sorted, not
 // following symlinks: the namespaces Migrate scans when
-// MigrateSpec.Namespaces is nil. Names kvpersist does not accept are
+// MigrateRequest.Namespaces is nil. Names kvpersist does not accept are
 // included (Migrate reports their snapshots as failed). root must be a
-// store root (store.Open: a namespace directory is refused).
+// store root (store.OpenSource).
 func SourceNamespaces(fsys vfs.FS, root string) ([]string, error) {
 	st, err := store.OpenSource(root, store.Options{FS: fsys})
 	if err != nil {
@@ -246,8 +205,8 @@ type migrateCandidate struct {
 	err                error // found but not migratable: reported as failed
 }
 
-// Migrate rewrites every legacy snapshot found under spec.SrcRoot in
-// kvpersist's format under spec.DstRoot (see MigrateSpec), one snapshot at a
+// Migrate rewrites every legacy snapshot found under req.SrcRoot in
+// kvpersist's format under cfg.Root (see MigrateRequest), one snapshot at a
 // time: decode and validate the legacy header, skip it if the destination
 // already holds it, restore every tensor into memory with verification
 // (Read with Verify: Bun.hash per tensor, SHA-256 per block), write it with
@@ -261,8 +220,15 @@ type migrateCandidate struct {
 // *MigrateError. Other errors: ErrInvalidRequest (roots, BlockBytes, a
 // namespace that is not a plain name), a failure to list SrcRoot or a
 // namespace, and ctx's error (Migrate stops between snapshots and tensors;
-// the report holds what was done). The report is never nil.
-func Migrate(ctx context.Context, cfg *Config, spec *MigrateSpec) (*MigrateReport, Metrics, error) {
+// the report holds what was done). The report, Metrics.Migrate, is never
+// nil.
+func Migrate(ctx context.Context, cfg *Config, req *MigrateRequest) (Metrics, error) {
+	rep, m, err := migrate(ctx, cfg, &migrateSpec{DstRoot: cfg.Root, MigrateRequest: req})
+	m.Migrate = rep
+	return m, err
+}
+
+func migrate(ctx context.Context, cfg *Config, spec *migrateSpec) (*MigrateReport, Metrics, error) {
 	start := time.Now()
 	rep := &MigrateReport{}
 	var m Metrics
@@ -339,7 +305,7 @@ func Migrate(ctx context.Context, cfg *Config, spec *MigrateSpec) (*MigrateRepor
 // scanLegacy lists the legacy files of the namespaces to migrate and decodes
 // their headers (to size the work); everything else goes to rep.Ignored.
 // The source is only read: no lock is taken and no file is created there.
-func scanLegacy(fsys vfs.FS, spec *MigrateSpec, rep *MigrateReport) ([]migrateCandidate, error) {
+func scanLegacy(fsys vfs.FS, spec *migrateSpec, rep *MigrateReport) ([]migrateCandidate, error) {
 	src, err := store.OpenSource(spec.SrcRoot, store.Options{FS: fsys})
 	if err != nil {
 		return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
@@ -421,7 +387,7 @@ func scanLegacy(fsys vfs.FS, spec *MigrateSpec, rep *MigrateReport) ([]migrateCa
 
 // migrateOne migrates one decodable candidate, filling in it.Status, Err,
 // Metrics and the block fields.
-func migrateOne(ctx context.Context, cfg *Config, spec *MigrateSpec, it *MigrateItem) {
+func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *MigrateItem) {
 	start := time.Now()
 	fail := func(err error) {
 		it.Status, it.Err = StatusFailed, err
@@ -475,7 +441,7 @@ func migrateOne(ctx context.Context, cfg *Config, spec *MigrateSpec, it *Migrate
 	for i, t := range slots {
 		bufs[i] = make([]byte, t.Bytes)
 	}
-	rsnap, rm, err := Read(ctx, cfg, &ReadSpec{Path: it.Src, Dest: bufs, Verify: true, Expect: snap.Header})
+	rsnap, rm, err := read(ctx, cfg, &readSpec{Path: it.Src, ReadRequest: &ReadRequest{Dest: bufs, Verify: true, Expect: snap.Header}})
 	if err != nil {
 		fail(err)
 		return
@@ -612,9 +578,9 @@ func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Sn
 	if err != nil {
 		return nil, Metrics{}, err
 	}
-	return Write(ctx, cfg, &WriteSpec{
-		Path: dst, Layout: snap.Layout, Meta: h.Meta, Caches: caches, Attachments: atts, BlockBytes: blockBytes,
-	})
+	return write(ctx, cfg, &writeSpec{Path: dst, WriteRequest: &WriteRequest{
+		Layout: snap.Layout, Meta: h.Meta, Caches: caches, Attachments: atts, BlockBytes: blockBytes,
+	}})
 }
 
 // legacyPlan returns the block plan that reproduces a legacy tensor's

@@ -58,7 +58,7 @@ func migRead(t testing.TB, cfg *jobs.Config, path string) ([][]byte, *layout.Sna
 	for i, tn := range snap.Header.Slots() {
 		dest[i] = bytes.Repeat([]byte{0xA5}, int(tn.Bytes))
 	}
-	if _, _, err := jobs.Read(context.Background(), cfg, &jobs.ReadSpec{Path: path, Dest: dest, Verify: true, Expect: snap.Header}); err != nil {
+	if _, _, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: true, Expect: snap.Header}); err != nil {
 		t.Fatalf("Read %s: %v", path, err)
 	}
 	return dest, snap
@@ -152,9 +152,18 @@ func migT40TailBlock(t testing.TB, src string) string {
 	return filepath.Join(src, "bun-blocks", "blocks", ref.Hash)
 }
 
-func migrate(t testing.TB, cfg *jobs.Config, spec *jobs.MigrateSpec) (*jobs.MigrateReport, jobs.Metrics, error) {
+// migrate migrates into the store at dst and returns the report
+// (Metrics.Migrate), the metrics and the error.
+func migrate(t testing.TB, cfg *jobs.Config, dst string, req *jobs.MigrateRequest) (*jobs.MigrateReport, jobs.Metrics, error) {
 	t.Helper()
-	return jobs.Migrate(context.Background(), cfg, spec)
+	return migrateCtx(context.Background(), cfg, dst, req)
+}
+
+func migrateCtx(ctx context.Context, cfg *jobs.Config, dst string, req *jobs.MigrateRequest) (*jobs.MigrateReport, jobs.Metrics, error) {
+	c := *cfg
+	c.Root = dst
+	m, err := jobs.Migrate(ctx, &c, req)
+	return m.Migrate, m, err
 }
 
 func itemByRef(t testing.TB, rep *jobs.MigrateReport, ref string) jobs.MigrateItem {
@@ -204,11 +213,9 @@ func TestMigrateFixtures(t *testing.T) {
 	var planN int
 	var planBytes int64
 	var seen []string
-	rep, m, err := migrate(t, withHelpers(2), &jobs.MigrateSpec{
-		SrcRoot: src, DstRoot: dst,
+	rep, m, err := migrate(t, withHelpers(2), dst, &jobs.MigrateRequest{SrcRoot: src,
 		OnPlan: func(n int, b int64) { planN, planBytes = n, b },
-		OnItem: func(it jobs.MigrateItem) { seen = append(seen, it.Ref()) },
-	})
+		OnItem: func(it jobs.MigrateItem) { seen = append(seen, it.Ref()) }})
 	if err != nil {
 		t.Fatalf("Migrate: %v", err)
 	}
@@ -311,11 +318,11 @@ func TestMigrateFixtures(t *testing.T) {
 func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	src := migSource(t)
 	dst := filepath.Join(t.TempDir(), "kv")
-	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst}); err != nil {
+	if _, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src}); err != nil {
 		t.Fatal(err)
 	}
 	after1 := testutil.TreeDigest(t, dst)
-	rep, m, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
+	rep, m, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -339,7 +346,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	if err := os.Remove(lost); err != nil {
 		t.Fatal(err)
 	}
-	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
+	rep, _, err = migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -353,7 +360,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	migEqual(t, "repaired grown", got, testutil.BunFormula(48))
 
 	// Force re-migrates everything (the same bytes).
-	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Force: true})
+	rep, _, err = migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src, Force: true})
 	if err != nil || rep.Migrated != 3 {
 		t.Fatalf("forced: %+v, %v", rep, err)
 	}
@@ -385,7 +392,7 @@ func TestMigrateCorruptSourcesReported(t *testing.T) {
 			c.corrupt(t, src)
 			before := testutil.TreeDigest(t, src)
 			dst := filepath.Join(t.TempDir(), "kv")
-			rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
+			rep, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src})
 			var merr *jobs.MigrateError
 			if !errors.As(err, &merr) || !errors.Is(err, c.want) || len(merr.Failed) != 1 || merr.Total != 3 {
 				t.Fatalf("got %v, want a MigrateError of 1 of 3 wrapping %v", err, c.want)
@@ -423,7 +430,7 @@ func TestMigrateCorruptSourcesReported(t *testing.T) {
 func TestMigrateRecut(t *testing.T) {
 	src := migSource(t)
 	dst := filepath.Join(t.TempDir(), "kv")
-	rep, m, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Namespaces: []string{"bun-blocks"}, BlockBytes: 4096})
+	rep, m, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src, Namespaces: []string{"bun-blocks"}, BlockBytes: 4096})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -447,11 +454,11 @@ func TestMigrateRecut(t *testing.T) {
 		}
 	}
 	// A re-run with the same block size skips them.
-	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Namespaces: []string{"bun-blocks"}, BlockBytes: 4096})
+	rep, _, err = migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src, Namespaces: []string{"bun-blocks"}, BlockBytes: 4096})
 	if err != nil || rep.Skipped != 2 {
 		t.Fatalf("re-run: %+v, %v", rep, err)
 	}
-	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, BlockBytes: 256}); !errors.Is(err, jobs.ErrBlockBytes) {
+	if _, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src, BlockBytes: 256}); !errors.Is(err, jobs.ErrBlockBytes) {
 		t.Fatalf("BlockBytes 256: %v, want ErrBlockBytes", err)
 	}
 }
@@ -469,7 +476,7 @@ func TestMigrateKeepsMetadata(t *testing.T) {
 		c0["tensors"].([]any)[1].(map[string]any)["role"] = "V"
 	})
 	dst := filepath.Join(t.TempDir(), "kv")
-	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst}); err != nil {
+	if _, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src}); err != nil {
 		t.Fatal(err)
 	}
 	got, snap := migRead(t, noSync(), filepath.Join(dst, "bun-blocks", "grown.mlxkv"))
@@ -488,7 +495,7 @@ func TestMigrateKeepsMetadata(t *testing.T) {
 	// Re-cut goes through Write, which has no per-tensor metadata: refused
 	// rather than dropped.
 	dst2 := filepath.Join(t.TempDir(), "kv2")
-	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst2, BlockBytes: 4096})
+	rep, _, err := migrate(t, noSync(), dst2, &jobs.MigrateRequest{SrcRoot: src, BlockBytes: 4096})
 	if !errors.Is(err, jobs.ErrUnsupported) || itemByRef(t, rep, "bun-blocks/grown.mlxkv").Status != jobs.StatusFailed || rep.Migrated != 2 {
 		t.Fatalf("re-cut with tensor metadata: %v, report %+v", err, rep)
 	}
@@ -500,18 +507,17 @@ func TestMigrateDestinationConflict(t *testing.T) {
 	dst := filepath.Join(t.TempDir(), "kv")
 	other := filepath.Join(dst, "bun-single", "snapshot.mlxkv")
 	data := []byte("0123456789abcdef")
-	if _, _, err := jobs.Write(context.Background(), noSync(), &jobs.WriteSpec{Path: other, Layout: layout.Single,
-		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "uint8", View: gather.View{Base: data, Shape: []int{16}, Strides: []int{1}, ItemSize: 1}}}}},
-	}); err != nil {
+	if _, _, err := writeAt(context.Background(), noSync(), &wreq{other, &jobs.WriteRequest{Layout: layout.Single,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "uint8", View: gather.View{Base: data, Shape: []int{16}, Strides: []int{1}}}}}}}}); err != nil {
 		t.Fatal(err)
 	}
 	before := testutil.TreeDigest(t, filepath.Join(dst, "bun-single"))
-	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
+	rep, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src})
 	if !errors.Is(err, jobs.ErrDestinationExists) || rep.Failed != 1 || rep.Migrated != 2 {
 		t.Fatalf("got %v, report %+v; want ErrDestinationExists for 1", err, rep)
 	}
 	migSameTree(t, "conflicting destination", before, testutil.TreeDigest(t, filepath.Join(dst, "bun-single")))
-	rep, _, err = migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst, Force: true})
+	rep, _, err = migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src, Force: true})
 	if err != nil || rep.Migrated != 3 {
 		t.Fatalf("forced: %v, %+v", err, rep)
 	}
@@ -548,14 +554,14 @@ func TestMigrateScan(t *testing.T) {
 		t.Fatal(err)
 	}
 	kv := filepath.Join(t.TempDir(), "kv")
-	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: migSource(t), DstRoot: kv, Namespaces: []string{"bun-single"}}); err != nil {
+	if _, _, err := migrate(t, noSync(), kv, &jobs.MigrateRequest{SrcRoot: migSource(t), Namespaces: []string{"bun-single"}}); err != nil {
 		t.Fatal(err)
 	}
 	testutil.CopyFile(t, filepath.Join(kv, "bun-single", "snapshot.mlxkv"), filepath.Join(ns, "already.kv"))
 	before := testutil.TreeDigest(t, src)
 
 	dst := filepath.Join(t.TempDir(), "kv")
-	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst})
+	rep, _, err := migrate(t, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src})
 	if !errors.Is(err, layout.ErrBadName) {
 		t.Fatalf("got %v, want ErrBadName for the namespace \"blocks\"", err)
 	}
@@ -590,7 +596,7 @@ func TestMigrateScan(t *testing.T) {
 func TestMigrateRoots(t *testing.T) {
 	dir := t.TempDir()
 	for _, c := range [][2]string{{dir, dir}, {dir, filepath.Join(dir, "kv")}, {filepath.Join(dir, "old"), dir}, {"", dir}, {dir, ""}} {
-		if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: c[0], DstRoot: c[1]}); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := migrate(t, noSync(), c[1], &jobs.MigrateRequest{SrcRoot: c[0]}); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Errorf("roots %q -> %q: %v, want ErrInvalidRequest", c[0], c[1], err)
 		}
 	}
@@ -603,7 +609,7 @@ func TestMigrateRoots(t *testing.T) {
 	if err := jobs.CheckMigrateRoots(src, filepath.Join(link, "kv")); !errors.Is(err, jobs.ErrInvalidRequest) {
 		t.Errorf("destination inside the source through a symlink: %v", err)
 	}
-	if _, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: filepath.Join(dir, "kv"), Namespaces: []string{"../x"}}); !errors.Is(err, jobs.ErrInvalidRequest) {
+	if _, _, err := migrate(t, noSync(), filepath.Join(dir, "kv"), &jobs.MigrateRequest{SrcRoot: src, Namespaces: []string{"../x"}}); !errors.Is(err, jobs.ErrInvalidRequest) {
 		t.Errorf("namespace ../x: %v", err)
 	}
 	// An empty source migrates nothing and creates nothing.
@@ -611,7 +617,7 @@ func TestMigrateRoots(t *testing.T) {
 	if err := os.Mkdir(empty, 0o755); err != nil {
 		t.Fatal(err)
 	}
-	rep, _, err := migrate(t, noSync(), &jobs.MigrateSpec{SrcRoot: empty, DstRoot: filepath.Join(dir, "kv-empty")})
+	rep, _, err := migrate(t, noSync(), filepath.Join(dir, "kv-empty"), &jobs.MigrateRequest{SrcRoot: empty})
 	if err != nil || len(rep.Items) != 0 {
 		t.Fatalf("empty source: %+v, %v", rep, err)
 	}
@@ -625,7 +631,7 @@ func TestMigrateCancelled(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	dst := filepath.Join(t.TempDir(), "kv")
 	n := 0
-	rep, _, err := jobs.Migrate(ctx, noSync(), &jobs.MigrateSpec{SrcRoot: src, DstRoot: dst,
+	rep, _, err := migrateCtx(ctx, noSync(), dst, &jobs.MigrateRequest{SrcRoot: src,
 		OnItem: func(jobs.MigrateItem) {
 			if n++; n == 1 {
 				cancel()

@@ -22,20 +22,10 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// ReadSpec describes a restore into caller-owned buffers.
-type ReadSpec struct {
-	// Path of the snapshot file or manifest.
+// readSpec is a read request with its resolved path.
+type readSpec struct {
 	Path string
-	// Dest holds one buffer per tensor slot in file order (caches, then
-	// attachments); len(Dest[i]) must equal slot i's bytes exactly.
-	Dest [][]byte
-	// Verify re-hashes what was read: xxh3-64 per tensor (single file),
-	// SHA-256 per block (block layout).
-	Verify bool
-	// Expect, when non-nil, is the header the caller allocated for (from an
-	// earlier Stat): every slot's dtype and shape must still match, else
-	// ErrMismatch (the snapshot was replaced in between).
-	Expect *layout.Header
+	*ReadRequest
 }
 
 // SlotError is one tensor that failed during a read.
@@ -100,13 +90,24 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 	return nil
 }
 
-// Read restores a snapshot into spec.Dest. It decodes and validates the file
-// first (layout.Decode) and checks the destinations (CheckDest) before any
-// byte of them is written; it never writes past a destination's length. A
-// failure found later (a hash mismatch, a missing or wrong-sized block) is a
-// *ReadError naming every tensor affected; the destinations' contents are
-// then undefined. The destinations are not touched after Read returns.
-func Read(ctx context.Context, cfg *Config, spec *ReadSpec) (*layout.Snapshot, Metrics, error) {
+// Read restores the snapshot <cfg.Root>/<req.Namespace>/<req.Name> into
+// req.Dest. It decodes and validates the file first (layout.Decode) and
+// checks the destinations (CheckDest) before any byte of them is written; it
+// never writes past a destination's length. A failure found later (a hash
+// mismatch, a missing or wrong-sized block) is a *ReadError naming every
+// tensor affected; the destinations' contents are then undefined. The
+// destinations are not touched after Read returns. A name that is not one
+// valid path element is layout.ErrBadName.
+func Read(ctx context.Context, cfg *Config, req *ReadRequest) (*layout.Snapshot, Metrics, error) {
+	path, err := cfg.snapshotPath(req.Ref)
+	if err != nil {
+		return nil, Metrics{}, fmt.Errorf("jobs: read %s: %w", req.Ref, err)
+	}
+	return read(ctx, cfg, &readSpec{Path: path, ReadRequest: req})
+}
+
+// read is Read of a resolved path (also migrate's, reading a legacy store).
+func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, Metrics, error) {
 	start := time.Now()
 	var m Metrics
 	fsys := cfg.fs()

@@ -13,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -35,13 +36,13 @@ func TestReadNeverWritesPastDestination(t *testing.T) {
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		t.Run(lay.String(), func(t *testing.T) {
 			ns := filepath.Join(t.TempDir(), "ns")
-			c40 := testutil.NewCache(testutil.Tiny, 40, true, nil)
-			c48 := testutil.NewCache(testutil.Tiny, 48, true, nil)
+			c40 := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
+			c48 := kvgen.NewCache(kvgen.Tiny, 48, true, nil)
 			h40, _ := mustWrite(t, noSync(), cacheSpec(t, c40, filepath.Join(ns, "t40"), lay, 0))
 			h48, _ := mustWrite(t, noSync(), cacheSpec(t, c48, filepath.Join(ns, "t48"), lay, 0))
 			path := filepath.Join(ns, "t40")
 			read := func(dest [][]byte, expect *layout.Header) error {
-				_, _, err := jobs.Read(context.Background(), noSync(), &jobs.ReadSpec{Path: path, Dest: dest, Verify: true, Expect: expect})
+				_, _, err := readAt(context.Background(), noSync(), path, &jobs.ReadRequest{Dest: dest, Verify: true, Expect: expect})
 				return err
 			}
 			for _, c := range []struct {
@@ -102,11 +103,18 @@ func TestReadBunWorkerStores(t *testing.T) {
 	if !bytes.Equal(slices.Concat(testutil.BunFormula(40)...), golden) {
 		t.Fatal("the fixture's documented formula disagrees with expected.T40.bin")
 	}
+	// The fixture's folders become namespaces ("blocks" is not a valid
+	// namespace name: it is the blocks directory of a namespace).
+	for _, d := range []string{"single", "blocks"} {
+		if err := os.Rename(filepath.Join(root, d), filepath.Join(root, "bun-"+d)); err != nil {
+			t.Fatal(err)
+		}
+	}
 	for _, c := range []struct {
 		path string
 		T    int
 		lay  layout.Layout
-	}{{"single/snapshot.mlxkv", 40, layout.Single}, {"blocks/snapshot.mlxkv", 40, layout.Blocks}, {"blocks/grown.mlxkv", 48, layout.Blocks}} {
+	}{{"bun-single/snapshot.mlxkv", 40, layout.Single}, {"bun-blocks/snapshot.mlxkv", 40, layout.Blocks}, {"bun-blocks/grown.mlxkv", 48, layout.Blocks}} {
 		got, snap, m, err := readBack(t, noSync(), filepath.Join(root, c.path), true)
 		if err != nil {
 			t.Fatalf("%s: %v", c.path, err)
@@ -117,12 +125,12 @@ func TestReadBunWorkerStores(t *testing.T) {
 		mustEqualExpected(t, got, testutil.BunFormula(c.T))
 	}
 	// A flipped byte in a Bun single file fails Bun.hash verification.
-	snap, err := layout.Load(vfs.Default, filepath.Join(root, "single/snapshot.mlxkv"))
+	snap, err := layout.Load(vfs.Default, filepath.Join(root, "bun-single/snapshot.mlxkv"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	flipByte(t, filepath.Join(root, "single/snapshot.mlxkv"), int64(snap.DataStart)+snap.Header.Slots()[1].Off+7)
-	if _, _, _, err := readBack(t, noSync(), filepath.Join(root, "single/snapshot.mlxkv"), true); !errors.Is(err, jobs.ErrCorrupt) ||
+	flipByte(t, filepath.Join(root, "bun-single/snapshot.mlxkv"), int64(snap.DataStart)+snap.Header.Slots()[1].Off+7)
+	if _, _, _, err := readBack(t, noSync(), filepath.Join(root, "bun-single/snapshot.mlxkv"), true); !errors.Is(err, jobs.ErrCorrupt) ||
 		!strings.Contains(err.Error(), "slot 1") {
 		t.Fatalf("flipped legacy byte: %v", err)
 	}
@@ -148,7 +156,7 @@ func TestCollectBunWorkerStore(t *testing.T) {
 	if err := os.Remove(filepath.Join(ns, "snapshot.mlxkv")); err != nil {
 		t.Fatal(err)
 	}
-	m, err := jobs.Collect(context.Background(), noSync(), &jobs.CollectSpec{Root: root})
+	m, err := collectAt(context.Background(), noSync(), root, &jobs.CollectRequest{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -180,7 +188,7 @@ func TestCollectBunWorkerStore(t *testing.T) {
 // the namespace).
 func TestReadRefusesSymlinkedDirectories(t *testing.T) {
 	root := t.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	path := filepath.Join(root, "ns", "snap")
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, layout.Blocks, 4096))
 	nsDir := filepath.Dir(path)

@@ -14,17 +14,17 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // roundTripTokens keeps the big geometries small: T past a Step boundary,
 // so padded caches really are padded (capacity 512 or 256), and T*HeadDim*2
 // not a multiple of the block size, so every row has a short tail block.
 var roundTripTokens = map[string]int{
-	testutil.Llama31_8B.Name: 512, // 64 tensors of 1 MiB (padded capacity 768)
-	testutil.Qwen25_7B.Name:  300,
-	testutil.Gemma2_9B.Name:  150, // 84 tensors of 600 KiB (padded capacity 256)
-	testutil.Tiny.Name:       300,
+	kvgen.Llama31_8B.Name: 512, // 64 tensors of 1 MiB (padded capacity 768)
+	kvgen.Qwen25_7B.Name:  300,
+	kvgen.Gemma2_9B.Name:  150, // 84 tensors of 600 KiB (padded capacity 256)
+	kvgen.Tiny.Name:       300,
 }
 
 // roundTripBlockBytes: a block file costs a few milliseconds to create and
@@ -32,14 +32,14 @@ var roundTripTokens = map[string]int{
 // default (one block per head row: 512, 224 and 672 files) and Tiny a small
 // block size that cuts each row into two full blocks and a tail.
 var roundTripBlockBytes = map[string]int{
-	testutil.Llama31_8B.Name: 0,       // row 76800 bytes: one block
-	testutil.Qwen25_7B.Name:  0,       // row 76800 bytes: one block
-	testutil.Gemma2_9B.Name:  0,       // row 76800 bytes: one block
-	testutil.Tiny.Name:       4 << 10, // row 9600 bytes: 4096 + 4096 + 1408
+	kvgen.Llama31_8B.Name: 0,       // row 76800 bytes: one block
+	kvgen.Qwen25_7B.Name:  0,       // row 76800 bytes: one block
+	kvgen.Gemma2_9B.Name:  0,       // row 76800 bytes: one block
+	kvgen.Tiny.Name:       4 << 10, // row 9600 bytes: 4096 + 4096 + 1408
 }
 
 func TestRoundTripAllGeometries(t *testing.T) {
-	for _, m := range testutil.Models() {
+	for _, m := range kvgen.Models() {
 		T := roundTripTokens[m.Name]
 		if T == 0 {
 			t.Fatalf("no T for model %s", m.Name)
@@ -53,7 +53,7 @@ func TestRoundTripAllGeometries(t *testing.T) {
 			blocksNS := filepath.Join(t.TempDir(), "ns")
 			var firstRefs *layout.Header
 			for _, padded := range []bool{false, true} {
-				c := testutil.NewCache(m, T, padded, nil)
+				c := kvgen.NewCache(m, T, padded, nil)
 				if want == nil {
 					want = expectedAll(c)
 				}
@@ -80,7 +80,7 @@ func TestRoundTripAllGeometries(t *testing.T) {
 						if lay == layout.Blocks {
 							limit = int64(max(bb, jobs.DefaultBlockBytes*boolInt(bb == 0)))
 						}
-						noCopy := !padded || lay == layout.Blocks || m.Name == testutil.Llama31_8B.Name
+						noCopy := !padded || lay == layout.Blocks || m.Name == kvgen.Llama31_8B.Name
 						if wm.ScratchPeak > limit || noCopy && (wm.CopiedBytes != 0 || wm.ScratchPeak != 0) {
 							t.Fatalf("ScratchPeak %d (limit %d), CopiedBytes %d", wm.ScratchPeak, limit, wm.CopiedBytes)
 						}
@@ -159,7 +159,7 @@ func boolInt(b bool) int {
 
 // TestRoundTripWithSync keeps every fsync on (file and directory).
 func TestRoundTripWithSync(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 300, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
 	want := expectedAll(c)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		cfg := &jobs.Config{Spawn: goSpawn, Helpers: 2}
@@ -180,8 +180,38 @@ func TestRoundTripWithSync(t *testing.T) {
 
 // TestRoundTripZeroTokens saves and restores an empty cache (every tensor
 // has zero bytes).
+// A tensor's dtype is given once: a view whose ItemSize is left 0 takes the
+// dtype's itemsize (bfloat16: 2 bytes, int32: 4), saves and restores
+// bit-exact, and the caller's request is left as it was (ItemSize still 0).
+func TestItemSizeFollowsFromDType(t *testing.T) {
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		path := filepath.Join(t.TempDir(), "ns", "s")
+		spec := cacheSpec(t, c, path, lay, 4096)
+		for _, g := range [][]jobs.EntrySpec{spec.Caches, spec.Attachments} {
+			for i := range g {
+				for j := range g[i].Tensors {
+					g[i].Tensors[j].View.ItemSize = 0
+				}
+			}
+		}
+		h, _ := mustWrite(t, noSync(), spec)
+		if ts := h.Slots(); ts[0].Bytes != int64(c.Model.TensorBytes(300)) || ts[len(ts)-1].Bytes != 300*kvgen.IDSize {
+			t.Fatalf("%v: slot bytes %d and %d", lay, ts[0].Bytes, ts[len(ts)-1].Bytes)
+		}
+		if v := spec.Attachments[0].Tensors[0].View; v.ItemSize != 0 {
+			t.Fatalf("%v: the request's view was modified (ItemSize %d)", lay, v.ItemSize)
+		}
+		got, _, _, err := readBack(t, noSync(), path, true)
+		if err != nil {
+			t.Fatalf("%v: %v", lay, err)
+		}
+		mustEqualExpected(t, got, expectedAll(c))
+	}
+}
+
 func TestRoundTripZeroTokens(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 0, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 0, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		path := filepath.Join(t.TempDir(), "ns", "empty")
 		h, m := mustWrite(t, noSync(), cacheSpec(t, c, path, lay, 0))
@@ -197,7 +227,7 @@ func TestRoundTripZeroTokens(t *testing.T) {
 }
 
 func TestCallerMetadataRoundTrip(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	top := layout.Meta{
 		"model":   json.RawMessage(`"tiny"`),
 		"session": json.RawMessage(`{"id":"c0ffee","turns":[{"role":"user","n":12},{"role":"assistant","n":28}],"tags":[]}`),
@@ -248,18 +278,18 @@ func TestCallerMetadataRoundTrip(t *testing.T) {
 // Metadata using a key the format owns is an invalid request, found before
 // any data is written (no block, no temp file, nothing published).
 func TestReservedMetadataRejectedBeforeData(t *testing.T) {
-	c := testutil.NewCache(testutil.Tiny, 40, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
-		for _, mut := range []func(s *jobs.WriteSpec){
-			func(s *jobs.WriteSpec) { s.Meta["caches"] = json.RawMessage(`[]`) },
-			func(s *jobs.WriteSpec) { s.Caches[1].Meta["tensors"] = json.RawMessage(`1`) },
-			func(s *jobs.WriteSpec) { s.Attachments[0].Meta["bad"] = json.RawMessage(`{`) },
+		for _, mut := range []func(s *wreq){
+			func(s *wreq) { s.Meta["caches"] = json.RawMessage(`[]`) },
+			func(s *wreq) { s.Caches[1].Meta["tensors"] = json.RawMessage(`1`) },
+			func(s *wreq) { s.Attachments[0].Meta["bad"] = json.RawMessage(`{`) },
 		} {
 			root := t.TempDir()
 			path := filepath.Join(root, "ns", "meta")
 			spec := cacheSpec(t, c, path, lay, 0)
 			mut(spec)
-			_, _, err := jobs.Write(context.Background(), noSync(), spec)
+			_, _, err := writeAt(context.Background(), noSync(), spec)
 			if !errors.Is(err, jobs.ErrInvalidRequest) || !errors.Is(err, layout.ErrInvalidHeader) {
 				t.Fatalf("%v: got %v, want ErrInvalidRequest and layout.ErrInvalidHeader", lay, err)
 			}
@@ -302,12 +332,11 @@ func TestSingleFileEndsAtItsLastTensorWithoutFallocate(t *testing.T) {
 	path := filepath.Join(root, "ns", "snap")
 	k := gather.View{Base: make([]byte, 100), Shape: []int{50}, Strides: []int{1}, ItemSize: 2}
 	empty := gather.View{Base: nil, Shape: []int{0}, Strides: []int{1}, ItemSize: 4}
-	spec := &jobs.WriteSpec{Path: path, Layout: layout.Single,
+	spec := &wreq{path, &jobs.WriteRequest{Layout: layout.Single,
 		Caches:      []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: k}}}},
-		Attachments: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "int32", View: empty}}}},
-	}
+		Attachments: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "int32", View: empty}}}}}}
 	cfg := &jobs.Config{NoSync: true, FS: noAllocFS{vfs.Default}}
-	if _, _, err := jobs.Write(context.Background(), cfg, spec); err != nil {
+	if _, _, err := writeAt(context.Background(), cfg, spec); err != nil {
 		t.Fatalf("Write: %v", err)
 	}
 	if _, err := layout.Load(vfs.Default, path); err != nil {

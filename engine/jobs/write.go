@@ -21,55 +21,23 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// TensorSpec is one tensor to save: its dtype name (see layout.ItemSize) and
-// a strided view of caller memory whose ItemSize equals the dtype's.
-type TensorSpec struct {
-	DType string
-	View  gather.View
-	// Meta is the tensor's caller metadata (keys other than the format's,
-	// see layout.Tensor.Meta); nil for none. It round-trips unchanged.
-	Meta layout.Meta
-	// Plan, for the block layout only, is the tensor's precomputed block
-	// plan (for View's shape and itemsize, else ErrInvalidRequest): the
-	// blocks are cut where it says instead of at WriteSpec.BlockBytes.
-	// Migrate uses it to keep a source's block boundaries. nil: cut at
-	// BlockBytes.
-	Plan *gather.Plan
-}
-
-// EntrySpec is one cache entry (e.g. a layer's K and V) or attachment.
-type EntrySpec struct {
-	Meta    layout.Meta // caller metadata, round-trips unchanged
-	Tensors []TensorSpec
-}
-
-// WriteSpec describes a snapshot to write.
-type WriteSpec struct {
-	// Path of the snapshot file: <root>/<namespace>/<name>. Blocks go to
-	// <root>/<namespace>/blocks/.
-	Path        string
-	Layout      layout.Layout
-	Meta        layout.Meta // top-level caller metadata
-	Caches      []EntrySpec
-	Attachments []EntrySpec
-	// BlockBytes is the block size for the block layout (0 means
-	// DefaultBlockBytes); see CheckBlockBytes.
-	BlockBytes int
-	// Packed gathers each whole tensor into scratch before cutting blocks
-	// (the original's segmented:false); the blocks are identical, only the
-	// copying differs. Default is segmented: blocks straight from the view.
-	Packed bool
+// writeSpec is a write request with its resolved path: the snapshot file
+// (<root>/<namespace>/<name>); blocks go to <root>/<namespace>/blocks/.
+type writeSpec struct {
+	Path string
+	*WriteRequest
 }
 
 type slotIn struct {
 	t    *TensorSpec
+	view gather.View // t.View with its ItemSize from the dtype
 	out  *layout.Tensor
 	name string
 }
 
 // buildHeader validates every view and returns the header skeleton (hash
 // placeholders) and the slots in file order.
-func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error) {
+func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error) {
 	h := &layout.Header{FormatVersion: version, Meta: spec.Meta}
 	build := func(in []EntrySpec) []layout.Entry {
 		out := make([]layout.Entry, len(in))
@@ -105,28 +73,36 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 		if err != nil {
 			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 		}
-		if s.t.View.ItemSize != size {
-			return nil, nil, fmt.Errorf("%w: %s %s: view itemsize %d bytes, dtype %s has %d", ErrInvalidRequest, spec.Path, s.name, s.t.View.ItemSize, s.t.DType, size)
+		s.view = s.t.View // a copy: the caller's request is never modified
+		if s.view.ItemSize == 0 {
+			s.view.ItemSize = size
 		}
-		if len(s.t.View.Shape) > layout.MaxRank {
-			return nil, nil, fmt.Errorf("%w: %s %s: %d axes (readers accept at most %d)", ErrInvalidRequest, spec.Path, s.name, len(s.t.View.Shape), layout.MaxRank)
+		if s.view.ItemSize != size {
+			return nil, nil, fmt.Errorf("%w: %s %s: view itemsize %d bytes, dtype %s has %d", ErrInvalidRequest, spec.Path, s.name, s.view.ItemSize, s.t.DType, size)
 		}
-		if err := s.t.View.Validate(); err != nil {
+		if len(s.view.Shape) > layout.MaxRank {
+			return nil, nil, fmt.Errorf("%w: %s %s: %d axes (readers accept at most %d)", ErrInvalidRequest, spec.Path, s.name, len(s.view.Shape), layout.MaxRank)
+		}
+		if err := s.view.Validate(); err != nil {
 			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 		}
-		shape := make([]int64, len(s.t.View.Shape))
-		for k, d := range s.t.View.Shape {
+		shape := make([]int64, len(s.view.Shape))
+		for k, d := range s.view.Shape {
 			shape[k] = int64(d)
 		}
 		if s.t.Plan != nil {
 			if spec.Layout != layout.Blocks {
 				return nil, nil, fmt.Errorf("%w: %s %s: a block plan is only for the block layout", ErrInvalidRequest, spec.Path, s.name)
 			}
-			if err := s.t.Plan.Fits(s.t.View.Shape, s.t.View.ItemSize); err != nil {
+			if err := s.t.Plan.Fits(s.view.Shape, s.view.ItemSize); err != nil {
 				return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 			}
 		}
-		*s.out = layout.Tensor{Bytes: int64(s.t.View.Bytes()), DType: s.t.DType, Shape: shape, Meta: s.t.Meta}
+		*s.out = layout.Tensor{Bytes: int64(s.view.Bytes()), DType: s.t.DType, Shape: shape, Meta: s.t.Meta}
+	}
+	// Readers refuse a snapshot past layout.MaxSnapshotBytes: never write one.
+	if _, err := h.TotalBytes(); err != nil {
+		return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
 	}
 	// Check the caller's metadata (reserved keys, valid JSON) now, before
 	// any byte is written: the block layout encodes only after its blocks.
@@ -136,21 +112,33 @@ func buildHeader(spec *WriteSpec, version int) (*layout.Header, []slotIn, error)
 	return h, slots, nil
 }
 
-// Write saves a snapshot and returns its header as published (offsets,
-// hashes, block lists). The previous snapshot at spec.Path, if any, stays
-// intact and readable until the new one, fully written and fdatasynced, is
-// renamed over it; on any error (including ctx's) no temp file is left, and
-// on any error but one nothing is published. The exception: if the rename
-// succeeded but the final fsync of the directory failed, the error is
-// returned and spec.Path already holds the new, complete snapshot (it is
-// readable and verifies, but the rename may not survive a power cut); at no
-// time can a reader see a mix of versions. The caller's views are not
-// touched after Write returns.
+// Write saves req as the snapshot <cfg.Root>/<req.Namespace>/<req.Name>
+// and returns its header as published (offsets, hashes, block lists). The
+// previous snapshot of that name, if any, stays intact and readable until
+// the new one, fully written and fdatasynced, is renamed over it; on any
+// error (including ctx's) no temp file is left, and on any error but one
+// nothing is published. The exception: if the rename succeeded but the
+// final fsync of the directory failed, the error is returned and the path
+// already holds the new, complete snapshot (it is readable and verifies, but
+// the rename may not survive a power cut); at no time can a reader see a mix
+// of versions. The caller's views are not touched after Write returns.
 //
 // Errors: ErrInvalidRequest (bad view, dtype, metadata, rank over
-// layout.MaxRank), ErrBlockBytes, ctx's error, or an I/O error naming the
-// operation and path (wrapping the errno: errors.Is(err, syscall.ENOSPC)).
-func Write(ctx context.Context, cfg *Config, spec *WriteSpec) (*layout.Header, Metrics, error) {
+// layout.MaxRank, no Config.Root; wrapping layout.ErrSnapshotTooLarge for
+// tensors past layout.MaxSnapshotBytes), layout.ErrBadName, ErrBlockBytes,
+// ctx's error, or an I/O error naming the operation and path (wrapping the
+// errno: errors.Is(err, syscall.ENOSPC)).
+func Write(ctx context.Context, cfg *Config, req *WriteRequest) (*layout.Header, Metrics, error) {
+	path, err := cfg.snapshotPath(req.Ref)
+	if err != nil {
+		return nil, Metrics{}, fmt.Errorf("jobs: write %s: %w", req.Ref, err)
+	}
+	return write(ctx, cfg, &writeSpec{Path: path, WriteRequest: req})
+}
+
+// write is Write of a resolved path (also migrate's, whose destination
+// names come from a legacy store).
+func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, Metrics, error) {
 	start := time.Now()
 	var m Metrics
 	var err error
@@ -201,7 +189,7 @@ var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
 
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
-func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *WriteSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	// Tensors in slot order at 4 KiB-aligned offsets; an empty tensor has
 	// off 0 (it occupies nothing). The file ends exactly at the end of the
 	// last non-empty tensor, whether or not fallocate is supported.
@@ -234,7 +222,7 @@ func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *Wr
 				hs := hasherPool.Get().(*xxh3.Hasher)
 				defer hasherPool.Put(hs)
 				hs.Reset()
-				v := s.t.View
+				v := s.view
 				n := v.Elements()
 				chunk := max(1, ChunkBytes/v.ItemSize)
 				run := v.RunElements()
@@ -303,7 +291,7 @@ type blockSlot struct {
 
 // writeBlocks stores the blocks of the validated header h (slots from
 // buildHeader) in blocks of bb bytes and publishes its manifest.
-func writeBlocks(ctx context.Context, cfg *Config, ns *store.Namespace, spec *WriteSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
+func writeBlocks(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
 	if err := ns.CreateBlocksDir(); err != nil {
 		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
 	}
@@ -317,12 +305,12 @@ func writeBlocks(ctx context.Context, cfg *Config, ns *store.Namespace, spec *Wr
 			p = *s.t.Plan // checked by buildHeader
 		} else {
 			var err error
-			p, err = gather.NewPlan(s.t.View.Shape, s.t.View.ItemSize, bb)
+			p, err = gather.NewPlan(s.view.Shape, s.view.ItemSize, bb)
 			if err != nil {
 				return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
 			}
 		}
-		bs[i] = blockSlot{view: s.t.View, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
+		bs[i] = blockSlot{view: s.view, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
 		total += p.Len()
 		s.out.Off = off
 		off += s.out.Bytes
@@ -390,7 +378,7 @@ type blockWriter struct {
 	cfg               *Config
 	ns                *store.Namespace
 	st                *store.Store
-	spec              *WriteSpec
+	spec              *writeSpec
 	dirs              sync.Map // fan-out dir -> *dirOnce (created this save)
 	needSync          sync.Map // fan-out dir -> struct{}: fsync before the manifest
 	written, reused   atomic.Int64

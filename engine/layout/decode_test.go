@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"runtime"
@@ -357,5 +358,95 @@ func TestValidateZeroByteTensors(t *testing.T) {
 	tn.Off = 0
 	if _, _, err := decodeBytes(t, singleFile(t, h)); err != nil {
 		t.Fatalf("zero-byte tensor: %v", err)
+	}
+}
+
+// manifestOfSizes is a block manifest whose slots are uint8 tensors of the
+// given byte counts, each one block (block sizes are not checked against
+// any file, so a manifest can claim any size).
+func manifestOfSizes(t *testing.T, sizes ...int64) []byte {
+	t.Helper()
+	var ts []layout.Tensor
+	for i, n := range sizes {
+		ts = append(ts, layout.Tensor{Bytes: n, DType: "uint8", Shape: []int64{n},
+			Blocks: []layout.BlockRef{{Hash: sha([]byte{byte(i)}), Bytes: n}}})
+	}
+	return manifestFile(t, &layout.Header{FormatVersion: layout.FormatBlocks, Caches: []layout.Entry{{Tensors: ts}}})
+}
+
+// A snapshot's tensors may sum to at most layout.MaxSnapshotBytes (1 TiB):
+// a sum past it, or one that wraps int64 (four tensors of 2^62 bytes sum to
+// 0 in int64), is refused at decode with ErrSnapshotTooLarge, so no caller
+// allocates from it; exactly the bound is accepted and TotalBytes gives it.
+func TestDecodeCapsSnapshotBytes(t *testing.T) {
+	if layout.MaxSnapshotBytes != 1<<40 {
+		t.Fatalf("MaxSnapshotBytes = %d, the documented bound is 1 TiB", layout.MaxSnapshotBytes)
+	}
+	const q = 1 << 62
+	for name, sizes := range map[string][]int64{
+		"four tensors of 2^62 bytes (int64 sum wraps to 0)":   {q, q, q, q},
+		"two tensors of 2^62 bytes (sum 2^63 wraps negative)": {q, q},
+		"one byte past the bound":                             {1 << 38, 1 << 38, 1 << 38, 1 << 38, 1},
+		"one tensor past the bound":                           {1<<40 + 1},
+	} {
+		_, _, err := decodeBytes(t, manifestOfSizes(t, sizes...))
+		if !errors.Is(err, layout.ErrSnapshotTooLarge) || !errors.Is(err, layout.ErrInvalidHeader) {
+			t.Errorf("%s: got %v, want ErrSnapshotTooLarge (and ErrInvalidHeader)", name, err)
+		}
+	}
+	snap, _, err := decodeBytes(t, manifestOfSizes(t, 1<<38, 1<<38, 1<<38, 1<<38))
+	if err != nil {
+		t.Fatalf("exactly 1 TiB: %v", err)
+	}
+	if n, err := snap.Header.TotalBytes(); err != nil || n != 1<<40 {
+		t.Fatalf("TotalBytes = %d, %v; want %d", n, err, int64(1<<40))
+	}
+}
+
+// TotalBytes refuses, on its own, headers that never went through Validate.
+func TestHeaderTotalBytes(t *testing.T) {
+	h := baseHeader()
+	if n, err := h.TotalBytes(); err != nil || n != 4*128+16 {
+		t.Fatalf("TotalBytes = %d, %v; want %d", n, err, 4*128+16)
+	}
+	for _, b := range []int64{1 << 62, -1} {
+		h.Caches[1].Tensors[0].Bytes = b
+		h.Caches[1].Tensors[1].Bytes = 1 << 62
+		if _, err := h.TotalBytes(); !errors.Is(err, layout.ErrSnapshotTooLarge) || !strings.Contains(err.Error(), "cache 1 tensor 0 (slot 2)") {
+			t.Errorf("Bytes %d: got %v, want ErrSnapshotTooLarge naming slot 2", b, err)
+		}
+	}
+}
+
+// The decoder is strict: a key given twice in one object, at any level and
+// however it is escaped, is refused (encoding/json alone keeps the last, so
+// two readers could see two different snapshots in one file).
+func TestDecodeRefusesDuplicateKeys(t *testing.T) {
+	blk := sha(nil)
+	tensor := `{"bytes":1,"dtype":"uint8","shape":[1],"blocks":[{"hash":"` + blk + `","bytes":1}]}`
+	cases := map[string]struct{ js, key string }{
+		"top level":                  {`{"caches":[{"tensors":[` + tensor + `]}],"caches":[],"formatVersion":5}`, "caches"},
+		"top level via an escape":    {`{"caches":[{"tensors":[` + tensor + `]}],"\u0063aches":[],"formatVersion":5}`, "caches"},
+		"formatVersion":              {`{"formatVersion":4,"caches":[{"tensors":[` + tensor + `]}],"formatVersion":5}`, "formatVersion"},
+		"top-level metadata":         {`{"model":"a","caches":[{"tensors":[` + tensor + `]}],"model":"b","formatVersion":5}`, "model"},
+		"entry":                      {`{"caches":[{"tensors":[],"tensors":[` + tensor + `]}],"formatVersion":5}`, "tensors"},
+		"tensor":                     {`{"caches":[{"tensors":[{"bytes":1,"dtype":"uint8","shape":[1],"shape":[1],"blocks":[{"hash":"` + blk + `","bytes":1}]}]}],"formatVersion":5}`, "shape"},
+		"block object":               {`{"caches":[{"tensors":[{"bytes":1,"dtype":"uint8","shape":[1],"blocks":[{"hash":"` + blk + `","bytes":1,"bytes":1}]}]}],"formatVersion":5}`, "bytes"},
+		"block object via an escape": {`{"caches":[{"tensors":[{"bytes":1,"dtype":"uint8","shape":[1],"blocks":[{"hash":"` + blk + `","\u0062ytes":1,"bytes":1}]}]}],"formatVersion":5}`, "bytes"},
+		"inside a metadata value":    {`{"cfg":{"a":{"x":1,"x":2}},"caches":[{"tensors":[` + tensor + `]}],"formatVersion":5}`, "x"},
+		"after many distinct keys":   {`{"k0":0,"k1":1,"k2":2,"k3":3,"k4":4,"k5":5,"k6":6,"k7":7,"k8":8,"k9":9,"k10":10,"k11":11,"k12":12,"k13":13,"k14":14,"k15":15,"k16":16,"k17":17,"caches":[{"tensors":[` + tensor + `]}],"k3":0,"formatVersion":5}`, "k3"},
+		"escaped quote in a dup key": {`{"a\"b":1,"caches":[{"tensors":[` + tensor + `]}],"a\u0022b":2,"formatVersion":5}`, `a"b`},
+	}
+	for name, c := range cases {
+		b := append(prefix([]byte(c.js), uint32(26+len(c.js))), c.js...)
+		_, _, err := decodeBytes(t, b)
+		if !errors.Is(err, layout.ErrInvalidHeader) || !strings.Contains(err.Error(), fmt.Sprintf("key %q appears twice", c.key)) {
+			t.Errorf("%s: got %v, want ErrInvalidHeader naming the key %q", name, err, c.key)
+		}
+	}
+	// Equal keys in different objects, and a value equal to a key, are fine.
+	ok := `{"model":"caches","caches":[{"tensors":[` + tensor + `,` + tensor + `],"x":{"bytes":1}}],"formatVersion":5}`
+	if _, _, err := decodeBytes(t, append(prefix([]byte(ok), uint32(26+len(ok))), ok...)); err != nil {
+		t.Fatalf("keys repeated across objects: %v", err)
 	}
 }

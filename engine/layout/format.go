@@ -40,6 +40,15 @@ const (
 	MaxHeaderLen = 64 << 20
 	// MaxRank caps the number of axes of a tensor.
 	MaxRank = 16
+	// MaxSnapshotBytes caps a snapshot's total logical bytes (the sum of
+	// every tensor slot's Bytes): 1 TiB, far above any KV cache a host
+	// holds (Llama-3.1-8B at 128k tokens is 16 GiB) and far below where the
+	// sum of int64 byte counts could wrap. A header whose slots sum past it
+	// (or whose sum overflows) is refused by Validate, Header.TotalBytes and
+	// the writer with ErrSnapshotTooLarge, before anything is allocated for
+	// its tensors. A reader that can afford less checks TotalBytes against
+	// its own budget before allocating destinations.
+	MaxSnapshotBytes int64 = 1 << 40
 )
 
 // Format versions carried in the header's "formatVersion".
@@ -89,6 +98,10 @@ var (
 	ErrFormatVersion  = errors.New("unsupported format version")
 	ErrInvalidHeader  = errors.New("invalid header")
 	ErrUnknownDType   = errors.New("unknown dtype")
+	// ErrSnapshotTooLarge: the tensors' bytes sum past MaxSnapshotBytes (or
+	// past int64). Errors wrapping it also wrap ErrInvalidHeader when they
+	// come from decoding a file.
+	ErrSnapshotTooLarge = errors.New("snapshot exceeds the size limit")
 )
 
 // dtypeSizes maps dtype names (mlx / numpy spellings) to itemsize in bytes.
@@ -241,6 +254,7 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		slot   int
 	}
 	var spans []span
+	var total int64 // logical bytes of the slots so far, <= MaxSnapshotBytes
 	for i, t := range h.Slots() {
 		name := slotName{h, i} // formatted only on error: SlotName is O(entries)
 		if len(t.Shape) > MaxRank {
@@ -260,6 +274,12 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		if t.Bytes < 0 {
 			return 0, fmt.Errorf("%w: %s bytes %d is negative", ErrInvalidHeader, name, t.Bytes)
 		}
+		// Before anything else trusts Bytes: a sum that stays under the cap
+		// cannot overflow (both terms are at most MaxSnapshotBytes here).
+		if t.Bytes > MaxSnapshotBytes-total {
+			return 0, fmt.Errorf("%w: %w: the tensors up to %s sum past %d bytes", ErrInvalidHeader, ErrSnapshotTooLarge, name, MaxSnapshotBytes)
+		}
+		total += t.Bytes
 		if size, err := ItemSize(t.DType); err == nil {
 			hi, lo := bits.Mul64(uint64(elems), uint64(size))
 			if hi != 0 || lo != uint64(t.Bytes) {

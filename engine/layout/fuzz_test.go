@@ -19,7 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
-	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
 // memFile is a read-only in-memory vfs.File. It records the largest buffer
@@ -78,10 +78,10 @@ var decodeSentinels = []error{layout.ErrBadMagic, layout.ErrTruncated, layout.Er
 func fzSeedFiles(f *testing.F) (single, manifest []byte) {
 	f.Helper()
 	dir := f.TempDir()
-	c := testutil.NewCache(testutil.Tiny, 3, true, nil)
+	c := kvgen.NewCache(kvgen.Tiny, 3, true, nil)
 	views, dtypes := c.Views(), c.DTypes()
-	spec := func(path string, lay layout.Layout) *jobs.WriteSpec {
-		s := &jobs.WriteSpec{Path: path, Layout: lay, BlockBytes: 4 << 10,
+	spec := func(name string, lay layout.Layout) *jobs.WriteRequest {
+		s := &jobs.WriteRequest{Ref: jobs.Ref{Namespace: "ns", Name: name}, Layout: lay, BlockBytes: 4 << 10,
 			Meta: layout.Meta{"model": []byte(`"tiny"`), "note": []byte(`{"a":[1,2,{"b":null}]}`)}}
 		for l := 0; l < c.Model.Layers; l++ {
 			s.Caches = append(s.Caches, jobs.EntrySpec{Meta: layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(`3`)},
@@ -94,7 +94,7 @@ func fzSeedFiles(f *testing.F) (single, manifest []byte) {
 	}
 	read := func(lay layout.Layout) []byte {
 		p := filepath.Join(dir, "ns", "snap-"+lay.String())
-		if _, _, err := jobs.Write(context.Background(), &jobs.Config{NoSync: true}, spec(p, lay)); err != nil {
+		if _, _, err := jobs.Write(context.Background(), &jobs.Config{Root: dir, NoSync: true}, spec(filepath.Base(p), lay)); err != nil {
 			f.Fatal(err)
 		}
 		b, err := os.ReadFile(p)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"sort"
+	"unicode/utf8"
 )
 
 // Meta is caller metadata: JSON values by key (model id, token ids, offsets,
@@ -85,6 +86,25 @@ func (h *Header) Slots() []*Tensor {
 	return out
 }
 
+// TotalBytes returns the snapshot's logical size in bytes: the sum of every
+// slot's Bytes, what a restore fills. It fails with ErrSnapshotTooLarge when
+// the sum exceeds MaxSnapshotBytes (1 TiB) or a Bytes is negative, so a
+// header that did not come through Validate cannot make a caller allocate
+// from a wrapped sum. Headers returned by Decode always succeed.
+func (h *Header) TotalBytes() (int64, error) {
+	var total int64
+	for i, t := range h.Slots() {
+		if t.Bytes < 0 {
+			return 0, fmt.Errorf("%w: %s has a negative byte count %d", ErrSnapshotTooLarge, h.SlotName(i), t.Bytes)
+		}
+		if t.Bytes > MaxSnapshotBytes-total {
+			return 0, fmt.Errorf("%w: the tensors up to %s sum past %d bytes", ErrSnapshotTooLarge, h.SlotName(i), MaxSnapshotBytes)
+		}
+		total += t.Bytes
+	}
+	return total, nil
+}
+
 // SlotName describes slot i for error messages: "cache 3 tensor 1 (slot 7)".
 func (h *Header) SlotName(i int) string {
 	n := i
@@ -138,8 +158,16 @@ func checkMeta(m Meta, reserved []string, where string) error {
 		}
 	}
 	for k, v := range m {
+		if !utf8.ValidString(k) {
+			// encoding/json would write U+FFFD for the bad bytes: two such
+			// keys could become one key given twice, which readers refuse.
+			return fmt.Errorf("%w: %s metadata key %q is not valid UTF-8", ErrInvalidHeader, where, k)
+		}
 		if !json.Valid(v) {
 			return fmt.Errorf("%w: %s metadata %q is not valid JSON", ErrInvalidHeader, where, k)
+		}
+		if dk, _, dup := duplicateKey(v); dup {
+			return fmt.Errorf("%w: %s metadata %q has the key %q twice in one object (readers refuse it)", ErrInvalidHeader, where, k, dk)
 		}
 	}
 	return nil
@@ -280,6 +308,11 @@ func parseHeader(js []byte) (*Header, error) {
 	var top map[string]json.RawMessage
 	if err := json.Unmarshal(js, &top); err != nil {
 		return nil, fmt.Errorf("%w: header JSON: %v", ErrInvalidHeader, err)
+	}
+	// Valid JSON now (Unmarshal checked it): refuse a key given twice in
+	// one object, which Unmarshal would have resolved silently (last wins).
+	if k, off, dup := duplicateKey(js); dup {
+		return nil, fmt.Errorf("%w: header JSON: key %q appears twice in one object (second at byte %d of the JSON)", ErrInvalidHeader, k, off)
 	}
 	h := &Header{Meta: Meta{}}
 	if v, ok := top["formatVersion"]; ok {

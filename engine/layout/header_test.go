@@ -136,6 +136,10 @@ func TestEncodeRejectsBadMetadata(t *testing.T) {
 		{"tensor reserved hash", func(h *layout.Header) { h.Attachments[0].Tensors[0].Meta["hash"] = json.RawMessage(`"x"`) }, `attachments[0].tensors[0]`},
 		{"invalid JSON top", func(h *layout.Header) { h.Meta["bad"] = json.RawMessage(`{"a":`) }, `"bad"`},
 		{"invalid JSON tensor", func(h *layout.Header) { h.Caches[0].Tensors[1].Meta["bad"] = json.RawMessage(`nope`) }, `caches[0].tensors[1]`},
+		{"duplicate key in a metadata value", func(h *layout.Header) {
+			h.Caches[0].Meta["cfg"] = json.RawMessage(`[{"rope":1,"r\u006fpe":2}]`)
+		}, `"rope" twice`},
+		{"metadata key not UTF-8", func(h *layout.Header) { h.Meta["a\xff"] = json.RawMessage(`1`) }, `not valid UTF-8`},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

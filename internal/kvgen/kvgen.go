@@ -1,6 +1,9 @@
-// Package testutil provides test fixtures for kvpersist: KV caches with the
-// geometries of real models, filled with deterministic content.
-package testutil
+// Package kvgen generates synthetic KV caches with the geometries of real
+// models (Llama-3.1-8B, Qwen2.5-7B, Gemma-2-9B, and a tiny one), filled with
+// deterministic content whose every byte can be recomputed independently
+// (Value, TokenID, Cache.Expected). It is product code: the CLI's demo and
+// synth commands and the benchmarks use it, as do the tests.
+package kvgen
 
 import (
 	"encoding/binary"
@@ -46,7 +49,7 @@ func ModelByName(name string) (Model, error) {
 		}
 		names[i] = m.Name
 	}
-	return Model{}, fmt.Errorf("testutil: unknown model %q (valid: %s)", name, strings.Join(names, ", "))
+	return Model{}, fmt.Errorf("kvgen: unknown model %q (valid: %s)", name, strings.Join(names, ", "))
 }
 
 // TensorBytes is the size in bytes of one K (or V) tensor of shape
@@ -102,13 +105,13 @@ type Cache struct {
 // It panics if tokens < 0 or if the model's ItemSize is not 2.
 func NewCache(m Model, tokens int, padded bool, alloc func(n int) []byte) *Cache {
 	if tokens < 0 {
-		panic(fmt.Sprintf("testutil: NewCache: negative tokens %d", tokens))
+		panic(fmt.Sprintf("kvgen: NewCache: negative tokens %d", tokens))
 	}
 	if m.ItemSize != 2 {
-		panic(fmt.Sprintf("testutil: NewCache: model %s: ItemSize %d, only 2-byte (bf16) elements are supported", m.Name, m.ItemSize))
+		panic(fmt.Sprintf("kvgen: NewCache: model %s: ItemSize %d, only 2-byte (bf16) elements are supported", m.Name, m.ItemSize))
 	}
 	if m.Layers <= 0 || m.KVHeads <= 0 || m.HeadDim <= 0 {
-		panic(fmt.Sprintf("testutil: NewCache: invalid model geometry %+v", m))
+		panic(fmt.Sprintf("kvgen: NewCache: invalid model geometry %+v", m))
 	}
 	if alloc == nil {
 		alloc = func(n int) []byte { return make([]byte, n) }
@@ -116,7 +119,7 @@ func NewCache(m Model, tokens int, padded bool, alloc func(n int) []byte) *Cache
 	get := func(n int) []byte {
 		b := alloc(n)
 		if len(b) < n {
-			panic(fmt.Sprintf("testutil: NewCache: alloc(%d) returned %d bytes", n, len(b)))
+			panic(fmt.Sprintf("kvgen: NewCache: alloc(%d) returned %d bytes", n, len(b)))
 		}
 		return b[:n:n]
 	}
@@ -208,7 +211,7 @@ func (c *Cache) tensorShape() []int {
 // those tokens is the same as a cache built with that many tokens.
 func (c *Cache) ViewsAt(tokens int) []gather.View {
 	if tokens < 0 || tokens > c.Tokens {
-		panic(fmt.Sprintf("testutil: ViewsAt(%d) outside [0, %d]", tokens, c.Tokens))
+		panic(fmt.Sprintf("kvgen: ViewsAt(%d) outside [0, %d]", tokens, c.Tokens))
 	}
 	vs := c.Views()
 	for i := range vs {
@@ -253,7 +256,7 @@ func (c *Cache) Shapes() [][]int {
 func (c *Cache) Expected(slot int) []byte {
 	m := c.Model
 	if slot < 0 || slot >= c.Slots() {
-		panic(fmt.Sprintf("testutil: Expected: slot %d out of range [0, %d)", slot, c.Slots()))
+		panic(fmt.Sprintf("kvgen: Expected: slot %d out of range [0, %d)", slot, c.Slots()))
 	}
 	if slot == 2*m.Layers {
 		out := make([]byte, 0, c.Tokens*IDSize)
