@@ -306,6 +306,7 @@ func (e *Engine) runJob(j *job) {
 	<-e.slots // the job no longer waits: free its mailbox slot
 	e.stats.queued.Add(-1)
 	e.stats.running.Add(1)
+	j.startedAt = time.Now()
 	res := Result{ID: j.id, Kind: j.kind, Ref: j.ref}
 	func() {
 		defer func() {
@@ -347,6 +348,7 @@ func (e *Engine) settle(j *job, res *Result, ran bool) {
 			"written", res.Metrics.WrittenBytes, "reused", res.Metrics.ReusedBytes, "read", res.Metrics.ReadBytes,
 			"elapsed", res.Metrics.Elapsed)
 	}
+	e.recordJob(j, res, ran)
 	if ran {
 		s.running.Add(-1)
 	}

@@ -31,6 +31,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/metrics"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
@@ -75,6 +76,9 @@ type Config struct {
 	// Logger receives job events at debug level and failures at warn;
 	// nil means slog.Default().
 	Logger *slog.Logger
+	// Metrics, when set, counts every finished job (kind, outcome, latency,
+	// bytes); register it in the scheduler's Prometheus registry. nil: none.
+	Metrics *metrics.Recorder
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -330,6 +334,8 @@ type job struct {
 	ack     chan<- Result
 	ownAck  bool // ack is the engine's own channel (capacity 1, never blocks)
 	started bool
+	// startedAt is when the job started on a worker (for Config.Metrics).
+	startedAt time.Time
 }
 
 // Submit hands a job to the engine. While the mailbox is full (Mailbox jobs

@@ -72,6 +72,41 @@ type FS interface {
 	// granted or ctx is done (then ctx's error). The returned unlock releases
 	// it.
 	Lock(ctx context.Context, name string, exclusive, create bool) (unlock func() error, err error)
+	// Statfs describes the file system that holds name (statvfs): the
+	// page cache's disk headroom is measured with it.
+	Statfs(name string) (FSStat, error)
+}
+
+// FSStat describes a file system (statvfs(3)). Bytes are bytes; the block
+// counts of statvfs are multiplied by its fragment size f_frsize (f_bsize
+// when the kernel reports none).
+type FSStat struct {
+	// BlockBytes is the fundamental block size (f_frsize), in bytes.
+	BlockBytes int64
+	// TotalBytes is the file system's size (f_blocks × BlockBytes).
+	TotalBytes int64
+	// FreeBytes is free space including the part reserved for root
+	// (f_bfree × BlockBytes).
+	FreeBytes int64
+	// AvailBytes is free space available to unprivileged users (f_bavail ×
+	// BlockBytes): what kvpersist's files can still take.
+	AvailBytes int64
+}
+
+// AllocatedBytes is the space a file takes on disk, in bytes: st_blocks ×
+// 512 (st_blocks counts 512-byte units whatever the file system's block
+// size). It is what the page cache accounts against its capacity; a file
+// with holes takes less than its length, one with preallocated blocks more.
+// fi must come from Lstat, Stat or File.Stat on Linux; otherwise 0, false.
+func AllocatedBytes(fi os.FileInfo) (int64, bool) {
+	if fi == nil {
+		return 0, false
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return 0, false
+	}
+	return st.Blocks * 512, true
 }
 
 // Default is the real operating system.
@@ -208,6 +243,31 @@ func (osFS) Lock(ctx context.Context, name string, exclusive, create bool) (func
 		}
 		wait = min(2*wait, 20*time.Millisecond)
 	}
+}
+
+func (osFS) Statfs(name string) (FSStat, error) {
+	var st unix.Statfs_t
+	for {
+		err := unix.Statfs(name, &st)
+		if err == nil {
+			break
+		}
+		if err != syscall.EINTR {
+			return FSStat{}, &os.PathError{Op: "statfs", Path: name, Err: err}
+		}
+	}
+	return fsStat(&st), nil
+}
+
+// fsStat converts a statfs(2) result: Linux reports the block counts in
+// units of f_frsize (glibc's statvfs uses f_bsize when f_frsize is 0).
+func fsStat(st *unix.Statfs_t) FSStat {
+	bs := st.Frsize
+	if bs <= 0 {
+		bs = st.Bsize
+	}
+	b := int64(bs)
+	return FSStat{BlockBytes: b, TotalBytes: int64(st.Blocks) * b, FreeBytes: int64(st.Bfree) * b, AvailBytes: int64(st.Bavail) * b}
 }
 
 // IsNotExist reports whether err says a file does not exist.

@@ -132,3 +132,69 @@ func TestCreateWriteSyncReadBack(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestStatfs: the figures agree with an independent statfs(2) (the total
+// and the block size exactly; free space changes under other writers, so
+// only its order), and a missing path is an fs.ErrNotExist *os.PathError.
+func TestStatfs(t *testing.T) {
+	dir := t.TempDir()
+	st, err := vfs.Default.Statfs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var raw syscall.Statfs_t
+	if err := syscall.Statfs(dir, &raw); err != nil {
+		t.Fatal(err)
+	}
+	bs := raw.Frsize
+	if bs == 0 {
+		bs = raw.Bsize
+	}
+	if st.BlockBytes != int64(bs) || st.TotalBytes != int64(raw.Blocks)*int64(bs) {
+		t.Fatalf("Statfs %+v; statfs(2) frsize %d bsize %d blocks %d", st, raw.Frsize, raw.Bsize, raw.Blocks)
+	}
+	if st.BlockBytes <= 0 || st.AvailBytes < 0 || st.AvailBytes > st.FreeBytes || st.FreeBytes > st.TotalBytes {
+		t.Fatalf("Statfs %+v: want 0 ≤ avail ≤ free ≤ total", st)
+	}
+	_, err = vfs.Default.Statfs(filepath.Join(dir, "missing"))
+	var pe *os.PathError
+	if !errors.Is(err, fs.ErrNotExist) || !errors.As(err, &pe) || pe.Op != "statfs" {
+		t.Fatalf("Statfs of a missing path: %v", err)
+	}
+}
+
+// TestAllocatedBytes: st_blocks × 512, checked against stat(2): a written
+// file takes at least its length, a sparse one nothing.
+func TestAllocatedBytes(t *testing.T) {
+	dir := t.TempDir()
+	full, sparse := filepath.Join(dir, "full"), filepath.Join(dir, "sparse")
+	if err := os.WriteFile(full, make([]byte, 10000), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(sparse, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(sparse, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name     string
+		min, max int64
+	}{{full, 10000, 1 << 20}, {sparse, 0, 0}} {
+		fi, err := vfs.Default.Lstat(c.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, ok := vfs.AllocatedBytes(fi)
+		var raw syscall.Stat_t
+		if err := syscall.Stat(c.name, &raw); err != nil {
+			t.Fatal(err)
+		}
+		if !ok || got != raw.Blocks*512 || got < c.min || got > c.max {
+			t.Fatalf("%s: AllocatedBytes %d %v, stat blocks %d, want in [%d, %d]", c.name, got, ok, raw.Blocks, c.min, c.max)
+		}
+	}
+	if _, ok := vfs.AllocatedBytes(nil); ok {
+		t.Fatal("AllocatedBytes(nil) ok")
+	}
+}

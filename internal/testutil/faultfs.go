@@ -39,12 +39,13 @@ const (
 	OpStat           Op = "stat"
 	OpSyncDir        Op = "syncdir"
 	OpLock           Op = "lock"
+	OpStatfs         Op = "statfs"
 )
 
 // Ops lists every intercepted operation (not OpAny), in a fixed order.
 func Ops() []Op {
 	return []Op{OpCreate, OpOpen, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
-		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock}
+		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock, OpStatfs}
 }
 
 // Fault describes calls to fail. A call matches when its operation is Op (or
@@ -102,6 +103,9 @@ type FaultFS struct {
 	faults   []*faultState
 	injected []Injection
 	files    []*faultFile // every file handle opened, for Sync counts
+	// availLimit, when ≥ 0, caps the free bytes Statfs reports (a nearly
+	// full disk); -1: the real figures.
+	availLimit int64
 }
 
 type faultState struct {
@@ -114,7 +118,16 @@ func NewFaultFS(inner vfs.FS) *FaultFS {
 	if inner == nil {
 		inner = vfs.Default
 	}
-	return &FaultFS{inner: inner, counts: map[Op]int{}, byPath: map[Op]map[string]int{}}
+	return &FaultFS{inner: inner, counts: map[Op]int{}, byPath: map[Op]map[string]int{}, availLimit: -1}
+}
+
+// LimitAvail makes Statfs report at most bytes free (AvailBytes and
+// FreeBytes), as on a nearly full disk; a negative value restores the real
+// figures. Writes are not limited by it: inject ENOSPC faults for that.
+func (f *FaultFS) LimitAvail(bytes int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.availLimit = bytes
 }
 
 // Inject adds a fault. Faults are checked in the order injected; the first
@@ -143,12 +156,14 @@ func (f *FaultFS) ClearFaults() {
 	f.faults = nil
 }
 
-// Reset removes every fault and zeroes every count and record.
+// Reset removes every fault, zeroes every count and record and lifts
+// LimitAvail.
 func (f *FaultFS) Reset() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.faults, f.injected, f.files = nil, nil, nil
 	f.counts, f.byPath = map[Op]int{}, map[Op]map[string]int{}
+	f.availLimit = -1
 }
 
 // Count returns how many calls of op were made (failed ones included).
@@ -370,6 +385,25 @@ func (f *FaultFS) Lock(ctx context.Context, name string, exclusive, create bool)
 		return nil, err
 	}
 	return f.inner.Lock(ctx, name, exclusive, create)
+}
+
+// Statfs implements vfs.FS; LimitAvail caps what it reports.
+func (f *FaultFS) Statfs(name string) (vfs.FSStat, error) {
+	if _, err := f.check(OpStatfs, name); err != nil {
+		return vfs.FSStat{}, err
+	}
+	st, err := f.inner.Statfs(name)
+	if err != nil {
+		return st, err
+	}
+	f.mu.Lock()
+	limit := f.availLimit
+	f.mu.Unlock()
+	if limit >= 0 {
+		st.AvailBytes = min(st.AvailBytes, limit)
+		st.FreeBytes = min(st.FreeBytes, limit)
+	}
+	return st, nil
 }
 
 // faultFile is a file handle of a FaultFS.

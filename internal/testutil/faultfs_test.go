@@ -325,3 +325,36 @@ func TestFaultFSPassesThrough(t *testing.T) {
 		t.Fatalf("Stat %v %v, Name %q", st, err, f.Name())
 	}
 }
+
+// TestFaultFSStatfs: Statfs is counted and can fail like any op, and
+// LimitAvail caps the free bytes it reports (a nearly full disk) until
+// lifted.
+func TestFaultFSStatfs(t *testing.T) {
+	dir := t.TempDir()
+	fs := NewFaultFS(nil)
+	real, err := vfs.Default.Statfs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fs.LimitAvail(12345)
+	st, err := fs.Statfs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.AvailBytes != min(12345, real.AvailBytes) || st.FreeBytes != min(12345, real.FreeBytes) || st.TotalBytes != real.TotalBytes {
+		t.Fatalf("limited Statfs %+v (real %+v)", st, real)
+	}
+	fs.LimitAvail(-1)
+	// Free space moves under other writers: with more than 1 MiB free the
+	// lifted limit shows as more than 12,345 bytes.
+	if st, err := fs.Statfs(dir); err != nil || st.TotalBytes != real.TotalBytes || (real.AvailBytes > 1<<20 && st.AvailBytes <= 12345) {
+		t.Fatalf("unlimited Statfs %+v %v (real %+v)", st, err, real)
+	}
+	fs.FailNth(OpStatfs, 1, syscall.EIO)
+	if _, err := fs.Statfs(dir); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("injected statfs failure: %v", err)
+	}
+	if n := fs.Count(OpStatfs); n != 3 {
+		t.Fatalf("counted %d statfs calls, want 3", n)
+	}
+}

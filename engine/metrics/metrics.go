@@ -1,0 +1,430 @@
+// Package metrics is kvpersist's operational signal: a Recorder that the
+// engine feeds as jobs finish (cheap, lock-free atomic counters), exposed
+// as a prometheus.Collector that a scheduler registers in its own registry
+// (nothing is registered globally), and as a plain Snapshot for
+// `kvpersist stats --json`.
+//
+// Every method of a nil *Recorder does nothing, so the engine can call it
+// unconditionally. The metric names and labels are listed in
+// ARCHITECTURE.md ("Metrics") and on the Recorder's Describe.
+package metrics
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sort"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Kind is a job's kind, the `kind` label.
+type Kind uint8
+
+// Job kinds: the engine's (write, read, collect, delete, migrate) and the
+// page cache's (save, load, lookup, evict).
+const (
+	KindWrite Kind = iota
+	KindRead
+	KindCollect
+	KindDelete
+	KindMigrate
+	KindSave
+	KindLoad
+	KindLookup
+	KindEvict
+	numKinds
+)
+
+var kindNames = [numKinds]string{"write", "read", "collect", "delete", "migrate", "save", "load", "lookup", "evict"}
+
+// String is the label value: "write", "read", ..., "evict".
+func (k Kind) String() string {
+	if k < numKinds {
+		return kindNames[k]
+	}
+	return fmt.Sprintf("Kind(%d)", int(k))
+}
+
+// Outcome is how a job ended, the `outcome` label.
+type Outcome uint8
+
+// Outcomes.
+const (
+	// OutcomeOK: no error.
+	OutcomeOK Outcome = iota
+	// OutcomeError: any other error.
+	OutcomeError
+	// OutcomeCanceled: the job's context ended or the engine closed.
+	OutcomeCanceled
+	// OutcomeNoSpace: a save refused for want of space (evict.ErrNoSpace).
+	OutcomeNoSpace
+	numOutcomes
+)
+
+var outcomeNames = [numOutcomes]string{"ok", "error", "canceled", "nospace"}
+
+// String is the label value: "ok", "error", "canceled" or "nospace".
+func (o Outcome) String() string {
+	if o < numOutcomes {
+		return outcomeNames[o]
+	}
+	return fmt.Sprintf("Outcome(%d)", int(o))
+}
+
+// OutcomeOf classifies a job's error: nil is OutcomeOK; context.Canceled
+// and context.DeadlineExceeded are OutcomeCanceled; evict.ErrNoSpace is
+// OutcomeNoSpace; anything else OutcomeError. (The engine also counts its
+// own ErrClosed as canceled.)
+func OutcomeOf(err error) Outcome {
+	switch {
+	case err == nil:
+		return OutcomeOK
+	case errors.Is(err, evict.ErrNoSpace):
+		return OutcomeNoSpace
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return OutcomeCanceled
+	}
+	return OutcomeError
+}
+
+// Eviction reasons and refusal limits are evict.Reason values; these are
+// the ones the metrics label.
+var (
+	evictReasons  = []evict.Reason{evict.ReasonCapacity, evict.ReasonQuota, evict.ReasonHeadroom, evict.ReasonShrink}
+	refusedLimits = []evict.Reason{evict.ReasonCapacity, evict.ReasonQuota, evict.ReasonHeadroom}
+)
+
+// DefaultLatencyBuckets are the job latency histogram's upper bounds, in
+// seconds: from 100 µs (a lookup) to 60 s (a collect of a large store).
+var DefaultLatencyBuckets = []float64{0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+	0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60}
+
+// Options configures a Recorder.
+type Options struct {
+	// LatencyBuckets are the histogram's upper bounds in seconds, strictly
+	// increasing, finite, > 0; nil means DefaultLatencyBuckets.
+	LatencyBuckets []float64
+	// Usage, when set, is called at each scrape and snapshot for the page
+	// cache's accounting (evict.Cache.Usage): the capacity and per-namespace
+	// gauges. It must be safe for concurrent use.
+	Usage func() evict.Usage
+}
+
+// Recorder counts what the engine does. Create it with New; it is safe for
+// concurrent use, and every recording is a few atomic adds (no lock, no
+// allocation).
+type Recorder struct {
+	jobs       [numKinds][numOutcomes]atomic.Uint64
+	latency    [numKinds]histogram
+	boundsSec  []float64
+	boundsNs   []int64
+	written    atomic.Int64
+	reused     atomic.Int64
+	read       atomic.Int64
+	hitTokens  atomic.Int64
+	missTokens atomic.Int64
+	evPages    [evict.ReasonShrink + 1]atomic.Int64
+	evBytes    [evict.ReasonShrink + 1]atomic.Int64
+	refused    [evict.ReasonShrink + 1]atomic.Uint64
+	usage      func() evict.Usage
+}
+
+// histogram is a lock-free latency histogram: per-bucket counts (not
+// cumulative; the last one is +Inf) and the sum in nanoseconds.
+type histogram struct {
+	counts []atomic.Uint64
+	sumNs  atomic.Int64
+}
+
+// ErrOptions: Options are invalid.
+var ErrOptions = errors.New("metrics: invalid options")
+
+// New returns a Recorder. Error: ErrOptions for bad latency buckets.
+func New(opts Options) (*Recorder, error) {
+	b := opts.LatencyBuckets
+	if b == nil {
+		b = DefaultLatencyBuckets
+	}
+	if len(b) == 0 {
+		return nil, fmt.Errorf("%w: no latency buckets", ErrOptions)
+	}
+	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage}
+	for i, s := range b {
+		if !(s > 0) || s > 1e9 || (i > 0 && s <= b[i-1]) {
+			return nil, fmt.Errorf("%w: latency bucket %d is %v (want finite, > 0 and increasing)", ErrOptions, i, s)
+		}
+		r.boundsNs = append(r.boundsNs, int64(s*1e9))
+	}
+	for k := range r.latency {
+		r.latency[k].counts = make([]atomic.Uint64, len(b)+1)
+	}
+	return r, nil
+}
+
+// Job records a finished job of kind k with outcome o. ran says the job
+// ran (took a worker); d, its wall time, goes into the latency histogram
+// only then (a job cancelled while it waited has no latency).
+func (r *Recorder) Job(k Kind, o Outcome, d time.Duration, ran bool) {
+	if r == nil || k >= numKinds || o >= numOutcomes {
+		return
+	}
+	r.jobs[k][o].Add(1)
+	if !ran {
+		return
+	}
+	ns := max(d.Nanoseconds(), 0)
+	h := &r.latency[k]
+	i := sort.Search(len(r.boundsNs), func(i int) bool { return ns <= r.boundsNs[i] })
+	h.counts[i].Add(1)
+	h.sumNs.Add(ns)
+}
+
+// Bytes adds bytes written to disk (new data and headers), reused (dedup:
+// blocks or pages already stored) and read from disk into destinations.
+func (r *Recorder) Bytes(written, reused, read int64) {
+	if r == nil {
+		return
+	}
+	r.written.Add(written)
+	r.reused.Add(reused)
+	r.read.Add(read)
+}
+
+// Lookup records one prefix lookup: tokens of the query covered by stored
+// pages (hit) and not covered (miss).
+func (r *Recorder) Lookup(hitTokens, missTokens int64) {
+	if r == nil {
+		return
+	}
+	r.hitTokens.Add(hitTokens)
+	r.missTokens.Add(missTokens)
+}
+
+// Evicted records pages unlinked by eviction, and their allocated bytes.
+func (r *Recorder) Evicted(reason evict.Reason, pages, bytes int64) {
+	if r == nil || int(reason) >= len(r.evPages) {
+		return
+	}
+	r.evPages[reason].Add(pages)
+	r.evBytes[reason].Add(bytes)
+}
+
+// Refused records a save refused for want of space (the NoSpaceError's
+// Limit: capacity, quota or headroom).
+func (r *Recorder) Refused(limit evict.Reason) {
+	if r == nil || int(limit) >= len(r.refused) {
+		return
+	}
+	r.refused[limit].Add(1)
+}
+
+// The metrics' descriptions (names, help, labels).
+var (
+	descJobs = prometheus.NewDesc("kvpersist_jobs_total",
+		"Jobs finished, by kind and outcome.", []string{"kind", "outcome"}, nil)
+	descLatency = prometheus.NewDesc("kvpersist_job_duration_seconds",
+		"Wall time of the jobs that ran, in seconds, by kind.", []string{"kind"}, nil)
+	descWritten = prometheus.NewDesc("kvpersist_written_bytes_total",
+		"Bytes written to disk by saves (data and headers).", nil, nil)
+	descReused = prometheus.NewDesc("kvpersist_reused_bytes_total",
+		"Bytes a save found already stored and did not write (dedup).", nil, nil)
+	descRead = prometheus.NewDesc("kvpersist_read_bytes_total",
+		"Bytes read from disk into callers' buffers.", nil, nil)
+	descLookup = prometheus.NewDesc("kvpersist_lookup_tokens_total",
+		"Tokens of prefix lookups, hit (covered by stored pages) or miss.", []string{"result"}, nil)
+	descEvPages = prometheus.NewDesc("kvpersist_evicted_pages_total",
+		"Pages evicted, by reason.", []string{"reason"}, nil)
+	descEvBytes = prometheus.NewDesc("kvpersist_evicted_bytes_total",
+		"Allocated bytes of the pages evicted, by reason.", []string{"reason"}, nil)
+	descRefused = prometheus.NewDesc("kvpersist_saves_refused_total",
+		"Saves refused for want of space, by the limit that could not be met.", []string{"limit"}, nil)
+	descCapacity = prometheus.NewDesc("kvpersist_cache_capacity_bytes",
+		"The page cache's capacity in allocated bytes (0: unbounded).", nil, nil)
+	descReserved = prometheus.NewDesc("kvpersist_cache_reserved_bytes",
+		"Bytes reserved by in-flight saves.", nil, nil)
+	descUsed = prometheus.NewDesc("kvpersist_cache_used_bytes",
+		"Allocated bytes of the page files of a namespace.", []string{"namespace"}, nil)
+	descPages = prometheus.NewDesc("kvpersist_cache_pages",
+		"Pages stored in a namespace.", []string{"namespace"}, nil)
+	descLimit = prometheus.NewDesc("kvpersist_cache_limit_bytes",
+		"A namespace's quota in allocated bytes (namespaces with a quota only).", []string{"namespace"}, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descLookup,
+		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descLimit} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector: every kind × outcome of
+// kvpersist_jobs_total (zeros included), a latency histogram per kind that
+// has run, the byte and token counters, every eviction reason and refusal
+// limit, and, with Options.Usage, the cache gauges.
+func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
+	emit := func(d *prometheus.Desc, t prometheus.ValueType, v float64, labels ...string) {
+		m, err := prometheus.NewConstMetric(d, t, v, labels...)
+		if err != nil {
+			m = prometheus.NewInvalidMetric(d, err)
+		}
+		ch <- m
+	}
+	for k := range numKinds {
+		for o := range numOutcomes {
+			emit(descJobs, prometheus.CounterValue, float64(r.jobs[k][o].Load()), k.String(), o.String())
+		}
+	}
+	for _, l := range r.latencies() {
+		buckets := make(map[float64]uint64, len(l.Buckets))
+		for _, b := range l.Buckets {
+			buckets[b.LE] = b.Count
+		}
+		m, err := prometheus.NewConstHistogram(descLatency, l.Count, l.SumSeconds, buckets, l.Kind)
+		if err != nil {
+			m = prometheus.NewInvalidMetric(descLatency, err)
+		}
+		ch <- m
+	}
+	emit(descWritten, prometheus.CounterValue, float64(r.written.Load()))
+	emit(descReused, prometheus.CounterValue, float64(r.reused.Load()))
+	emit(descRead, prometheus.CounterValue, float64(r.read.Load()))
+	emit(descLookup, prometheus.CounterValue, float64(r.hitTokens.Load()), "hit")
+	emit(descLookup, prometheus.CounterValue, float64(r.missTokens.Load()), "miss")
+	for _, reason := range evictReasons {
+		emit(descEvPages, prometheus.CounterValue, float64(r.evPages[reason].Load()), reason.String())
+		emit(descEvBytes, prometheus.CounterValue, float64(r.evBytes[reason].Load()), reason.String())
+	}
+	for _, limit := range refusedLimits {
+		emit(descRefused, prometheus.CounterValue, float64(r.refused[limit].Load()), limit.String())
+	}
+	if r.usage == nil {
+		return
+	}
+	u := r.usage()
+	emit(descCapacity, prometheus.GaugeValue, float64(u.CapacityBytes))
+	emit(descReserved, prometheus.GaugeValue, float64(u.ReservedBytes))
+	for _, n := range u.Namespaces {
+		emit(descUsed, prometheus.GaugeValue, float64(n.UsedBytes), n.Name)
+		emit(descPages, prometheus.GaugeValue, float64(n.Pages), n.Name)
+		if n.QuotaBytes > 0 {
+			emit(descLimit, prometheus.GaugeValue, float64(n.QuotaBytes), n.Name)
+		}
+	}
+}
+
+// Snapshot is the recorder's figures as a plain struct (JSON for
+// `kvpersist stats --json`). Lists leave out zero counts; Cache is nil
+// without Options.Usage.
+type Snapshot struct {
+	Jobs             []JobCount     `json:"jobs"`
+	Latency          []Latency      `json:"latency"`
+	WrittenBytes     int64          `json:"writtenBytes"`
+	ReusedBytes      int64          `json:"reusedBytes"`
+	ReadBytes        int64          `json:"readBytes"`
+	LookupHitTokens  int64          `json:"lookupHitTokens"`
+	LookupMissTokens int64          `json:"lookupMissTokens"`
+	Evicted          []EvictedCount `json:"evicted"`
+	Refused          []RefusedCount `json:"refused"`
+	Cache            *evict.Usage   `json:"cache,omitempty"`
+}
+
+// JobCount is kvpersist_jobs_total for one kind and outcome.
+type JobCount struct {
+	Kind    string `json:"kind"`
+	Outcome string `json:"outcome"`
+	Count   uint64 `json:"count"`
+}
+
+// Latency is one kind's latency histogram.
+type Latency struct {
+	Kind       string  `json:"kind"`
+	Count      uint64  `json:"count"`
+	SumSeconds float64 `json:"sumSeconds"`
+	// Buckets are cumulative (jobs that took at most LE seconds), without
+	// the +Inf bucket (whose count is Count).
+	Buckets []Bucket `json:"buckets"`
+}
+
+// Bucket is one cumulative histogram bucket.
+type Bucket struct {
+	LE    float64 `json:"le"` // upper bound, seconds
+	Count uint64  `json:"count"`
+}
+
+// EvictedCount is pages and bytes evicted for one reason.
+type EvictedCount struct {
+	Reason string `json:"reason"`
+	Pages  int64  `json:"pages"`
+	Bytes  int64  `json:"bytes"`
+}
+
+// RefusedCount is saves refused for one limit.
+type RefusedCount struct {
+	Limit string `json:"limit"`
+	Count uint64 `json:"count"`
+}
+
+// latencies reads every kind's histogram that has observations. Count is
+// the sum of the bucket counts read, so a histogram is self-consistent
+// even while jobs finish (the sum may lag by the observations in flight).
+func (r *Recorder) latencies() []Latency {
+	var out []Latency
+	for k := range numKinds {
+		h := &r.latency[k]
+		l := Latency{Kind: k.String(), Buckets: make([]Bucket, len(r.boundsSec))}
+		var cum uint64
+		for i := range h.counts {
+			cum += h.counts[i].Load()
+			if i < len(r.boundsSec) {
+				l.Buckets[i] = Bucket{LE: r.boundsSec[i], Count: cum}
+			}
+		}
+		if cum == 0 {
+			continue
+		}
+		l.Count = cum
+		l.SumSeconds = float64(h.sumNs.Load()) / 1e9
+		out = append(out, l)
+	}
+	return out
+}
+
+// Snapshot returns the figures now. A nil Recorder returns the zero
+// Snapshot.
+func (r *Recorder) Snapshot() Snapshot {
+	var s Snapshot
+	if r == nil {
+		return s
+	}
+	for k := range numKinds {
+		for o := range numOutcomes {
+			if n := r.jobs[k][o].Load(); n > 0 {
+				s.Jobs = append(s.Jobs, JobCount{Kind: k.String(), Outcome: o.String(), Count: n})
+			}
+		}
+	}
+	s.Latency = r.latencies()
+	s.WrittenBytes, s.ReusedBytes, s.ReadBytes = r.written.Load(), r.reused.Load(), r.read.Load()
+	s.LookupHitTokens, s.LookupMissTokens = r.hitTokens.Load(), r.missTokens.Load()
+	for _, reason := range evictReasons {
+		if p, b := r.evPages[reason].Load(), r.evBytes[reason].Load(); p != 0 || b != 0 {
+			s.Evicted = append(s.Evicted, EvictedCount{Reason: reason.String(), Pages: p, Bytes: b})
+		}
+	}
+	for _, limit := range refusedLimits {
+		if n := r.refused[limit].Load(); n > 0 {
+			s.Refused = append(s.Refused, RefusedCount{Limit: limit.String(), Count: n})
+		}
+	}
+	if r.usage != nil {
+		u := r.usage()
+		s.Cache = &u
+	}
+	return s
+}
