@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"flag"
 	"fmt"
@@ -21,7 +22,9 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/minio/sha256-simd"
+	"github.com/zeebo/xxh3"
 	"go.uber.org/goleak"
 	"golang.org/x/sys/unix"
 )
@@ -437,6 +440,12 @@ func shaLimit(b []byte, offs, lens []int, sums [][32]byte) {
 // preadLimit is the warm-read limit: pread of each extent of the file into
 // dest[i] (file offset offs[i]) on every core, no hashing.
 func preadLimit(path string, dest [][]byte, offs []int64) error {
+	return preadEach(path, dest, offs, func(int) error { return nil })
+}
+
+// preadEach preads each extent of the file into dest[i] (file offset
+// offs[i]) on every core, then runs after(i) on the same goroutine.
+func preadEach(path string, dest [][]byte, offs []int64, after func(i int) error) error {
 	f, err := os.Open(path)
 	if err != nil {
 		return err
@@ -444,19 +453,73 @@ func preadLimit(path string, dest [][]byte, offs []int64) error {
 	defer f.Close()
 	fd := int(f.Fd())
 	return parallelFor(len(dest), func(i int) error {
-		b, off := dest[i], offs[i]
-		for len(b) > 0 {
-			n, err := unix.Pread(fd, b, off)
-			if err == unix.EINTR {
-				continue
-			}
-			if err != nil {
-				return err
-			}
-			if n == 0 {
-				return io.ErrUnexpectedEOF
-			}
-			b, off = b[n:], off+int64(n)
+		if err := preadFull(fd, dest[i], offs[i]); err != nil {
+			return err
+		}
+		return after(i)
+	})
+}
+
+// preadFull fills b from fd at off with pread.
+func preadFull(fd int, b []byte, off int64) error {
+	for len(b) > 0 {
+		n, err := unix.Pread(fd, b, off)
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return io.ErrUnexpectedEOF
+		}
+		b, off = b[n:], off+int64(n)
+	}
+	return nil
+}
+
+// preadXXH3Limit is the warm single-file restore limit: preadLimit, each
+// tensor then hashed by xxh3.Hash (one pass over it) on the goroutine that
+// read it, every core; a hash that differs from the header's is an error.
+func preadXXH3Limit(path string, dest [][]byte, offs []int64, h *layout.Header) error {
+	slots := h.Slots()
+	return preadEach(path, dest, offs, func(i int) error {
+		if got := layout.TensorHash(xxh3.Hash(dest[i])); got != slots[i].Hash {
+			return fmt.Errorf("pread+xxh3 limit: slot %d hashes to %s, the header says %s", i, got, slots[i].Hash)
+		}
+		return nil
+	})
+}
+
+// preadSHALimit is the warm block restore limit: for every block a
+// manifest names, open its file, pread it whole into its place in dest,
+// SHA-256 it (one pass) and close it, on every core; a digest that differs
+// from the block's name is an error.
+func preadSHALimit(snap *layout.Snapshot, path string, dest [][]byte) error {
+	type blk struct {
+		path string
+		dst  []byte
+		hash string
+	}
+	var blks []blk
+	for i, t := range snap.Header.Slots() {
+		var o int64
+		for _, ref := range t.Blocks {
+			blks = append(blks, blk{testutil.BlockPath(filepath.Dir(path), ref.Hash), dest[i][o : o+ref.Bytes], ref.Hash})
+			o += ref.Bytes
+		}
+	}
+	return parallelFor(len(blks), func(k int) error {
+		f, err := os.Open(blks[k].path)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := preadFull(int(f.Fd()), blks[k].dst, 0); err != nil {
+			return err
+		}
+		if sum := sha256.Sum256(blks[k].dst); hex.EncodeToString(sum[:]) != blks[k].hash {
+			return fmt.Errorf("pread+SHA-256 limit: block %s hashes to %x", blks[k].hash, sum)
 		}
 		return nil
 	})

@@ -5,6 +5,7 @@ import (
 	cryptosha256 "crypto/sha256"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -96,7 +97,72 @@ func TestReadAndHashLimits(t *testing.T) {
 		}
 	}
 
+	// pread + xxh3: the same bytes, and the header's hashes (it checks).
+	clear(dest[0])
+	if err := preadXXH3Limit(path, dest, offs, snap.Header); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dest[0], w.slots[0]) {
+		t.Fatal("pread+xxh3 limit: slot 0 differs from the bytes saved")
+	}
+	// A wrong hash in the header is caught: the limit hashes what it read.
+	badHeader := *snap.Header
+	badHeader.Caches = slices.Clone(snap.Header.Caches)
+	badHeader.Caches[0].Tensors = slices.Clone(snap.Header.Caches[0].Tensors)
+	badHeader.Caches[0].Tensors[1].Hash = "0000000000000000"
+	if err := preadXXH3Limit(path, dest, offs, &badHeader); err == nil {
+		t.Fatal("pread+xxh3 limit accepted a wrong hash")
+	}
+
 	blocks := do(t, e, w.request(engine.Ref{Namespace: "ns", Name: "blk"}, layout.Blocks, w.tokens))
+	blkSnap, err := e.Stat(engine.Ref{Namespace: "ns", Name: "blk"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	blkPath, err := e.Path(engine.Ref{Namespace: "ns", Name: "blk"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range dest {
+		clear(dest[i])
+	}
+	if err := preadSHALimit(blkSnap, blkPath, dest); err != nil {
+		t.Fatal(err)
+	}
+	for i := range dest {
+		if !bytes.Equal(dest[i], w.slots[i]) {
+			t.Fatalf("pread+SHA-256 limit: slot %d differs from the bytes saved", i)
+		}
+	}
+	// The cold limit reads every byte of both snapshots with O_DIRECT at
+	// every depth, after an eviction that leaves no page cached.
+	for _, sp := range []struct {
+		snap *layout.Snapshot
+		path string
+	}{{snap, path}, {blkSnap, blkPath}} {
+		files, exts := snapshotFiles(sp.snap, sp.path)
+		if err := evict(files); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := residentPages(files); err != nil || n != 0 {
+			t.Fatalf("%s: %d pages cached after evict (%v)", sp.path, n, err)
+		}
+		mem, err := newArena(32 * (directRequestBytes + pageBytes))
+		if err != nil {
+			t.Fatal(err)
+		}
+		bufs := make([][]byte, 32)
+		for i := range bufs {
+			bufs[i] = mem.alloc(directRequestBytes + pageBytes)
+		}
+		for _, qd := range directDepths {
+			n, err := directLimit(exts, qd, bufs)
+			if err != nil || n != int64(w.logical) {
+				t.Fatalf("%s: O_DIRECT limit at depth %d read %d bytes, want %d: %v", sp.path, qd, n, w.logical, err)
+			}
+		}
+		mem.free()
+	}
 	bo, bl := blockCuts(blocks.Header)
 	if len(bo) != int(blocks.Metrics.BlocksWritten) || len(bo) == 0 {
 		t.Fatalf("%d block extents, the save wrote %d blocks", len(bo), blocks.Metrics.BlocksWritten)
@@ -165,4 +231,44 @@ func listFiles(t *testing.T, dir string) []string {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// TestWriteModes: both write modes of BenchmarkWriteModes leave exactly the
+// bytes given, as one file or as 1 MiB files in order.
+func TestWriteModes(t *testing.T) {
+	arena, err := newArena(3<<20 + 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer arena.free()
+	data := arena.alloc(3<<20 + 8192)
+	for i := range data {
+		data[i] = byte(i * 31 / 7)
+	}
+	dir := mkdir(t, "writemodes-test")
+	defer removeAll(t, dir)
+	for _, direct := range []bool{false, true} {
+		p := filepath.Join(dir, fmt.Sprintf("single-%v", direct))
+		if err := writeSingleFile(p, data, direct); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := os.ReadFile(p); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("direct=%v: single file differs (%v)", direct, err)
+		}
+		p = filepath.Join(dir, fmt.Sprintf("blocks-%v", direct))
+		if err := writeBlockFiles(p, data, direct); err != nil {
+			t.Fatal(err)
+		}
+		var all []byte
+		for k := range 4 {
+			b, err := os.ReadFile(filepath.Join(p, fmt.Sprintf("%06d", k)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			all = append(all, b...)
+		}
+		if !bytes.Equal(all, data) {
+			t.Fatalf("direct=%v: block files differ", direct)
+		}
+	}
 }

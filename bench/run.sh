@@ -13,13 +13,16 @@
 #                           (each benchmark also runs one untimed warm-up
 #                           iteration, once per process; Nx with N > 1 adds
 #                           the testing package's N=1 probe run)
+#   COLD_BENCHTIME=3x       iterations per run of the cold restores (each
+#                           evicts the files, restores, and runs the O_DIRECT
+#                           limit at 4 queue depths: about 5 s at 1 GiB)
 #   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
 #                           temp dir unless tmpfs, else bench/); never tmpfs
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
 #                           go run golang.org/x/perf/cmd/benchstat@latest;
 #                           skipped if that fails); 0 to skip
-# With the defaults the suite takes about 15-25 minutes on the project's
+# With the defaults the suite takes about 20-30 minutes on the project's
 # 2-core machine (a count-1 run about 4-5 minutes; the disk's speed decides).
 set -euo pipefail
 
@@ -28,6 +31,7 @@ COUNT=${COUNT:-6}
 BIG_BENCHTIME=${BIG_BENCHTIME:-1x}
 SMALL_BENCHTIME=${SMALL_BENCHTIME:-1x}
 RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
+COLD_BENCHTIME=${COLD_BENCHTIME:-3x}
 FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
 BENCHSTAT=${BENCHSTAT:-1}
 GO=${GO:-go}
@@ -61,6 +65,7 @@ start=$(date +%s)
 run '^BenchmarkSave$//^T=8192$' "$BIG_BENCHTIME"
 run '^BenchmarkSave$//^T=2048$' "$SMALL_BENCHTIME"
 run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
+run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
@@ -82,8 +87,10 @@ function target(name) {
 	if (name ~ /^BenchmarkSave\/single\//) return 0.9
 	if (name ~ /^BenchmarkSave\/blocks-first\//) return 0.8
 	if (name ~ /^BenchmarkSave\/blocks-dedup\//) return 0.85
-	if (name ~ /^BenchmarkRestore\/single\//) return 0.75
-	if (name ~ /^BenchmarkRestore\/blocks\//) return 0.8
+	if (name ~ /^BenchmarkRestore\/single\//) return 0.85
+	if (name ~ /^BenchmarkRestore\/blocks\//) return 0.85
+	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
+	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
 	return ""
 }
@@ -104,6 +111,7 @@ END {
 		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
+		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
 		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
 			has[n, "MB/s"] ? sprintf("%.0f", median(n SUBSEP "MB/s")) : "-",

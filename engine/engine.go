@@ -79,6 +79,12 @@ type Config struct {
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
 	// bytes); register it in the scheduler's Prometheus registry. nil: none.
 	Metrics *metrics.Recorder
+	// ReadDepth is how many read requests one restore keeps in flight;
+	// default jobs.DefaultReadDepth (see jobs.ReadExtents). NoDirect turns
+	// O_DIRECT reads off (by default they are used where the file system
+	// supports them, with a buffered fallback).
+	ReadDepth int
+	NoDirect  bool
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -111,6 +117,7 @@ type Engine struct {
 type stats struct {
 	queued, running, completed, failed   atomic.Int64
 	bytesWritten, bytesReused, bytesRead atomic.Int64
+	bytesReadDirect                      atomic.Int64
 }
 
 // Stats is a snapshot of the engine's counters. Bytes are bytes.
@@ -122,6 +129,9 @@ type Stats struct {
 	BytesWritten int64 // WrittenBytes summed over writes
 	BytesReused  int64 // ReusedBytes summed over writes (dedup)
 	BytesRead    int64 // ReadBytes summed over reads
+	// BytesReadDirect: the part of BytesRead read with O_DIRECT; it stays 0
+	// where the file system has no O_DIRECT (the buffered fallback).
+	BytesReadDirect int64
 }
 
 // New opens an engine on cfg.Root and starts its dispatcher. Close it.
@@ -146,6 +156,9 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if err := jobs.CheckBlockBytes(cfg.BlockBytes); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
+	}
+	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
+		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
 	}
 	if cfg.FS == nil {
 		cfg.FS = vfs.Default
@@ -191,7 +204,9 @@ func New(cfg Config) (*Engine, error) {
 			e.helpersStarted.Add(1)
 			return true
 		},
-		Yield: e.waiting.Load,
+		Yield:     e.waiting.Load,
+		ReadDepth: cfg.ReadDepth,
+		NoDirect:  cfg.NoDirect,
 	}
 	if cfg.Workers == 1 {
 		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool
@@ -211,6 +226,7 @@ func (e *Engine) Stats() Stats {
 		Queued: s.queued.Load(), Running: s.running.Load(),
 		Completed: s.completed.Load(), Failed: s.failed.Load(),
 		BytesWritten: s.bytesWritten.Load(), BytesReused: s.bytesReused.Load(), BytesRead: s.bytesRead.Load(),
+		BytesReadDirect: s.bytesReadDirect.Load(),
 	}
 }
 

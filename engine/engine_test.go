@@ -197,6 +197,8 @@ func TestNewConfig(t *testing.T) {
 		{Root: t.TempDir(), Workers: 5000},
 		{Root: t.TempDir(), Mailbox: -1},
 		{Root: t.TempDir(), BlockBytes: 1000},
+		{Root: t.TempDir(), ReadDepth: -1},
+		{Root: t.TempDir(), ReadDepth: jobs.MaxReadDepth + 1},
 	} {
 		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
 			if e != nil {
@@ -210,7 +212,9 @@ func TestNewConfig(t *testing.T) {
 // Stats counts exactly: after a known sequence every byte counter equals an
 // independent computation from the cache geometry and the files' sizes.
 func TestStatsExact(t *testing.T) {
-	e := newEngine(t, Config{Workers: 2, BlockBytes: 4096})
+	// NoDirect: BytesReadDirect is then exactly 0 (with O_DIRECT it would
+	// depend on what the page cache holds: jobs' tests count it).
+	e := newEngine(t, Config{Workers: 2, BlockBytes: 4096, NoDirect: true})
 	m := kvgen.Tiny
 	const T = 40
 	logical := int64(m.CacheBytes(T)) // 2 layers x 2 x (2 heads x 40 x 16 x 2 B) + 40 x 4 B

@@ -47,4 +47,5 @@ func (e *Engine) recordJob(j *job, res *Result, ran bool) {
 	}
 	m.Job(kind, outcome, elapsed, ran)
 	m.Bytes(res.Metrics.WrittenBytes, res.Metrics.ReusedBytes, res.Metrics.ReadBytes)
+	m.DirectRead(res.Metrics.DirectReadBytes)
 }

@@ -92,7 +92,7 @@ errors (io-error problems included).`)
 	if *workers == 1 {
 		cfg.Spawn = nil
 	}
-	res, err := jobs.Verify(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
+	res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
 		OnPlan:     func(total int64) { bar = c.progress(total, "verify") },
 		OnProgress: func(n int64) { bar.Add(n) },
 		OnLockWait: func(nsDir string) {

@@ -219,11 +219,14 @@ func TestHostileSymlinks(t *testing.T) {
 				t.Fatalf("verify=%v: %v, want a ReadError for slot 1 wrapping ELOOP", verify, err)
 			}
 			checkGuards(t, gs)
-			for i := range dest {
-				if i != 1 && !bytes.Equal(dest[i], s.want[i]) {
-					t.Fatalf("slot %d not restored beside the failed one", i)
+			// Found when the blocks are opened, before any data is read:
+			// no destination has been touched.
+			for i, g := range gs {
+				if !g.untouched() {
+					t.Fatalf("verify=%v: destination %d written by a read that failed on opening its blocks", verify, i)
 				}
 			}
+			_ = dest
 		}
 		// Collect neither follows nor deletes the link's target.
 		if _, err := collectAt(ctx, &jobs.Config{}, s.root, &jobs.CollectRequest{}); err != nil {
@@ -422,13 +425,18 @@ func TestHostileMismatchedRestores(t *testing.T) {
 		name   string
 		damage func(b []byte) []byte
 		want   error
+		// beforeData: found when every block is opened and sized, before
+		// the first byte of any destination is written: every destination
+		// is untouched. Otherwise (found while reading) every other slot
+		// is restored.
+		beforeData bool
 	}{
-		{"truncated", func(b []byte) []byte { return b[:len(b)-1] }, jobs.ErrBlockSize},
-		{"empty", func(b []byte) []byte { return nil }, jobs.ErrBlockSize},
-		{"longer", func(b []byte) []byte { return append(b, 0) }, jobs.ErrBlockSize},
-		{"much-longer", func(b []byte) []byte { return append(b, make([]byte, 1<<16)...) }, jobs.ErrBlockSize},
-		{"flipped", func(b []byte) []byte { b[len(b)/2] ^= 1; return b }, jobs.ErrCorrupt},
-		{"missing", nil, jobs.ErrMissingBlock},
+		{"truncated", func(b []byte) []byte { return b[:len(b)-1] }, jobs.ErrBlockSize, true},
+		{"empty", func(b []byte) []byte { return nil }, jobs.ErrBlockSize, true},
+		{"longer", func(b []byte) []byte { return append(b, 0) }, jobs.ErrBlockSize, true},
+		{"much-longer", func(b []byte) []byte { return append(b, make([]byte, 1<<16)...) }, jobs.ErrBlockSize, true},
+		{"flipped", func(b []byte) []byte { b[len(b)/2] ^= 1; return b }, jobs.ErrCorrupt, false},
+		{"missing", nil, jobs.ErrMissingBlock, true},
 	}
 	for _, bc := range blockCases {
 		t.Run("block-"+bc.name, func(t *testing.T) {
@@ -454,8 +462,11 @@ func TestHostileMismatchedRestores(t *testing.T) {
 				t.Fatalf("%v, want a ReadError for slot 3 naming block %s and wrapping %v", err, ref.Hash, bc.want)
 			}
 			checkGuards(t, gs)
-			for i := range dest {
-				if i != 3 && !bytes.Equal(dest[i], s.want[i]) {
+			for i, g := range gs {
+				if bc.beforeData && !g.untouched() {
+					t.Fatalf("destination %d written by a read that failed on opening its blocks", i)
+				}
+				if !bc.beforeData && i != 3 && !bytes.Equal(dest[i], s.want[i]) {
 					t.Fatalf("slot %d not restored beside the damaged one", i)
 				}
 			}

@@ -7,12 +7,14 @@
 // lists a directory or builds a block path itself. They start no CPU goroutines of
 // their own: a job that can use more cores hands tasks to Config.Spawn (the
 // engine's bounded pool) and does the rest itself, so a job makes progress
-// even when the pool is full. The one exception waits on the disk, not the
+// even when the pool is full. The exceptions wait on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
-// fsync waiters), joined before it returns. The engine (package
-// engine) schedules them; tools and tests may call them directly, with the
-// same request types (WriteRequest, ReadRequest, ...; request.go), naming
-// snapshots by Ref under Config.Root.
+// fsync waiters), and a Read tops the pool's helpers up with goroutines of
+// its own to keep Config.ReadDepth requests in flight (ReadExtents); both
+// are joined before the job returns. The engine (package engine) schedules
+// them; tools and tests may call them directly, with the same request types
+// (WriteRequest, ReadRequest, ...; request.go), naming snapshots by Ref
+// under Config.Root.
 package jobs
 
 import (
@@ -60,6 +62,11 @@ type Config struct {
 	Yield func() bool
 	// Logger receives debug events; nil means slog.Default().
 	Logger *slog.Logger
+	// ReadDepth is how many read requests one read keeps in flight (see
+	// ReadExtents); 0 means DefaultReadDepth, at most MaxReadDepth.
+	ReadDepth int
+	// NoDirect turns O_DIRECT reads off (buffered reads only).
+	NoDirect bool
 }
 
 func (c *Config) fs() vfs.FS {
@@ -103,6 +110,9 @@ type Metrics struct {
 	LogicalBytes int64
 	// ReadBytes: bytes read from disk into destinations (reads).
 	ReadBytes int64
+	// DirectReadBytes: the part of ReadBytes read with O_DIRECT, past the
+	// page cache (0 on a file system without O_DIRECT: buffered fallback).
+	DirectReadBytes int64
 	// BlocksWritten / BlocksReused count blocks (block layout).
 	BlocksWritten, BlocksReused int64
 

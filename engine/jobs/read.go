@@ -5,21 +5,17 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"hash"
 	"path/filepath"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
-	"github.com/minio/sha256-simd"
-	"github.com/zeebo/xxh3"
 )
 
 // readSpec is a read request with its resolved path.
@@ -91,13 +87,26 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 }
 
 // Read restores the snapshot <cfg.Root>/<req.Namespace>/<req.Name> into
-// req.Dest. It decodes and validates the file first (layout.Decode) and
-// checks the destinations (CheckDest) before any byte of them is written; it
-// never writes past a destination's length. A failure found later (a hash
-// mismatch, a missing or wrong-sized block) is a *ReadError naming every
-// tensor affected; the destinations' contents are then undefined. The
-// destinations are not touched after Read returns. A name that is not one
-// valid path element is layout.ErrBadName.
+// req.Dest. It decodes and validates the file first (layout.Decode), checks
+// the destinations (CheckDest) and, for a manifest, opens every block it
+// names and checks its size, all before any byte of a destination is
+// written; it never writes past a destination's length. The data is read
+// by ReadExtents: cfg.ReadDepth requests in flight, O_DIRECT where the file
+// system supports it and the file is not in the page cache. A name that is
+// not one valid path element is layout.ErrBadName.
+//
+// What a destination holds after a failure:
+//   - an error from decoding, CheckDest (ErrDestination, ErrMismatch), the
+//     lock, or opening and sizing the blocks (ErrMissingBlock, ErrBlockSize,
+//     a symlinked directory, an I/O error: a *ReadError naming every tensor
+//     with such a block): no destination has been touched;
+//   - a *ReadError from reading (ErrCorrupt, an I/O error): the tensors it
+//     names hold unspecified bytes (a mix of their old contents and the
+//     file's); every other tensor was read completely (and verified, with
+//     Verify);
+//   - ctx's error: every destination holds unspecified bytes.
+//
+// The destinations are not touched after Read returns.
 func Read(ctx context.Context, cfg *Config, req *ReadRequest) (*layout.Snapshot, Metrics, error) {
 	path, err := cfg.snapshotPath(req.Ref)
 	if err != nil {
@@ -136,180 +145,241 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 	for _, t := range slots {
 		m.LogicalBytes += t.Bytes
 	}
-	var read atomic.Int64
-	var mu sync.Mutex
-	var failures []SlotError
-	fail := func(slot int, err error) {
-		mu.Lock()
-		failures = append(failures, SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: err})
-		mu.Unlock()
-	}
+	var exts []Extent
 	if snap.Layout == layout.Single {
-		err = parallel(ctx, cfg, len(slots), 0, func(i int, _ []byte) error {
-			if err := readTensor(ctx, f, snap, slots[i], spec.Dest[i], spec.Verify, &read); err != nil {
-				if ctx.Err() != nil {
-					return ctx.Err()
-				}
-				fail(i, err)
-			}
-			return nil
-		})
+		src, err := AdoptSource(cfg, f)
+		if err != nil {
+			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
+		}
+		defer src.Close()
+		exts = tensorExtents(snap, src, spec.Dest, spec.Verify)
 	} else {
-		type task struct{ slot, block int }
-		var tasks []task
-		offs := make([][]int64, len(slots))
-		for i, t := range slots {
-			offs[i] = make([]int64, len(t.Blocks))
-			var o int64
-			for b, ref := range t.Blocks {
-				offs[i][b] = o
-				o += ref.Bytes
-				tasks = append(tasks, task{i, b})
+		blocks, err := openBlocks(ctx, cfg, f, snap)
+		defer blocks.close()
+		if err != nil {
+			return snap, m, err
+		}
+		exts = blocks.extents(snap, spec.Dest, spec.Verify)
+	}
+	errs, st, err := ReadExtents(ctx, cfg, exts)
+	m.ReadBytes, m.DirectReadBytes = st.Bytes, st.DirectBytes
+	if err == nil && snap.Legacy && snap.Layout == layout.Single && spec.Verify {
+		// Bun.hash has no streaming form here: hash each tensor once read.
+		for k, x := range exts {
+			if t := slots[x.Group]; errs[k] == nil && bunhash.Hex(x.Dst) != t.Hash {
+				errs[k] = fmt.Errorf("%w: Bun.hash %s, header says %s", ErrCorrupt, bunhash.Hex(x.Dst), t.Hash)
 			}
 		}
-		var bad sync.Map  // slot -> struct{}: skip the rest of a failed tensor
-		var dirs sync.Map // directory -> error of checkDir, checked once per read
-		err = parallel(ctx, cfg, len(tasks), 0, func(k int, _ []byte) error {
-			tk := tasks[k]
-			if _, skip := bad.Load(tk.slot); skip {
-				return nil
-			}
-			ref := slots[tk.slot].Blocks[tk.block]
-			dst := spec.Dest[tk.slot][offs[tk.slot][tk.block]:][:ref.Bytes:ref.Bytes]
-			if err := readBlock(ns, snap, ref, dst, spec.Verify, &dirs); err != nil {
-				if _, dup := bad.LoadOrStore(tk.slot, struct{}{}); !dup {
-					fail(tk.slot, fmt.Errorf("block %d: %w", tk.block, err))
-				}
-				return nil
-			}
-			read.Add(ref.Bytes)
-			return nil
-		})
 	}
-	m.ReadBytes = read.Load()
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return snap, m, err
 	}
+	failures := map[int]SlotError{}
+	for k, e := range errs {
+		if e == nil || errors.Is(e, ErrSkipped) {
+			continue
+		}
+		slot := exts[k].Group
+		if _, dup := failures[slot]; !dup {
+			if snap.Layout == layout.Blocks {
+				e = fmt.Errorf("block %d: %w", blockIndex(snap, exts, k), e)
+			}
+			failures[slot] = SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: e}
+		}
+	}
 	if len(failures) > 0 {
-		sort.Slice(failures, func(i, j int) bool { return failures[i].Slot < failures[j].Slot })
-		return snap, m, &ReadError{Path: spec.Path, Slots: failures}
+		return snap, m, &ReadError{Path: spec.Path, Slots: sortedFailures(failures)}
 	}
 	return snap, m, nil
 }
 
-// readTensor preads one single-file tensor straight into dst, chunk by
-// chunk, hashing each chunk while it is hot in cache.
-func readTensor(ctx context.Context, f vfs.File, snap *layout.Snapshot, t *layout.Tensor, dst []byte, verify bool, read *atomic.Int64) error {
-	base := int64(snap.DataStart) + t.Off
-	if snap.Legacy {
-		// Bun.hash has no streaming form here: read whole, then hash.
-		if err := layout.ReadFull(f, dst, base); err != nil {
-			return err
-		}
-		read.Add(int64(len(dst)))
-		if verify && bunhash.Hex(dst) != t.Hash {
-			return fmt.Errorf("%w: Bun.hash %s, header says %s", ErrCorrupt, bunhash.Hex(dst), t.Hash)
-		}
-		return nil
+func sortedFailures(failures map[int]SlotError) []SlotError {
+	out := make([]SlotError, 0, len(failures))
+	for _, f := range failures {
+		out = append(out, f)
 	}
-	hs := hasherPool.Get().(*xxh3.Hasher)
-	defer hasherPool.Put(hs)
-	hs.Reset()
-	for o := 0; o < len(dst); {
-		if o > 0 && ctx.Err() != nil {
-			return ctx.Err()
+	sort.Slice(out, func(i, j int) bool { return out[i].Slot < out[j].Slot })
+	return out
+}
+
+// tensorExtents is one extent per non-empty tensor of a single-file
+// snapshot, grouped by slot.
+func tensorExtents(snap *layout.Snapshot, src *Source, dest [][]byte, verify bool) []Extent {
+	var exts []Extent
+	for i, t := range snap.Header.Slots() {
+		if t.Bytes == 0 {
+			continue
 		}
-		n := min(readChunk, len(dst)-o)
-		if err := layout.ReadFull(f, dst[o:o+n], base+int64(o)); err != nil {
-			return err
+		x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
+		if verify && !snap.Legacy {
+			x.Verify = VerifyXXH3
+			x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated: 16 hex digits
 		}
-		read.Add(int64(n))
-		if verify {
-			hs.Write(dst[o : o+n])
-		}
-		o += n
+		exts = append(exts, x)
 	}
-	if verify {
-		if got := layout.TensorHash(hs.Sum64()); got != t.Hash {
-			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, t.Hash)
+	return exts
+}
+
+// blockIndex is the index within its tensor of the block that extent k
+// reads (extents of a tensor's blocks are consecutive, in block order).
+func blockIndex(snap *layout.Snapshot, exts []Extent, k int) int {
+	b := 0
+	for j := k - 1; j >= 0 && exts[j].Group == exts[k].Group; j-- {
+		b++
+	}
+	return b
+}
+
+// readBlocks are the block files of one manifest, opened and sized.
+type readBlocks struct {
+	srcs  map[string]*Source // by hash
+	paths map[string]string  // by hash
+}
+
+func (b *readBlocks) close() {
+	for _, s := range b.srcs {
+		s.Close()
+	}
+}
+
+// blockPath is where a manifest's block lives: kvpersist's fan-out, or the
+// Bun worker's flat blocks/.
+func blockPath(snap *layout.Snapshot, hash string) string {
+	ns, _ := store.NamespaceOf(snap.Path, store.Options{})
+	return ns.SnapshotBlockPath(snap, hash)
+}
+
+// openBlocks opens every distinct block the manifest names (without
+// following symlinks; the directories between the namespace and the blocks
+// must be real directories) and checks each is a regular file of exactly
+// the manifest's count, several at a time (cfg.ReadDepth). Every failure is
+// reported, per tensor, in a *ReadError, before any destination is touched:
+// the read holds the namespace's shared lock, so collect cannot remove a
+// block between this check and the read.
+func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layout.Snapshot) (*readBlocks, error) {
+	fsys := cfg.fs()
+	nsDir := filepath.Dir(snap.Path)
+	type want struct {
+		hash  string
+		bytes int64
+	}
+	var uniq []want
+	b := &readBlocks{srcs: map[string]*Source{}, paths: map[string]string{}}
+	for _, t := range snap.Header.Slots() {
+		for _, ref := range t.Blocks {
+			if _, seen := b.paths[ref.Hash]; !seen {
+				b.paths[ref.Hash] = blockPath(snap, ref.Hash)
+				uniq = append(uniq, want{ref.Hash, ref.Bytes})
+			}
 		}
+	}
+	// The directories between the namespace and the blocks, once each.
+	dirErr := map[string]error{}
+	for _, w := range uniq {
+		for d := filepath.Dir(b.paths[w.hash]); d != nsDir; d = filepath.Dir(d) {
+			if _, done := dirErr[d]; !done {
+				dirErr[d] = checkDir(fsys, d)
+			}
+		}
+	}
+	mode := directFor(cfg, manifest)
+	srcs := make([]*Source, len(uniq))
+	errs := make([]error, len(uniq))
+	err := inFlight(ctx, cfg, cfg.readDepth(), len(uniq), func(i int) {
+		w := uniq[i]
+		path := b.paths[w.hash]
+		for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
+			if err := dirErr[d]; err != nil {
+				errs[i] = err
+				return
+			}
+		}
+		s, err := openSourceWith(cfg, mode, path)
+		if err != nil {
+			if vfs.IsNotExist(err) {
+				err = fmt.Errorf("%w: %s", ErrMissingBlock, path)
+			}
+			errs[i] = err
+			return
+		}
+		srcs[i] = s
+		if !s.regular || s.size != w.bytes {
+			errs[i] = fmt.Errorf("%w: %s has %d bytes (regular file: %v), the manifest says %d", ErrBlockSize, path, s.size, s.regular, w.bytes)
+		}
+	})
+	for i, s := range srcs {
+		if s != nil {
+			b.srcs[uniq[i].hash] = s
+		}
+	}
+	if len(uniq) > maxHeldBlocks {
+		// Too many to keep open: each is opened again when read, and
+		// closed after its last reference.
+		uses := map[string]int64{}
+		for _, t := range snap.Header.Slots() {
+			for _, ref := range t.Blocks {
+				uses[ref.Hash]++
+			}
+		}
+		for h, s := range b.srcs {
+			s.makeLazy(uses[h])
+		}
+	}
+	if err != nil {
+		return b, err
+	}
+	bad := map[string]error{}
+	for i, e := range errs {
+		if e != nil {
+			bad[uniq[i].hash] = e
+		}
+	}
+	if len(bad) == 0 {
+		return b, nil
+	}
+	failures := map[int]SlotError{}
+	for slot, t := range snap.Header.Slots() {
+		for k, ref := range t.Blocks {
+			if e := bad[ref.Hash]; e != nil {
+				failures[slot] = SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: fmt.Errorf("block %d: %w", k, e)}
+				break
+			}
+		}
+	}
+	return b, &ReadError{Path: snap.Path, Slots: sortedFailures(failures)}
+}
+
+// maxHeldBlocks is how many block files a read keeps open from the check
+// of their sizes to their read (a 1 GiB snapshot of 1 MiB blocks); a
+// manifest naming more reopens each block when it reads it.
+var maxHeldBlocks = 1024
+
+// extents is one extent per block reference, in slot and block order,
+// grouped by slot, each into its tensor's destination sub-slice.
+func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) []Extent {
+	var exts []Extent
+	for i, t := range snap.Header.Slots() {
+		var o int64
+		for _, ref := range t.Blocks {
+			x := Extent{Src: b.srcs[ref.Hash], Dst: dest[i][o:][:ref.Bytes:ref.Bytes], Group: i}
+			if verify {
+				x.Verify = VerifySHA256
+				hex.Decode(x.SHA256[:], []byte(ref.Hash)) // validated: 64 hex digits
+			}
+			exts = append(exts, x)
+			o += ref.Bytes
+		}
+	}
+	return exts
+}
+
+// checkDir fails unless dir is a real directory (not a symlink to one;
+// store.CheckRealDir). A missing directory is not an error here: the
+// block's open reports it.
+func checkDir(fsys vfs.FS, dir string) error {
+	if err := store.At(filepath.Dir(dir), store.Options{FS: fsys}).CheckRealDir(dir); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 	}
 	return nil
 }
-
-// readBlock reads one block file into dst (exactly its bytes), checking its
-// size first and, with verify, its SHA-256.
-func readBlock(ns *store.Namespace, snap *layout.Snapshot, ref layout.BlockRef, dst []byte, verify bool, dirs *sync.Map) error {
-	fsys, nsDir := ns.Store().FS(), ns.Dir()
-	path := ns.SnapshotBlockPath(snap, ref.Hash)
-	// Blocks are opened without following a symlink in their last element;
-	// the directories between the namespace and the block (blocks/ and the
-	// fan-out) must be real directories too, checked once per read.
-	for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
-		v, ok := dirs.Load(d)
-		if !ok {
-			var derr error
-			if err := ns.Store().CheckRealDir(d); err != nil {
-				derr = fmt.Errorf("%w: %w", ErrInvalidRequest, err)
-			}
-			v, _ = dirs.LoadOrStore(d, derr)
-		}
-		if v != nil {
-			if err, _ := v.(error); err != nil {
-				return err
-			}
-		}
-	}
-	bf, err := fsys.Open(path)
-	if err != nil {
-		if vfs.IsNotExist(err) {
-			return fmt.Errorf("%w: %s", ErrMissingBlock, path)
-		}
-		return err
-	}
-	defer bf.Close()
-	st, err := bf.Stat()
-	if err != nil {
-		return err
-	}
-	if !st.Mode().IsRegular() || st.Size() != ref.Bytes {
-		return fmt.Errorf("%w: %s has %d bytes, the manifest says %d", ErrBlockSize, path, st.Size(), ref.Bytes)
-	}
-	// Read and hash in pieces that stay in L2 cache, so verification reads
-	// what pread just wrote from cache rather than from memory.
-	var h hash.Hash
-	if verify {
-		h = sha256Pool.Get().(hash.Hash)
-		defer sha256Pool.Put(h)
-		h.Reset()
-	}
-	for o := 0; o < len(dst); o += blockReadPiece {
-		piece := dst[o:min(o+blockReadPiece, len(dst))]
-		if err := layout.ReadFull(bf, piece, int64(o)); err != nil {
-			if errors.Is(err, layout.ErrTruncated) {
-				return fmt.Errorf("%w: %s: %v", ErrBlockSize, path, err)
-			}
-			return err
-		}
-		if verify {
-			h.Write(piece)
-		}
-	}
-	if verify {
-		var sum [sha256.Size]byte
-		if got := hex.EncodeToString(h.Sum(sum[:0])); got != ref.Hash {
-			return fmt.Errorf("%w: %s has SHA-256 %s", ErrCorrupt, path, got)
-		}
-	}
-	return nil
-}
-
-// blockReadPiece is the unit, in bytes, in which a block is read and hashed.
-const blockReadPiece = 256 << 10
-
-var sha256Pool = sync.Pool{New: func() any { return sha256.New() }}
-
-// readChunk is the unit, in bytes, in which a single-file read preads and
-// hashes a tensor (measured: 256 KiB to 4 MiB perform alike here).
-const readChunk = 1 << 20

@@ -19,7 +19,7 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// Kinds of problem Verify reports (VerifyProblem.Kind).
+// Kinds of problem VerifyStore reports (VerifyProblem.Kind).
 const (
 	// ProblemIO: something could not be read (path: what).
 	ProblemIO = "io-error"
@@ -48,17 +48,20 @@ var problemRank = map[string]int{ProblemIO: 0, ProblemUnreadable: 1, ProblemCorr
 // maxRefs is how many referrers a problem names; the rest are counted.
 const maxRefs = 4
 
-// verifyPiece is the unit, in bytes, in which Verify reads and hashes.
+// xxh3Pool holds streaming XXH3-64 hashers for VerifyStore.
+var xxh3Pool = sync.Pool{New: func() any { return xxh3.New() }}
+
+// verifyPiece is the unit, in bytes, in which VerifyStore reads and hashes.
 const verifyPiece = 256 << 10
 
-// VerifyProblem is one problem Verify found.
+// VerifyProblem is one problem VerifyStore found.
 type VerifyProblem struct {
 	Kind   string `json:"kind"`
 	Path   string `json:"path"`
 	Detail string `json:"detail"`
 }
 
-// VerifyChecked counts what Verify checked.
+// VerifyChecked counts what VerifyStore checked.
 type VerifyChecked struct {
 	Namespaces int   `json:"namespaces"`
 	Snapshots  int   `json:"snapshots"` // decoded snapshot files and manifests
@@ -67,7 +70,7 @@ type VerifyChecked struct {
 	Bytes      int64 `json:"bytes"`     // bytes re-hashed
 }
 
-// VerifyReport is the outcome of Verify.
+// VerifyReport is the outcome of VerifyStore.
 type VerifyReport struct {
 	Target string
 	// Problems, sorted by kind (ProblemIO, ProblemUnreadable,
@@ -97,12 +100,12 @@ type VerifySpec struct {
 	Now time.Time
 	// OnPlan, when non-nil, is called once before re-hashing with the
 	// bytes to re-hash; OnProgress with each piece re-hashed (from the
-	// hashing goroutines, concurrently). Neither is called after Verify
+	// hashing goroutines, concurrently). Neither is called after VerifyStore
 	// returns.
 	OnPlan     func(totalBytes int64)
 	OnProgress func(bytes int64)
 	// OnLockWait, when non-nil, is called when a namespace's lock is not
-	// granted at once (a write or collect is running) and Verify waits.
+	// granted at once (a write or collect is running) and VerifyStore waits.
 	OnLockWait func(nsDir string)
 }
 
@@ -160,7 +163,7 @@ type verifier struct {
 	rep VerifyReport
 }
 
-// Verify re-reads and re-hashes a store, a namespace or one snapshot (see
+// VerifyStore re-reads and re-hashes a store, a namespace or one snapshot (see
 // VerifySpec.Target) without writing anything: every header (decode and
 // validation, as Read), every single-file tensor (xxh3-64, or Bun.hash for
 // the Bun worker's files) and every block a manifest names (present, its
@@ -178,7 +181,7 @@ type verifier struct {
 // found are in the report; the error is for a target that is neither a
 // store root, a namespace nor a snapshot file (store.ErrRoot,
 // store.ErrNamespace, fs.ErrNotExist), and for ctx's.
-func Verify(ctx context.Context, cfg *Config, spec *VerifySpec) (*VerifyReport, error) {
+func VerifyStore(ctx context.Context, cfg *Config, spec *VerifySpec) (*VerifyReport, error) {
 	v := &verifier{cfg: cfg, spec: spec, now: spec.Now}
 	if v.now.IsZero() {
 		v.now = time.Now()
@@ -552,8 +555,8 @@ func (v *verifier) check(ctx context.Context, t *verifyTask, buf []byte) (int64,
 		defer sha256Pool.Put(h)
 		h.Reset()
 	} else {
-		xh = hasherPool.Get().(*xxh3.Hasher)
-		defer hasherPool.Put(xh)
+		xh = xxh3Pool.Get().(*xxh3.Hasher)
+		defer xxh3Pool.Put(xh)
 		xh.Reset()
 		h = xh
 	}

@@ -17,8 +17,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
-	"github.com/zeebo/xxh3"
 )
 
 // writeSpec is a write request with its resolved path: the snapshot file
@@ -185,8 +185,6 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	return h, m, nil
 }
 
-var hasherPool = sync.Pool{New: func() any { return xxh3.New() }}
-
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
 func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
@@ -219,9 +217,7 @@ func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *wr
 		func(f vfs.File) error {
 			err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
 				s := slots[i]
-				hs := hasherPool.Get().(*xxh3.Hasher)
-				defer hasherPool.Put(hs)
-				hs.Reset()
+				var hs xxh3s.Digest // hashes each chunk in place, no copy
 				v := s.view
 				n := v.Elements()
 				chunk := max(1, ChunkBytes/v.ItemSize)

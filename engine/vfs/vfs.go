@@ -176,11 +176,13 @@ func (osFS) Create(name string, perm os.FileMode) (File, error) {
 	return osFile{f}, nil
 }
 
-func (osFS) Open(name string) (File, error) {
-	// O_NONBLOCK: a FIFO named like a snapshot or block must not hang the
-	// open (callers then refuse it as not a regular file); it has no effect
-	// on regular files.
-	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, 0)
+func (osFS) Open(name string) (File, error) { return openRead(name, 0) }
+
+// openRead opens name read-only with the extra flags. O_NONBLOCK: a FIFO
+// named like a snapshot or block must not hang the open (callers then refuse
+// it as not a regular file); it has no effect on regular files.
+func openRead(name string, extra int) (File, error) {
+	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK|extra, 0)
 	if err != nil {
 		if errors.Is(err, syscall.ELOOP) {
 			return nil, &os.PathError{Op: "open", Path: name, Err: fmt.Errorf("refusing to follow a symlink: %w", syscall.ELOOP)}
@@ -272,3 +274,127 @@ func fsStat(st *unix.Statfs_t) FSStat {
 
 // IsNotExist reports whether err says a file does not exist.
 func IsNotExist(err error) bool { return errors.Is(err, fs.ErrNotExist) }
+
+// DirectOpener is an FS that can open a file for O_DIRECT reads. It is an
+// optional interface (use OpenDirect), so other FS implementations need not
+// know about it.
+type DirectOpener interface {
+	// OpenDirect is Open with O_DIRECT: reads bypass the page cache and
+	// must use offsets, lengths and memory aligned as DirectAlignment of
+	// the open file says. A file system that refuses O_DIRECT fails with
+	// an error wrapping syscall.EINVAL.
+	OpenDirect(name string) (File, error)
+}
+
+// OpenDirect opens name for O_DIRECT reads when fsys implements
+// DirectOpener; otherwise it fails with an error wrapping
+// errors.ErrUnsupported (callers then read through Open).
+func OpenDirect(fsys FS, name string) (File, error) {
+	d, ok := fsys.(DirectOpener)
+	if !ok {
+		return nil, &os.PathError{Op: "open O_DIRECT", Path: name, Err: errors.ErrUnsupported}
+	}
+	return d.OpenDirect(name)
+}
+
+// Alignment is what O_DIRECT needs of a file, from statx(STATX_DIOALIGN):
+// Mem is the alignment in bytes of the memory address, Offset that of file
+// offsets and lengths. Offset 0 means O_DIRECT is not supported (tmpfs
+// reports 0 although it accepts the flag; so does a kernel older than 6.1).
+// Device identifies the file system (st_dev), so a choice can be made once
+// per file system.
+type Alignment struct {
+	Mem, Offset uint32
+	Device      uint64
+}
+
+// Aligner is a File that can report its Alignment. Optional: use
+// DirectAlignment.
+type Aligner interface {
+	DirectAlignment() (Alignment, error)
+}
+
+// DirectAlignment reports f's O_DIRECT alignment (statx on the open file,
+// not on its directory: ext4 reports it only there). A File that does not
+// implement Aligner reports Alignment{} and no error: no O_DIRECT.
+func DirectAlignment(f File) (Alignment, error) {
+	a, ok := f.(Aligner)
+	if !ok {
+		return Alignment{}, nil
+	}
+	return a.DirectAlignment()
+}
+
+func (f osFile) DirectAlignment() (Alignment, error) {
+	var st unix.Statx_t
+	err := f.control(func(fd int) error {
+		return unix.Statx(fd, "", unix.AT_EMPTY_PATH, unix.STATX_DIOALIGN, &st)
+	})
+	if err != nil {
+		return Alignment{}, &os.PathError{Op: "statx", Path: f.Name(), Err: err}
+	}
+	a := Alignment{Device: unix.Mkdev(st.Dev_major, st.Dev_minor)}
+	if st.Mask&unix.STATX_DIOALIGN != 0 {
+		a.Mem, a.Offset = st.Dio_mem_align, st.Dio_offset_align
+	}
+	return a, nil
+}
+
+func (osFS) OpenDirect(name string) (File, error) { return openRead(name, syscall.O_DIRECT) }
+
+// SameFile reports whether a and b are the same file (device and inode).
+func SameFile(a, b File) (bool, error) {
+	sa, err := a.Stat()
+	if err != nil {
+		return false, err
+	}
+	sb, err := b.Stat()
+	if err != nil {
+		return false, err
+	}
+	return os.SameFile(sa, sb), nil
+}
+
+// CacheReporter is a File that can tell whether a byte range of it is in
+// the page cache. Optional: use Cached.
+type CacheReporter interface {
+	// Cached reports whether every page of [off, off+n) (n = 0: to the
+	// end of the file) is in the page cache.
+	Cached(off, n int64) (bool, error)
+}
+
+// Cached reports whether every page of f's byte range [off, off+n) (n = 0:
+// to the end of the file) is in the page cache, and whether that is known
+// (false when f cannot tell: no CacheReporter, or a kernel before 6.5
+// without cachestat(2)). It starts no I/O.
+func Cached(f File, off, n int64) (cached, known bool) {
+	c, ok := f.(CacheReporter)
+	if !ok {
+		return false, false
+	}
+	cached, err := c.Cached(off, n)
+	return cached, err == nil
+}
+
+func (f osFile) Cached(off, n int64) (bool, error) {
+	if n == 0 {
+		st, err := f.File.Stat()
+		if err != nil {
+			return false, err
+		}
+		n = st.Size() - off
+	}
+	if n <= 0 {
+		return true, nil
+	}
+	page := int64(os.Getpagesize())
+	pages := (off+n+page-1)/page - off/page
+	var st unix.Cachestat_t
+	err := f.control(func(fd int) error {
+		return unix.Cachestat(uint(fd), &unix.CachestatRange{Off: uint64(off), Len: uint64(n)}, &st, 0)
+	})
+	if err != nil {
+		return false, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
+	}
+	return int64(st.Cache) >= pages, nil
+}

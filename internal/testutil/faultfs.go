@@ -21,13 +21,18 @@ type Op string
 
 // The operations a FaultFS intercepts. OpAny in a Fault matches every one.
 const (
-	OpAny      Op = ""
-	OpCreate   Op = "create"
-	OpOpen     Op = "open"
-	OpWriteAt  Op = "writeat"
-	OpReadAt   Op = "readat"
-	OpSync     Op = "sync"
-	OpAllocate Op = "allocate"
+	OpAny    Op = ""
+	OpCreate Op = "create"
+	OpOpen   Op = "open"
+	// OpOpenDirect is vfs.OpenDirect (an O_DIRECT open); inject
+	// syscall.EINVAL to play a file system that refuses O_DIRECT.
+	OpOpenDirect Op = "opendirect"
+	// OpDirectAlignment is vfs.DirectAlignment (statx STATX_DIOALIGN).
+	OpDirectAlignment Op = "directalignment"
+	OpWriteAt         Op = "writeat"
+	OpReadAt          Op = "readat"
+	OpSync            Op = "sync"
+	OpAllocate        Op = "allocate"
 	// OpStartWriteback is vfs.File.StartWriteback (sync_file_range).
 	OpStartWriteback Op = "startwriteback"
 	OpClose          Op = "close"
@@ -44,7 +49,7 @@ const (
 
 // Ops lists every intercepted operation (not OpAny), in a fixed order.
 func Ops() []Op {
-	return []Op{OpCreate, OpOpen, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
+	return []Op{OpCreate, OpOpen, OpOpenDirect, OpDirectAlignment, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
 		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock, OpStatfs}
 }
 
@@ -315,6 +320,19 @@ func (f *FaultFS) Open(name string) (vfs.File, error) {
 	return f.track(inner, name), nil
 }
 
+// OpenDirect implements vfs.DirectOpener (an inner FS without it fails
+// with errors.ErrUnsupported, as vfs.OpenDirect does).
+func (f *FaultFS) OpenDirect(name string) (vfs.File, error) {
+	if _, err := f.check(OpOpenDirect, name); err != nil {
+		return nil, err
+	}
+	inner, err := vfs.OpenDirect(f.inner, name)
+	if err != nil {
+		return nil, err
+	}
+	return f.track(inner, name), nil
+}
+
 func (f *FaultFS) track(inner vfs.File, name string) *faultFile {
 	h := &faultFile{fs: f, inner: inner, name: name}
 	f.mu.Lock()
@@ -461,6 +479,23 @@ func (h *faultFile) StartWriteback(off, n int64) error {
 }
 
 func (h *faultFile) Stat() (os.FileInfo, error) { return h.inner.Stat() }
+
+// Cached implements vfs.CacheReporter (no fault: it is a hint).
+func (h *faultFile) Cached(off, n int64) (bool, error) {
+	c, ok := h.inner.(vfs.CacheReporter)
+	if !ok {
+		return false, errors.ErrUnsupported
+	}
+	return c.Cached(off, n)
+}
+
+// DirectAlignment implements vfs.Aligner.
+func (h *faultFile) DirectAlignment() (vfs.Alignment, error) {
+	if _, err := h.fs.check(OpDirectAlignment, h.name); err != nil {
+		return vfs.Alignment{}, err
+	}
+	return vfs.DirectAlignment(h.inner)
+}
 
 func (h *faultFile) Name() string { return h.name }
 

@@ -1,0 +1,341 @@
+package bench
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+	"golang.org/x/sys/unix"
+)
+
+// directDepths are the queue depths at which the cold limit reads the same
+// bytes with O_DIRECT; the limit is the fastest of them.
+var directDepths = []int{1, 4, 16, 32}
+
+// directRequestBytes is the size in bytes of one request of the cold
+// limit (and of the engine: jobs.ReadChunkBytes).
+const directRequestBytes = jobs.ReadChunkBytes
+
+// extent is a run of bytes of a file: the unit the limits read.
+type extent struct {
+	path     string
+	off, len int64
+}
+
+// snapshotFiles returns the files a snapshot's restore reads and the
+// extents of its tensor bytes: for a single file, the tensors' extents of
+// the file; for a manifest, every block file it names (whole, once per
+// reference, as the engine reads them), and the manifest itself.
+func snapshotFiles(snap *layout.Snapshot, path string) (files []string, exts []extent) {
+	files = []string{path}
+	if snap.Layout == layout.Single {
+		for _, t := range snap.Header.Slots() {
+			if t.Bytes > 0 {
+				exts = append(exts, extent{path, int64(snap.DataStart) + t.Off, t.Bytes})
+			}
+		}
+		return files, exts
+	}
+	seen := map[string]bool{}
+	for _, t := range snap.Header.Slots() {
+		for _, ref := range t.Blocks {
+			p := testutil.BlockPath(filepath.Dir(path), ref.Hash)
+			exts = append(exts, extent{p, 0, ref.Bytes})
+			if !seen[p] {
+				seen[p] = true
+				files = append(files, p)
+			}
+		}
+	}
+	return files, exts
+}
+
+// evict drops files from the page cache: fdatasync (a dirty page cannot
+// be dropped), then posix_fadvise(POSIX_FADV_DONTNEED) over the whole file.
+// Unlike writing to /proc/sys/vm/drop_caches (possible here as root), it
+// leaves the rest of a machine shared with other work alone.
+func evict(files []string) error {
+	return parallelFor(len(files), func(i int) error {
+		fd, err := unix.Open(files[i], unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return fmt.Errorf("evict %s: %w", files[i], err)
+		}
+		defer unix.Close(fd)
+		if err := unix.Fdatasync(fd); err != nil {
+			return fmt.Errorf("evict %s: fdatasync: %w", files[i], err)
+		}
+		if err := unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED); err != nil {
+			return fmt.Errorf("evict %s: fadvise: %w", files[i], err)
+		}
+		return nil
+	})
+}
+
+// residentPages counts the pages of files in the page cache (mincore of a
+// mapping): the check that evict worked.
+func residentPages(files []string) (int, error) {
+	n := 0
+	for _, p := range files {
+		f, err := os.Open(p)
+		if err != nil {
+			return 0, err
+		}
+		st, err := f.Stat()
+		if err != nil || st.Size() == 0 {
+			f.Close()
+			if err != nil {
+				return 0, err
+			}
+			continue
+		}
+		m, err := unix.Mmap(int(f.Fd()), 0, int(st.Size()), unix.PROT_READ, unix.MAP_SHARED)
+		f.Close()
+		if err != nil {
+			return 0, err
+		}
+		vec := make([]byte, (len(m)+pageBytes-1)/pageBytes)
+		_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0])))
+		unix.Munmap(m)
+		if errno != 0 {
+			return 0, fmt.Errorf("mincore %s: %w", p, errno)
+		}
+		for _, v := range vec {
+			n += int(v & 1)
+		}
+	}
+	return n, nil
+}
+
+// directLimit reads every extent with O_DIRECT, depth requests of
+// directRequestBytes in flight (depth goroutines taking the next request),
+// into per-goroutine aligned buffers (mmap'd: not Go heap); each file is
+// opened once. It returns the bytes read.
+func directLimit(exts []extent, depth int, bufs [][]byte) (int64, error) {
+	type req struct {
+		fd       int
+		off, len int64
+	}
+	fds := map[string]int{}
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	var reqs []req
+	for _, e := range exts {
+		fd, ok := fds[e.path]
+		if !ok {
+			var err error
+			if fd, err = unix.Open(e.path, unix.O_RDONLY|unix.O_DIRECT|unix.O_CLOEXEC, 0); err != nil {
+				return 0, fmt.Errorf("O_DIRECT open %s: %w", e.path, err)
+			}
+			fds[e.path] = fd
+		}
+		for o := int64(0); o < e.len; o += directRequestBytes {
+			reqs = append(reqs, req{fd, e.off + o, min(directRequestBytes, e.len-o)})
+		}
+	}
+	var next, total atomic.Int64
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var first error
+	for g := range depth {
+		wg.Go(func() {
+			buf := bufs[g]
+			for {
+				i := int(next.Add(1) - 1)
+				if i >= len(reqs) {
+					return
+				}
+				r := reqs[i]
+				// Whole sectors: round the length up (the tail of a file
+				// reads short at its end).
+				n := (r.len + 4095) &^ 4095
+				got, err := unix.Pread(r.fd, buf[:n], r.off)
+				if err == nil && int64(got) < r.len {
+					err = io.ErrUnexpectedEOF
+				}
+				if err != nil {
+					mu.Lock()
+					first = cmpOr(first, fmt.Errorf("O_DIRECT pread of %d bytes at %d: %w", n, r.off, err))
+					mu.Unlock()
+					return
+				}
+				total.Add(r.len)
+			}
+		})
+	}
+	wg.Wait()
+	return total.Load(), first
+}
+
+func cmpOr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+// coldState is what the cold rows keep between iterations.
+type coldState struct {
+	files   []string
+	exts    []extent
+	bufs    *arena // directDepths' largest depth x one request, aligned
+	perQD   map[int]time.Duration
+	logical int64
+}
+
+func newColdState(b *testing.B, snap *layout.Snapshot, path string, logical int64) *coldState {
+	files, exts := snapshotFiles(snap, path)
+	var n int64
+	for _, e := range exts {
+		n += e.len
+	}
+	if n != logical {
+		b.Fatalf("the limit's extents hold %d bytes, the snapshot %d", n, logical)
+	}
+	deepest := slices.Max(directDepths)
+	mem, err := newArena(deepest * (directRequestBytes + pageBytes))
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &coldState{files: files, exts: exts, bufs: mem, perQD: map[int]time.Duration{}, logical: logical}
+}
+
+// limit runs the O_DIRECT limit at every depth and returns the best time.
+// Timed runs (count) add to the per-depth totals.
+func (c *coldState) limit(b *testing.B, count bool) time.Duration {
+	bufs := make([][]byte, slices.Max(directDepths))
+	c.bufs.off = 0
+	for i := range bufs {
+		bufs[i] = c.bufs.alloc(directRequestBytes + pageBytes)
+	}
+	var best time.Duration
+	for _, qd := range directDepths {
+		t0 := time.Now()
+		n, err := directLimit(c.exts, qd, bufs)
+		d := time.Since(t0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if n != c.logical {
+			b.Fatalf("O_DIRECT limit read %d bytes, want %d", n, c.logical)
+		}
+		if count {
+			c.perQD[qd] += d
+		}
+		if best == 0 || d < best {
+			best = d
+		}
+	}
+	return best
+}
+
+func (c *coldState) evict(b *testing.B) {
+	if err := evict(c.files); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// report adds per-depth throughputs of the limit (qdN-MB/s).
+func (c *coldState) report(b *testing.B, n int) {
+	for _, qd := range directDepths {
+		if d := c.perQD[qd]; d > 0 {
+			b.ReportMetric(float64(c.logical)*float64(n)/d.Seconds()/1e6, fmt.Sprintf("qd%d-MB/s", qd))
+		}
+	}
+	_ = c.bufs.free()
+}
+
+// BenchmarkRestoreCold: the restore rows with the snapshot's files evicted
+// from the page cache before each iteration (fdatasync + FADV_DONTNEED,
+// see evict), verified, into the same buffers as the warm rows; the limit
+// is O_DIRECT reads of the same bytes of the same files (the tensor extents
+// of the single file; every block file of the manifest), 1 MiB requests, at
+// queue depths 1, 4, 16 and 32, the fastest taken (each reported as
+// qdN-MB/s). Targets: single file >= 0.8, blocks >= 0.7.
+func BenchmarkRestoreCold(b *testing.B) {
+	b.Run("single", func(b *testing.B) {
+		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Single, 0) })
+	})
+	b.Run("blocks", func(b *testing.B) {
+		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Blocks, 0) })
+	})
+}
+
+// BenchmarkReadDepth: the cold single-file and block restores of 1 GiB at
+// engine ReadDepths 1 to 32, each beside the same O_DIRECT limit: the
+// measurement behind jobs.DefaultReadDepth. Not part of make bench.
+func BenchmarkReadDepth(b *testing.B) {
+	w := getWorkload(b, benchModel, benchTokens[len(benchTokens)-1])
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		for _, depth := range []int{1, 2, 4, 8, 16, 32} {
+			b.Run(fmt.Sprintf("%s/depth=%d", lay, depth), func(b *testing.B) { benchRestoreCold(b, w, lay, depth) })
+		}
+	}
+}
+
+func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
+	s := getRestoreStore(b, w, lay)
+	e, err := engine.New(engine.Config{Root: s.root, Logger: quietLogger, ReadDepth: depth})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer closeEngine(b, e)
+	snap, err := e.Stat(s.ref)
+	if err != nil {
+		b.Fatal(err)
+	}
+	path, err := e.Path(s.ref)
+	if err != nil {
+		b.Fatal(err)
+	}
+	c := newColdState(b, snap, path, int64(w.logical))
+	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Verify: true, Expect: snap.Header}
+	c.evict(b)
+	if n, err := residentPages(c.files); err != nil || n > len(c.files) {
+		b.Fatalf("after evicting: %d pages of the snapshot still cached (%v)", n, err)
+	}
+	warmRead(b, e, w, req) // checks the bytes
+	var direct, read int64
+	var best time.Duration // the limit: the fastest depth, summed
+	b.SetBytes(int64(w.logical))
+	b.ReportAllocs()
+	m := alternate(b, steps{
+		prepOurs: func(int) { c.evict(b) },
+		ours: func(int) {
+			res := do(b, e, req)
+			direct, read = res.Metrics.DirectReadBytes, res.Metrics.ReadBytes
+		},
+		// One run per depth; no eviction needed: O_DIRECT bypasses the
+		// page cache.
+		limit: func(i int) {
+			if d := c.limit(b, i >= 0); i >= 0 {
+				best += d
+			}
+		},
+	})
+	m.limit = best
+	b.StopTimer()
+	for i := range w.dest {
+		if !bytes.Equal(w.dest[i], w.slots[i]) {
+			b.Fatalf("restored slot %d differs from the saved bytes", i)
+		}
+	}
+	b.StartTimer()
+	m.report(b, int64(w.logical))
+	c.report(b, m.n)
+	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
+}
