@@ -5,17 +5,24 @@ PKGS    := ./...
 # Fuzz time per target for `make fuzz`.
 FUZZTIME ?= 60s
 
-.PHONY: test vet race demo bench soak fuzz fmt clean
+.PHONY: test vet weed race demo bench soak fuzz fmt clean
 
 ## test: vet, then every test with the race detector (short soak, crash and
-## fuzz-seed runs included). CI runs this.
-test: vet
+## fuzz-seed runs included). CI runs this. The object-store tests need the
+## SeaweedFS server: `weed` builds it first (once per machine, several
+## minutes) so its build is not counted against the test timeout.
+test: vet weed
 	$(GO) test -race -timeout 9m -count=1 $(PKGS)
 
 vet:
 	@unformatted=$$(gofmt -l $$(git ls-files '*.go' 2>/dev/null || find . -name '*.go')); \
 	  if [ -n "$$unformatted" ]; then echo "gofmt needed:"; echo "$$unformatted"; exit 1; fi
 	$(GO) vet $(PKGS)
+
+## weed: build the pinned SeaweedFS server for the object-store tests if it
+## is not cached yet (${XDG_CACHE_HOME:-$$HOME/.cache}/kvpersist/seaweedfs/).
+weed:
+	$(GO) run ./internal/seaweedfs/cmd/weed-ensure
 
 ## demo: the main job (same as the README's first command).
 demo:

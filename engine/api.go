@@ -130,7 +130,9 @@ var (
 	// ErrBadMagic, ErrTruncated, ErrHeaderTooLarge, ErrHeaderHash,
 	// ErrFormatVersion, ErrInvalidHeader, ErrUnknownDType and
 	// ErrSnapshotTooLarge: a file failed decoding (see ARCHITECTURE.md,
-	// "Validation").
+	// "Validation"). A WriteRequest's unknown dtype, or tensors past
+	// MaxSnapshotBytes, wrap ErrUnknownDType or ErrSnapshotTooLarge as well
+	// as ErrInvalidRequest.
 	ErrBadMagic         = layout.ErrBadMagic
 	ErrTruncated        = layout.ErrTruncated
 	ErrHeaderTooLarge   = layout.ErrHeaderTooLarge

@@ -12,6 +12,7 @@ import (
 // library's test frameworks.
 var testOnly = []string{
 	"github.com/kvpersist/kvpersist/internal/testutil",
+	"github.com/kvpersist/kvpersist/internal/seaweedfs",
 	"testing",
 	"testing/fstest",
 	"testing/iotest",

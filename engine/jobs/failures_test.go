@@ -104,15 +104,16 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 		name string
 		mut  func(s *wreq)
 		msg  string
+		also error // a second sentinel the error must wrap, if any
 	}{
-		{"itemsize disagrees with dtype", func(s *wreq) { s.Caches[1].Tensors[0].DType = "float32" }, "cache 1 tensor 0 (slot 2): view itemsize 2 bytes, dtype float32 has 4"},
-		{"unknown dtype", func(s *wreq) { s.Attachments[0].Tensors[0].DType = "int31" }, "attachment 0 tensor 0 (slot 4)"},
+		{"itemsize disagrees with dtype", func(s *wreq) { s.Caches[1].Tensors[0].DType = "float32" }, "cache 1 tensor 0 (slot 2): view itemsize 2 bytes, dtype float32 has 4", nil},
+		{"unknown dtype", func(s *wreq) { s.Attachments[0].Tensors[0].DType = "int31" }, "attachment 0 tensor 0 (slot 4)", layout.ErrUnknownDType},
 		{"view out of bounds", func(s *wreq) {
 			v := &s.Caches[0].Tensors[1].View
 			v.Base = v.Base[:len(v.Base)/2] // cuts into head 1's tokens
-		}, "cache 0 tensor 1 (slot 1)"},
-		{"rank mismatch", func(s *wreq) { s.Caches[0].Tensors[0].View.Strides = []int{1} }, "slot 0"},
-		{"no tensors", func(s *wreq) { s.Caches, s.Attachments = nil, nil }, "no tensors"},
+		}, "cache 0 tensor 1 (slot 1)", nil},
+		{"rank mismatch", func(s *wreq) { s.Caches[0].Tensors[0].View.Strides = []int{1} }, "slot 0", nil},
+		{"no tensors", func(s *wreq) { s.Caches, s.Attachments = nil, nil }, "no tensors", nil},
 	}
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
 		for _, tc := range cases {
@@ -123,6 +124,9 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 			_, _, err := writeAt(context.Background(), noSync(), spec)
 			if !errors.Is(err, jobs.ErrInvalidRequest) || !strings.Contains(err.Error(), tc.msg) {
 				t.Fatalf("%v %s: got %v, want ErrInvalidRequest naming %q", lay, tc.name, err, tc.msg)
+			}
+			if tc.also != nil && !errors.Is(err, tc.also) {
+				t.Fatalf("%v %s: got %v, want it to wrap %v too", lay, tc.name, err, tc.also)
 			}
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {
 				t.Fatalf("%v %s: snapshot exists", lay, tc.name)

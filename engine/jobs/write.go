@@ -71,7 +71,7 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 		s.name = h.SlotName(i)
 		size, err := layout.ItemSize(s.t.DType)
 		if err != nil {
-			return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			return nil, nil, fmt.Errorf("%w: %s %s: %w", ErrInvalidRequest, spec.Path, s.name, err)
 		}
 		s.view = s.t.View // a copy: the caller's request is never modified
 		if s.view.ItemSize == 0 {
@@ -123,7 +123,8 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 // the rename may not survive a power cut); at no time can a reader see a mix
 // of versions. The caller's views are not touched after Write returns.
 //
-// Errors: ErrInvalidRequest (bad view, dtype, metadata, rank over
+// Errors: ErrInvalidRequest (bad view, dtype (wrapping
+// layout.ErrUnknownDType for a dtype ItemSize does not know), metadata, rank over
 // layout.MaxRank, no Config.Root; wrapping layout.ErrSnapshotTooLarge for
 // tensors past layout.MaxSnapshotBytes), layout.ErrBadName, ErrBlockBytes,
 // ctx's error, or an I/O error naming the operation and path (wrapping the

@@ -436,6 +436,11 @@ func TestDecodeRefusesDuplicateKeys(t *testing.T) {
 		"inside a metadata value":    {`{"cfg":{"a":{"x":1,"x":2}},"caches":[{"tensors":[` + tensor + `]}],"formatVersion":5}`, "x"},
 		"after many distinct keys":   {`{"k0":0,"k1":1,"k2":2,"k3":3,"k4":4,"k5":5,"k6":6,"k7":7,"k8":8,"k9":9,"k10":10,"k11":11,"k12":12,"k13":13,"k14":14,"k15":15,"k16":16,"k17":17,"caches":[{"tensors":[` + tensor + `]}],"k3":0,"formatVersion":5}`, "k3"},
 		"escaped quote in a dup key": {`{"a\"b":1,"caches":[{"tensors":[` + tensor + `]}],"a\u0022b":2,"formatVersion":5}`, `a"b`},
+		// encoding/json reads each invalid UTF-8 byte of a key as U+FFFD, so
+		// two keys that differ only in such bytes are one key to it.
+		"invalid UTF-8 in raw keys":    {"{\"m\xff\":1,\"caches\":[{\"tensors\":[" + tensor + "]}],\"m\xfe\":2,\"formatVersion\":5}", "m\ufffd"},
+		"invalid UTF-8 against escape": {"{\"m\\ufffd\":1,\"caches\":[{\"tensors\":[" + tensor + "]}],\"m\xc0\":2,\"formatVersion\":5}", "m\ufffd"},
+		"invalid UTF-8 in nested keys": {"{\"cfg\":{\"\xff\":1,\"\xfe\":2},\"caches\":[{\"tensors\":[" + tensor + "]}],\"formatVersion\":5}", "\ufffd"},
 	}
 	for name, c := range cases {
 		b := append(prefix([]byte(c.js), uint32(26+len(c.js))), c.js...)

@@ -3,11 +3,13 @@ package layout
 import (
 	"bytes"
 	"encoding/json"
+	"unicode/utf8"
 )
 
 // duplicateKey reports the first key that appears twice in one object of
 // js, anywhere in the document (caller metadata included), comparing keys
-// after unescaping ("\u0063aches" is "caches"), with the byte offset of
+// as encoding/json decodes them ("\u0063aches" is "caches", and each
+// byte of invalid UTF-8 is U+FFFD), with the byte offset of
 // the second occurrence. js must be valid JSON (json.Valid); encoding/json
 // alone keeps the last of two equal keys, so a header could say one thing
 // to kvpersist and another to a reader that keeps the first.
@@ -47,9 +49,14 @@ func duplicateKey(js []byte) (key string, off int, found bool) {
 			start := i
 			escaped := false
 			for i++; js[i] != '"'; i++ {
-				if js[i] == '\\' {
+				switch {
+				case js[i] == '\\':
 					escaped = true
 					i++
+				case js[i] >= utf8.RuneSelf:
+					// Possibly invalid UTF-8, which encoding/json reads as
+					// U+FFFD: compare the key as it decodes it.
+					escaped = true
 				}
 			}
 			if len(stack) == 0 {

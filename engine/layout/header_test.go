@@ -140,6 +140,9 @@ func TestEncodeRejectsBadMetadata(t *testing.T) {
 			h.Caches[0].Meta["cfg"] = json.RawMessage(`[{"rope":1,"r\u006fpe":2}]`)
 		}, `"rope" twice`},
 		{"metadata key not UTF-8", func(h *layout.Header) { h.Meta["a\xff"] = json.RawMessage(`1`) }, `not valid UTF-8`},
+		{"keys of a metadata value equal once decoded as UTF-8", func(h *layout.Header) {
+			h.Meta["cfg"] = json.RawMessage("{\"r\xff\":1,\"r\xfe\":2}")
+		}, "\"r\ufffd\" twice"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

@@ -279,8 +279,12 @@ func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector: every kind × outcome of
 // kvpersist_jobs_total (zeros included), a latency histogram per kind that
 // has run, the byte and token counters, every eviction reason and refusal
-// limit, and, with Options.Usage, the cache gauges.
+// limit, and, with Options.Usage, the cache gauges. A nil Recorder
+// collects nothing.
 func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
+	if r == nil {
+		return
+	}
 	emit := func(d *prometheus.Desc, t prometheus.ValueType, v float64, labels ...string) {
 		m, err := prometheus.NewConstMetric(d, t, v, labels...)
 		if err != nil {

@@ -281,6 +281,14 @@ func TestNilRecorderAndOptions(t *testing.T) {
 	if s := r.Snapshot(); s.Jobs != nil || s.WrittenBytes != 0 {
 		t.Fatalf("nil recorder snapshot %+v", s)
 	}
+	// Registered, a nil recorder is scraped as no metric (not a panic).
+	reg := prometheus.NewPedanticRegistry()
+	if err := reg.Register(r); err != nil {
+		t.Fatalf("register a nil recorder: %v", err)
+	}
+	if mfs, err := reg.Gather(); err != nil || len(mfs) != 0 {
+		t.Fatalf("nil recorder scraped: %v, %d families", err, len(mfs))
+	}
 	for _, b := range [][]float64{{}, {0.1, 0.1}, {-1}, {0.5, 0.1}} {
 		if _, err := New(Options{LatencyBuckets: b}); !errors.Is(err, ErrOptions) {
 			t.Errorf("buckets %v: %v", b, err)

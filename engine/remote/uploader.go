@@ -1,0 +1,236 @@
+package remote
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"sync"
+	"time"
+)
+
+// ReadAtCloser is an upload's source, e.g. the local tier's *os.File.
+type ReadAtCloser interface {
+	io.ReaderAt
+	io.Closer
+}
+
+// Upload is one object to copy to the store. The queue holds only this
+// descriptor, never the bytes: Open is called for every attempt and the
+// body is streamed from what it returns, so the local file stays the one
+// copy and the uploader's memory does not grow with queued bytes.
+type Upload struct {
+	Name string                       // object name (Store.PageName, Store.ManifestName)
+	Size int64                        // bytes
+	Open func() (ReadAtCloser, error) // the source; an error is permanent (the local file is gone)
+}
+
+// UploadResult reports one finished (or given up) upload to OnDone.
+type UploadResult struct {
+	Name     string
+	Created  bool  // false with Err nil: the object already existed
+	Bytes    int64 // bytes sent by the successful attempt
+	Attempts int
+	Err      error // nil, ErrAbandoned (Close's context ended), ErrConflict, or the source's error
+}
+
+// UploaderConfig bounds an Uploader.
+type UploaderConfig struct {
+	// Workers: uploads in flight at once (goroutines owned by the
+	// Uploader). Default 4.
+	Workers int
+	// QueueLen: uploads waiting; Enqueue beyond it fails with
+	// ErrQueueFull instead of blocking. Default 4096.
+	QueueLen int
+	// BackoffMin, BackoffMax: the wait after a failed attempt starts at
+	// BackoffMin and doubles to BackoffMax (full jitter). Defaults 100 ms
+	// and 5 s.
+	BackoffMin, BackoffMax time.Duration
+	// OnDone, if set, is called once per upload that leaves the queue, on
+	// the worker's goroutine (keep it short).
+	OnDone func(UploadResult)
+}
+
+// UploaderStats are counters since the Uploader started.
+type UploaderStats struct {
+	Queued, InFlight                  int // now
+	Created, Existed, Failed, Retries int64
+	Abandoned                         int64
+	BytesUploaded                     int64
+}
+
+// Uploader copies objects to the store in the background, create-only,
+// with bounded concurrency (Workers) and memory (a queue of descriptors),
+// retrying each failed attempt with backoff until it succeeds, fails
+// permanently (its source cannot be opened, ErrConflict) or Close's
+// context ends. Enqueue never blocks, and the Uploader shares nothing with
+// Fetch or Exists, so uploads never block reads. Transient errors (network,
+// 5xx, the server down) are retried indefinitely: the local tier still has
+// the bytes.
+type Uploader struct {
+	store *Store
+	cfg   UploaderConfig
+
+	ctx    context.Context // cancelled when Close gives up
+	cancel context.CancelFunc
+	queue  chan Upload
+	wg     sync.WaitGroup
+
+	mu      sync.Mutex
+	closing bool
+	names   map[string]bool // queued or in flight, so a name is uploaded once at a time
+	stats   UploaderStats
+}
+
+// NewUploader starts cfg.Workers goroutines; Close stops them.
+func NewUploader(store *Store, cfg UploaderConfig) (*Uploader, error) {
+	if cfg.Workers == 0 {
+		cfg.Workers = 4
+	}
+	if cfg.QueueLen == 0 {
+		cfg.QueueLen = 4096
+	}
+	if cfg.BackoffMin == 0 {
+		cfg.BackoffMin = 100 * time.Millisecond
+	}
+	if cfg.BackoffMax == 0 {
+		cfg.BackoffMax = 5 * time.Second
+	}
+	if cfg.Workers < 1 || cfg.QueueLen < 1 || cfg.BackoffMin <= 0 || cfg.BackoffMax < cfg.BackoffMin {
+		return nil, fmt.Errorf("%w: uploader Workers %d, QueueLen %d, backoff %v..%v", ErrConfig, cfg.Workers, cfg.QueueLen, cfg.BackoffMin, cfg.BackoffMax)
+	}
+	u := &Uploader{store: store, cfg: cfg, queue: make(chan Upload, cfg.QueueLen), names: map[string]bool{}}
+	u.ctx, u.cancel = context.WithCancel(context.Background())
+	for range cfg.Workers {
+		u.wg.Go(u.work)
+	}
+	return u, nil
+}
+
+// Enqueue queues up without blocking. A name already queued or in flight
+// is accepted and not queued twice. Errors: ErrQueueFull, ErrClosed,
+// ErrConfig (no Open or a negative Size).
+func (u *Uploader) Enqueue(up Upload) error {
+	if up.Open == nil || up.Size < 0 || up.Name == "" {
+		return fmt.Errorf("%w: upload %q needs a Name, Size >= 0 and Open", ErrConfig, up.Name)
+	}
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.closing {
+		return ErrClosed
+	}
+	if u.names[up.Name] {
+		return nil
+	}
+	select {
+	case u.queue <- up:
+		u.names[up.Name] = true
+		u.stats.Queued++
+		return nil
+	default:
+		return fmt.Errorf("%w: %d uploads waiting", ErrQueueFull, cap(u.queue))
+	}
+}
+
+// Stats returns the counters.
+func (u *Uploader) Stats() UploaderStats {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return u.stats
+}
+
+// Close stops accepting uploads and waits until every queued upload has
+// finished. If ctx ends first, uploads in flight are cancelled, the rest
+// of the queue is abandoned (each reported to OnDone with ErrAbandoned)
+// and Close returns an error wrapping ErrAbandoned and ctx's error after
+// every worker has returned. Nothing local is touched either way.
+func (u *Uploader) Close(ctx context.Context) error {
+	u.mu.Lock()
+	if !u.closing {
+		u.closing = true
+		close(u.queue) // workers drain what is left, then return
+	}
+	u.mu.Unlock()
+	done := make(chan struct{})
+	go func() { u.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+		u.cancel()
+		return nil
+	case <-ctx.Done():
+		u.cancel()
+		<-done
+	}
+	if n := u.Stats().Abandoned; n > 0 {
+		return fmt.Errorf("%w: %d uploads: %w", ErrAbandoned, n, context.Cause(ctx))
+	}
+	return nil
+}
+
+func (u *Uploader) work() {
+	for up := range u.queue {
+		u.mu.Lock()
+		u.stats.Queued--
+		u.stats.InFlight++
+		u.mu.Unlock()
+		res := u.upload(up)
+		u.mu.Lock()
+		u.stats.InFlight--
+		delete(u.names, up.Name)
+		switch {
+		case errors.Is(res.Err, ErrAbandoned):
+			u.stats.Abandoned++
+		case res.Err != nil:
+			u.stats.Failed++
+		case res.Created:
+			u.stats.Created++
+			u.stats.BytesUploaded += res.Bytes
+		default:
+			u.stats.Existed++
+		}
+		u.mu.Unlock()
+		if u.cfg.OnDone != nil {
+			u.cfg.OnDone(res)
+		}
+	}
+}
+
+// upload runs attempts of up until one succeeds, fails permanently, or the
+// uploader's context is cancelled.
+func (u *Uploader) upload(up Upload) UploadResult {
+	res := UploadResult{Name: up.Name}
+	wait := u.cfg.BackoffMin
+	for {
+		if u.ctx.Err() != nil {
+			res.Err = fmt.Errorf("%w: %s after %d attempts", ErrAbandoned, up.Name, res.Attempts)
+			return res
+		}
+		res.Attempts++
+		src, err := up.Open()
+		if err != nil {
+			res.Err = fmt.Errorf("remote: upload %s: opening the source: %w", up.Name, err)
+			return res
+		}
+		pr, err := u.store.Put(u.ctx, up.Name, src, up.Size)
+		src.Close()
+		if err == nil {
+			res.Created, res.Bytes = pr.Created, pr.Bytes
+			return res
+		}
+		if errors.Is(err, ErrConflict) || errors.Is(err, ErrBadName) || errors.Is(err, ErrConfig) {
+			res.Err = err
+			return res
+		}
+		u.mu.Lock()
+		u.stats.Retries++
+		u.mu.Unlock()
+		t := time.NewTimer(rand.N(wait) + time.Millisecond)
+		select {
+		case <-t.C:
+		case <-u.ctx.Done():
+			t.Stop()
+		}
+		wait = min(2*wait, u.cfg.BackoffMax)
+	}
+}

@@ -1,0 +1,237 @@
+package remote_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/remote"
+)
+
+type results struct {
+	mu sync.Mutex
+	m  map[string]remote.UploadResult
+}
+
+func (r *results) add(u remote.UploadResult) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.m == nil {
+		r.m = map[string]remote.UploadResult{}
+	}
+	r.m[u.Name] = u
+}
+
+// get returns a copy: workers may still be adding.
+func (r *results) get() map[string]remote.UploadResult {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return maps.Clone(r.m)
+}
+
+func checkObjects(t *testing.T, s *remote.Store, objs map[string][]byte) {
+	t.Helper()
+	for name, want := range objs {
+		var dst memFile
+		if _, err := s.Fetch(context.Background(), name, &dst, sha256Verify(want)); err != nil || !bytes.Equal(dst.b, want) {
+			t.Fatalf("%s: %v", name, err)
+		}
+	}
+}
+
+func TestUploader(t *testing.T) {
+	s := newStore(t, nil)
+	var res results
+	u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 3, OnDone: res.add})
+	if err != nil {
+		t.Fatal(err)
+	}
+	objs := map[string][]byte{}
+	for i := range 20 {
+		name := pageName(t, s, "ns", key(fmt.Sprint("up", i)))
+		objs[name] = randBytes(uint64(100+i), 1000*i+1)
+		if err := u.Enqueue(remote.Upload{Name: name, Size: int64(len(objs[name])), Open: source(objs[name])}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := u.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if err := u.Enqueue(remote.Upload{Name: "x", Size: 1, Open: source([]byte{1})}); !errors.Is(err, remote.ErrClosed) {
+		t.Fatalf("Enqueue after Close: %v, want ErrClosed", err)
+	}
+	st := u.Stats()
+	if st.Created != 20 || st.Failed != 0 || st.Queued != 0 || st.InFlight != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	var total int64
+	for name, r := range res.get() {
+		if !r.Created || r.Err != nil || r.Bytes != int64(len(objs[name])) {
+			t.Errorf("%s: %+v", name, r)
+		}
+		total += r.Bytes
+	}
+	if st.BytesUploaded != total || len(res.get()) != 20 {
+		t.Fatalf("BytesUploaded %d, results %d bytes in %d", st.BytesUploaded, total, len(res.get()))
+	}
+	checkObjects(t, s, objs)
+}
+
+// TestUploaderBounds: Enqueue never blocks: beyond QueueLen it fails with
+// ErrQueueFull; a name already queued is not queued twice; a source that
+// cannot be opened fails that upload only.
+func TestUploaderBounds(t *testing.T) {
+	s := newStore(t, nil)
+	var res results
+	u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 1, QueueLen: 1, OnDone: res.add})
+	if err != nil {
+		t.Fatal(err)
+	}
+	opened, release := make(chan struct{}), make(chan struct{})
+	first := pageName(t, s, "ns", key("first"))
+	data := randBytes(7, 5000)
+	blocking := func() (remote.ReadAtCloser, error) {
+		close(opened)
+		<-release
+		return source(data)()
+	}
+	if err := u.Enqueue(remote.Upload{Name: first, Size: int64(len(data)), Open: blocking}); err != nil {
+		t.Fatal(err)
+	}
+	<-opened // the only worker is busy with the first upload
+	second := pageName(t, s, "ns", key("second"))
+	gone := errors.New("local file removed")
+	if err := u.Enqueue(remote.Upload{Name: second, Size: 1, Open: func() (remote.ReadAtCloser, error) { return nil, gone }}); err != nil {
+		t.Fatal(err)
+	}
+	if err := u.Enqueue(remote.Upload{Name: second, Size: 1, Open: source([]byte{1})}); err != nil {
+		t.Fatalf("a name already queued: %v, want accepted (not queued twice)", err)
+	}
+	third := pageName(t, s, "ns", key("third"))
+	if err := u.Enqueue(remote.Upload{Name: third, Size: 1, Open: source([]byte{1})}); !errors.Is(err, remote.ErrQueueFull) {
+		t.Fatalf("Enqueue beyond QueueLen: %v, want ErrQueueFull", err)
+	}
+	if err := u.Enqueue(remote.Upload{Name: third, Size: -1, Open: source(nil)}); !errors.Is(err, remote.ErrConfig) {
+		t.Fatalf("negative size: %v", err)
+	}
+	// Reads go on while every upload worker is stuck.
+	if ex, err := s.Exists(context.Background(), []string{first, third}); err != nil || ex[0] || ex[1] {
+		t.Fatalf("Exists while the uploader is busy = %v, %v", ex, err)
+	}
+	close(release)
+	if err := u.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	r := res.get()
+	if !r[first].Created || !errors.Is(r[second].Err, gone) || len(r) != 2 {
+		t.Fatalf("results %+v", r)
+	}
+	if st := u.Stats(); st.Created != 1 || st.Failed != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if _, err := s.Stat(context.Background(), third); !errors.Is(err, remote.ErrNotFound) {
+		t.Fatalf("the refused upload exists: %v", err)
+	}
+	checkObjects(t, s, map[string][]byte{first: data})
+}
+
+// TestUploaderServerKilled kills the real server while uploads run: they
+// retry with backoff and all finish after the restart (bit-exact, none
+// failed); an uploader closed while the server is down abandons its
+// uploads within Close's context and says so; a fetch while it is down
+// fails with a named error.
+func TestUploaderServerKilled(t *testing.T) {
+	s := newStore(t, func(c *remote.Config) { c.MaxRetries = 1 })
+	var res results
+	done := make(chan struct{}, 100)
+	u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 2, BackoffMin: 50 * time.Millisecond, BackoffMax: time.Second,
+		OnDone: func(r remote.UploadResult) { res.add(r); done <- struct{}{} }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer u.Close(context.Background())
+	objs := map[string][]byte{}
+	for i := range 24 {
+		name := pageName(t, s, "ns", key(fmt.Sprint("kill", i)))
+		objs[name] = randBytes(uint64(200+i), 512<<10+i)
+		if err := u.Enqueue(remote.Upload{Name: name, Size: int64(len(objs[name])), Open: source(objs[name])}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 4 {
+		<-done
+	}
+	var fetched string // an object uploaded before the kill
+	for name, r := range res.get() {
+		if r.Err == nil {
+			fetched = name
+		}
+	}
+	srv.Kill()
+	restarted := false
+	defer func() {
+		if !restarted { // leave a server for the other tests
+			if err := srv.Restart(context.Background()); err != nil {
+				t.Error(err)
+			}
+		}
+	}()
+
+	// While the server is down: an uploader closed with a short context
+	// abandons its uploads, reports each, and stops its goroutines.
+	var res2 results
+	u2, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 2, OnDone: res2.add})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		name := pageName(t, s, "ns", key(fmt.Sprint("abandon", i)))
+		if err := u2.Enqueue(remote.Upload{Name: name, Size: 10, Open: source(make([]byte, 10))}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	err = u2.Close(ctx)
+	cancel()
+	if !errors.Is(err, remote.ErrAbandoned) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Close with the server down: %v, want ErrAbandoned and the deadline", err)
+	}
+	if st := u2.Stats(); st.Abandoned != 3 || st.Created != 0 {
+		t.Fatalf("abandoning uploader stats %+v", st)
+	}
+	for name, r := range res2.get() {
+		if !errors.Is(r.Err, remote.ErrAbandoned) {
+			t.Fatalf("%s: %+v", name, r)
+		}
+	}
+
+	// A fetch while the server is down fails, naming the request; it
+	// never returns bytes as if they were the object's.
+	var oe *remote.OpError
+	if n, err := s.Fetch(context.Background(), fetched, &memFile{}, sha256Verify(objs[fetched])); !errors.As(err, &oe) || oe.Name != fetched || n != 0 {
+		t.Fatalf("Fetch with the server down = %d, %v; want an *OpError naming %s", n, err, fetched)
+	}
+
+	if err := srv.Restart(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	restarted = true
+	if err := u.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	st := u.Stats()
+	if st.Created+st.Existed != 24 || st.Failed != 0 || st.Retries == 0 {
+		t.Fatalf("after the restart: stats %+v (want 24 done, 0 failed, some retries)", st)
+	}
+	for name, r := range res.get() {
+		if r.Err != nil {
+			t.Errorf("%s: %v", name, r.Err)
+		}
+	}
+	checkObjects(t, s, objs)
+}

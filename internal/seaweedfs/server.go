@@ -1,0 +1,273 @@
+package seaweedfs
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+	"github.com/minio/minio-go/v7/pkg/credentials"
+)
+
+// StopGrace is how long Stop waits after SIGTERM before SIGKILL (weed did
+// not exit within 15 s of SIGTERM on this machine).
+const StopGrace = 2 * time.Second
+
+// ReadyTimeout bounds one start (weed mini answered S3 about 15 s after
+// start here; on a loaded 2-core machine it can take longer).
+const ReadyTimeout = 2 * time.Minute
+
+// Server is one running `weed mini`: master, volume, filer and S3 gateway
+// in one process, every port bound to 127.0.0.1 only, data in Dir.
+type Server struct {
+	Bin       string
+	Dir       string // data directory (removed by Stop if Start created it)
+	Endpoint  string // "http://127.0.0.1:<s3 port>"
+	AccessKey string
+	SecretKey string
+	Bucket    string
+
+	ownDir bool
+	ports  map[string]int // flag name -> port
+
+	mu   sync.Mutex
+	cmd  *exec.Cmd
+	done chan struct{} // closed when cmd has been waited for
+	log  *os.File
+}
+
+// portFlags are the listening ports of weed mini; each gets an explicit
+// free loopback port so that nothing listens on a default port or on
+// another interface (and two servers can run side by side).
+var portFlags = []string{
+	"master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
+	"filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
+	"admin.port", "admin.port.grpc", // the admin server runs even with -admin.ui=false
+}
+
+// Start starts weed (bin) on loopback with a fresh data directory under
+// os.TempDir (short: the filer and S3 unix sockets live in it), one
+// bucket and static credentials, and waits until the bucket answers an
+// authenticated request. Stop must be called.
+func Start(ctx context.Context, bin string) (*Server, error) {
+	dir, err := os.MkdirTemp("", "kvp-weed-")
+	if err != nil {
+		return nil, err
+	}
+	s := &Server{Bin: bin, Dir: dir, ownDir: true, AccessKey: "kvpersist-test", SecretKey: "kvpersist-test-secret", Bucket: "kvpersist-test"}
+	var lastErr error
+	for attempt := 0; attempt < 3; attempt++ { // a port picked free can be taken before weed binds it
+		if err := s.pickPorts(); err != nil {
+			os.RemoveAll(dir)
+			return nil, err
+		}
+		if lastErr = s.start(ctx); lastErr == nil {
+			return s, nil
+		}
+		s.kill()
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	os.RemoveAll(dir)
+	return nil, lastErr
+}
+
+func (s *Server) pickPorts() error {
+	s.ports = map[string]int{}
+	var ls []net.Listener
+	defer func() {
+		for _, l := range ls {
+			l.Close()
+		}
+	}()
+	for _, f := range portFlags {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return fmt.Errorf("seaweedfs: picking a loopback port: %w", err)
+		}
+		ls = append(ls, l)
+		s.ports[f] = l.Addr().(*net.TCPAddr).Port
+	}
+	s.Endpoint = "http://127.0.0.1:" + strconv.Itoa(s.ports["s3.port"])
+	return nil
+}
+
+// start launches the process and waits for readiness.
+func (s *Server) start(ctx context.Context) error {
+	args := []string{"mini",
+		"-dir=" + s.Dir, "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+		"-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+		"-admin.port.legacy=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
+		"-s3.port.https=0", "-s3.iam=false",
+		"-filer.localSocket=" + filepath.Join(s.Dir, "filer.sock"),
+		"-s3.localSocket=" + filepath.Join(s.Dir, "s3.sock"),
+		"-bucket=" + s.Bucket,
+	}
+	for _, f := range portFlags {
+		args = append(args, fmt.Sprintf("-%s=%d", f, s.ports[f]))
+	}
+	log, err := os.OpenFile(filepath.Join(s.Dir, "weed.log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	cmd := exec.Command(s.Bin, args...)
+	cmd.Dir = s.Dir
+	cmd.Env = append(os.Environ(),
+		"AWS_ACCESS_KEY_ID="+s.AccessKey, "AWS_SECRET_ACCESS_KEY="+s.SecretKey, "S3_BUCKET="+s.Bucket)
+	cmd.Stdout, cmd.Stderr = log, log
+	// Own process group, and SIGKILL if the test process dies first, so a
+	// crashed test leaves no server behind.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		log.Close()
+		return fmt.Errorf("seaweedfs: starting %s: %w", s.Bin, err)
+	}
+	done := make(chan struct{})
+	s.mu.Lock()
+	s.cmd, s.done, s.log = cmd, done, log
+	s.mu.Unlock()
+	go func() { cmd.Wait(); close(done) }() // owned by s; joined by kill
+	if err := s.waitReady(ctx, done); err != nil {
+		return fmt.Errorf("%w\n--- weed.log (tail) ---\n%s", err, s.LogTail(4096))
+	}
+	return nil
+}
+
+// waitReady polls until the bucket exists for our credentials: first the
+// S3 port must accept connections, then BucketExists must say true.
+func (s *Server) waitReady(ctx context.Context, exited <-chan struct{}) error {
+	ctx, cancel := context.WithTimeout(ctx, ReadyTimeout)
+	defer cancel()
+	tr := &http.Transport{DisableKeepAlives: true}
+	defer tr.CloseIdleConnections()
+	cl, err := minio.New(s.Endpoint[len("http://"):], &minio.Options{
+		Creds: credentials.NewStaticV4(s.AccessKey, s.SecretKey, ""), Secure: false,
+		Transport: tr, Region: "us-east-1", BucketLookup: minio.BucketLookupPath, MaxRetries: 1,
+	})
+	if err != nil {
+		return err
+	}
+	var last error
+	for {
+		rctx, rcancel := context.WithTimeout(ctx, 5*time.Second)
+		ok, err := cl.BucketExists(rctx, s.Bucket)
+		rcancel()
+		if err == nil && ok {
+			return nil
+		}
+		last = err
+		select {
+		case <-exited:
+			return fmt.Errorf("seaweedfs: weed exited before it was ready (last probe: %v)", last)
+		case <-ctx.Done():
+			return fmt.Errorf("seaweedfs: not ready within %v (last probe: %v, bucket exists: %v)", ReadyTimeout, last, ok)
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// LogTail returns up to n bytes of the end of the server's log.
+func (s *Server) LogTail(n int) string {
+	b, _ := os.ReadFile(filepath.Join(s.Dir, "weed.log"))
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return string(bytes.TrimSpace(b))
+}
+
+// Port is the port given to weed for flag (e.g. "s3.port").
+func (s *Server) Port(flag string) int { return s.ports[flag] }
+
+// Kill stops the server at once (SIGKILL to its process group) and waits
+// for it to exit; the data directory is kept, so Restart can resume.
+func (s *Server) Kill() { s.kill() }
+
+func (s *Server) kill() { s.signalAndWait(syscall.SIGKILL, 0) }
+
+// signalAndWait sends sig to the process group and waits grace for the
+// exit, then SIGKILLs it and waits for the exit.
+func (s *Server) signalAndWait(sig syscall.Signal, grace time.Duration) {
+	s.mu.Lock()
+	cmd, done, log := s.cmd, s.done, s.log
+	s.cmd, s.done, s.log = nil, nil, nil
+	s.mu.Unlock()
+	if cmd == nil {
+		return
+	}
+	syscall.Kill(-cmd.Process.Pid, sig)
+	if grace > 0 {
+		select {
+		case <-done:
+		case <-time.After(grace):
+			syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			<-done
+		}
+	} else {
+		<-done
+	}
+	log.Close()
+}
+
+// Restart starts the server again on the same ports and data directory
+// (after Kill) and waits until it is ready.
+func (s *Server) Restart(ctx context.Context) error {
+	s.kill()
+	return s.start(ctx)
+}
+
+// Stop sends SIGTERM, SIGKILL after StopGrace, waits for the exit and
+// removes the data directory Start created. Safe to call twice.
+func (s *Server) Stop() error {
+	s.signalAndWait(syscall.SIGTERM, StopGrace)
+	if s.ownDir {
+		s.ownDir = false
+		return os.RemoveAll(s.Dir)
+	}
+	return nil
+}
+
+// TB is the part of testing.TB the helpers need.
+type TB interface {
+	Helper()
+	Fatalf(format string, args ...any)
+	Logf(format string, args ...any)
+	Cleanup(func())
+}
+
+// StartTB builds weed if needed and starts a server for a test, stopped in
+// the test's cleanup whether it passed or not. When weed cannot be built
+// or started the test fails with a message saying so: the object-store
+// tests never skip silently.
+func StartTB(tb TB) *Server {
+	tb.Helper()
+	s, err := StartForTests(context.Background())
+	if err != nil {
+		tb.Fatalf("%v", err)
+	}
+	tb.Cleanup(func() { s.Stop() })
+	return s
+}
+
+// StartForTests is Ensure then Start, with errors that say what to do.
+// Used by TestMain functions that share one server between tests.
+func StartForTests(ctx context.Context) (*Server, error) {
+	bin, err := Ensure(ctx, os.Stderr)
+	if err != nil {
+		return nil, fmt.Errorf("the object-store tests need a real SeaweedFS server and it could not be built (run `make weed` to see why): %w", err)
+	}
+	s, err := Start(ctx, bin)
+	if err != nil {
+		return nil, fmt.Errorf("the object-store tests need a real SeaweedFS server and it did not start: %w", err)
+	}
+	return s, nil
+}
