@@ -19,6 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
 )
@@ -394,7 +395,7 @@ func BenchmarkCollect(b *testing.B) {
 			settle(b, lim)
 		},
 		limit: func(i int) {
-			n, err := unlinkLimit(layout.BlocksDir(filepath.Join(lim, ns(i))), tpl.victims)
+			n, err := unlinkLimit(testutil.BlocksDir(filepath.Join(lim, ns(i))), tpl.victims)
 			if err != nil || n != len(tpl.victims) {
 				b.Fatalf("unlink limit removed %d files (want %d): %v", n, len(tpl.victims), err)
 			}

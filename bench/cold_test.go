@@ -16,6 +16,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
@@ -50,7 +51,7 @@ func snapshotFiles(snap *layout.Snapshot, path string) (files []string, exts []e
 	seen := map[string]bool{}
 	for _, t := range snap.Header.Slots() {
 		for _, ref := range t.Blocks {
-			p := layout.BlockPath(filepath.Dir(path), ref.Hash)
+			p := testutil.BlockPath(filepath.Dir(path), ref.Hash)
 			exts = append(exts, extent{p, 0, ref.Bytes})
 			if !seen[p] {
 				seen[p] = true

@@ -20,9 +20,9 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/gather"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
 	"go.uber.org/goleak"
@@ -323,19 +323,7 @@ func (w *workload) request(ref engine.Ref, lay layout.Layout, tokens int) *engin
 // layer one entry {"type":"KVCache","offset":T} with K and V, one attachment
 // {"name":"tokens"} with the int32 token ids, the model as metadata.
 func cacheRequest(c *kvgen.Cache, ref engine.Ref, lay layout.Layout, tokens int) *engine.WriteRequest {
-	views := c.ViewsAt(tokens)
-	dtypes := c.DTypes()
-	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(tokens))}
-	var caches []jobs.EntrySpec
-	for l := 0; l < c.Model.Layers; l++ {
-		caches = append(caches, jobs.EntrySpec{Meta: off, Tensors: []jobs.TensorSpec{
-			{DType: dtypes[2*l], View: views[2*l]}, {DType: dtypes[2*l+1], View: views[2*l+1]},
-		}})
-	}
-	last := len(views) - 1
-	atts := []jobs.EntrySpec{{Meta: layout.Meta{"name": []byte(`"tokens"`)},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[last], View: views[last]}}}}
-	meta := layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": []byte(strconv.Itoa(tokens))}
+	caches, atts, meta := kvgen.CacheRequest(c, tokens)
 	return &engine.WriteRequest{Ref: ref, Layout: lay, Meta: meta, Caches: caches, Attachments: atts}
 }
 
@@ -517,7 +505,7 @@ func preadSHALimit(snap *layout.Snapshot, path string, dest [][]byte) error {
 	for i, t := range snap.Header.Slots() {
 		var o int64
 		for _, ref := range t.Blocks {
-			blks = append(blks, blk{layout.BlockPath(filepath.Dir(path), ref.Hash), dest[i][o : o+ref.Bytes], ref.Hash})
+			blks = append(blks, blk{testutil.BlockPath(filepath.Dir(path), ref.Hash), dest[i][o : o+ref.Bytes], ref.Hash})
 			o += ref.Bytes
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // The limits are only fair if they handle the same bytes as the engine:
@@ -203,7 +204,7 @@ func TestUnlinkLimit(t *testing.T) {
 	if got := res.Metrics.Collect.BlocksDeleted; got != blocks/2 {
 		t.Fatalf("collect deleted %d blocks, want %d", got, blocks/2)
 	}
-	n, err := unlinkLimit(layout.BlocksDir(filepath.Join(lim, "ns")), tpl.victims)
+	n, err := unlinkLimit(testutil.BlocksDir(filepath.Join(lim, "ns")), tpl.victims)
 	if err != nil || n != blocks/2 {
 		t.Fatalf("unlink limit removed %d files (want %d): %v", n, blocks/2, err)
 	}

@@ -17,8 +17,10 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 	"golang.org/x/sys/unix"
 )
@@ -163,7 +165,7 @@ func benchPrefixLoad(b *testing.B, w *workload) {
 	nsDir := filepath.Join(root, "ns")
 	pageBytes := w.model.TensorBytes(layout.DefaultPageTokens)
 	for p, k := range saved.Prefix.Keys {
-		snap, err := layout.Load(vfs.Default, layout.PagePath(nsDir, k))
+		snap, err := layout.Load(vfs.Default, testutil.PagePath(nsDir, k))
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -304,7 +306,7 @@ func BenchmarkPrefixIndexBuild(b *testing.B) {
 	b.ReportAllocs()
 	b.ResetTimer()
 	for b.Loop() {
-		_, st, err := pageindex.Build(vfs.Default, root)
+		_, st, err := pageindex.Build(store.At(root, store.Options{}))
 		if err != nil || st.Pages != pages {
 			b.Fatalf("build: %+v %v", st, err)
 		}
@@ -323,12 +325,12 @@ var (
 func getIndexStore(b *testing.B, n int) string {
 	indexStoreOnce.Do(func() {
 		root := mkdir(b, "prefix-index")
-		pagesDir := layout.PagesDir(filepath.Join(root, "ns"))
+		pagesDir := testutil.PagesDir(filepath.Join(root, "ns"))
 		made := map[string]bool{}
 		for range n {
 			var k layout.PageKey
 			_, _ = cryptorand.Read(k[:])
-			p := layout.PagePath(filepath.Dir(pagesDir), k)
+			p := testutil.PagePath(filepath.Dir(pagesDir), k)
 			if d := filepath.Dir(p); !made[d] {
 				if indexStoreErr = os.MkdirAll(d, 0o750); indexStoreErr != nil {
 					return
@@ -397,7 +399,7 @@ func TestPrefixSharedPrefixWritesNewPagesOnly(t *testing.T) {
 func listPages(t *testing.T, nsDir string) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	err := filepath.WalkDir(layout.PagesDir(nsDir), func(p string, d fs.DirEntry, err error) error {
+	err := filepath.WalkDir(testutil.PagesDir(nsDir), func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}

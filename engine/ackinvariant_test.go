@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"sort"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -436,4 +438,39 @@ func errName(err error) string {
 		return "canceled"
 	}
 	return "other"
+}
+
+// panicHandler is a slog.Handler that panics on every warning.
+type panicHandler struct{}
+
+func (panicHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (panicHandler) Handle(_ context.Context, r slog.Record) error {
+	if r.Level == slog.LevelWarn {
+		panic("handler bug") // only on warn: the pool's panic handler logs at error
+	}
+	return nil
+}
+func (h panicHandler) WithAttrs([]slog.Attr) slog.Handler { return h }
+func (h panicHandler) WithGroup(string) slog.Handler      { return h }
+
+// TestEveryJobIsAckedWhenTheLoggerPanics: a caller's slog.Handler that
+// panics (a bug of theirs) when the engine logs a failed job costs neither
+// the job's ack nor its completion: Do returns and Close does not hang.
+func TestEveryJobIsAckedWhenTheLoggerPanics(t *testing.T) {
+	e, err := New(Config{Root: t.TempDir(), NoSync: true, Logger: slog.New(panicHandler{})})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// An invalid write (no tensors): fails fast, logged at warn.
+	job, err := e.Submit(context.Background(), &WriteRequest{Ref: Ref{Namespace: "ns", Name: "a"}, Layout: layout.Single})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case res := <-job.Ack:
+		t.Logf("acked: %v", res.Err)
+		e.Close(context.Background())
+	case <-time.After(3 * time.Second):
+		t.Fatalf("job never acked after a panic in the logger (engine left running: Close would hang)")
+	}
 }

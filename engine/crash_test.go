@@ -36,6 +36,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // runHelper runs the helper process selected by mode (see TestMain) and
@@ -50,6 +51,8 @@ func runHelper(mode string, args []string) int {
 		return collectorMain(args)
 	case "crash-prefix":
 		return crashPrefixMain(args)
+	case "prefix-writer":
+		return prefixWriterMain(args)
 	}
 	fmt.Fprintf(os.Stderr, "unknown helper mode %q\n", mode)
 	return 2
@@ -69,16 +72,7 @@ const tinyBlockBytes = jobs.MinBlockBytes
 // saved: per layer {"type":"KVCache","offset":T} with K and V, then the
 // attachment {"name":"tokens"} with the int32 token ids.
 func cacheEntries(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec) {
-	views, dtypes := c.ViewsAt(tokens), c.DTypes()
-	off := layout.Meta{"type": json.RawMessage(`"KVCache"`), "offset": json.RawMessage(strconv.Itoa(tokens))}
-	for l := 0; l < c.Model.Layers; l++ {
-		caches = append(caches, jobs.EntrySpec{Meta: off, Tensors: []jobs.TensorSpec{
-			{DType: dtypes[2*l], View: views[2*l]}, {DType: dtypes[2*l+1], View: views[2*l+1]},
-		}})
-	}
-	n := len(views) - 1
-	attachments = []jobs.EntrySpec{{Meta: layout.Meta{"name": json.RawMessage(`"tokens"`)},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[n], View: views[n]}}}}
+	caches, attachments, _ = kvgen.CacheRequest(c, tokens)
 	return caches, attachments
 }
 
@@ -255,7 +249,7 @@ func scanStore(t testing.TB, root string) *storeScan {
 				s.snaps[path] = scanned{v: v, layout: snap.Layout}
 				for _, sl := range snap.Header.Slots() {
 					for _, b := range sl.Blocks {
-						s.refs[layout.BlockPath(nsDir, b.Hash)] = true
+						s.refs[testutil.BlockPath(nsDir, b.Hash)] = true
 					}
 				}
 			default:
@@ -600,31 +594,17 @@ wait:
 
 	lastAck := map[string]int64{}
 	for _, l := range lines {
-		f := strings.Fields(l)
-		switch {
-		case len(f) == 5 && f[0] == "submit":
-			seq, err1 := strconv.ParseInt(f[1], 10, 64)
-			tokens, err2 := strconv.Atoi(f[3])
-			lay, err3 := layout.ParseLayout(f[4])
-			if err := errors.Join(err1, err2, err3); err != nil {
-				t.Fatalf("bad line %q: %v", l, err)
-			}
-			if _, dup := submitted[seq]; dup {
-				t.Fatalf("seq %d announced twice", seq)
-			}
-			submitted[seq] = crashSubmit{path: filepath.Join(root, f[2]), tokens: tokens, layout: lay}
+		kind, seq, ok := writerLine(t, root, l, submitted)
+		switch f := strings.Fields(l); {
+		case kind == "submit":
 			tally.submitted++
-		case len(f) >= 3 && f[0] == "ack":
-			seq, err := strconv.ParseInt(f[1], 10, 64)
-			s, known := submitted[seq]
-			if err != nil || !known {
-				t.Fatalf("ack of an unknown write: %q", l)
-			}
-			if f[2] != "ok" {
+		case kind == "ack":
+			if !ok {
 				t.Errorf("write failed in the helper: %q", l)
 				continue
 			}
-			lastAck[s.path] = max(lastAck[s.path], seq)
+			p := submitted[seq].path
+			lastAck[p] = max(lastAck[p], seq)
 			tally.acked++
 		case len(f) >= 2 && f[0] == "collect":
 			if f[1] != "ok" {
@@ -636,6 +616,37 @@ wait:
 		}
 	}
 	return lastAck
+}
+
+// writerLine parses one line a writer helper printed. "submit <seq> <path
+// relative to root> <tokens> <layout>" is added to submitted (kind
+// "submit"; a seq announced twice fails the test); "ack <seq> ok" or "ack
+// <seq> err ..." of an announced write returns kind "ack", its seq and
+// whether it succeeded. Any other line returns kind "".
+func writerLine(t *testing.T, root, l string, submitted map[int64]crashSubmit) (kind string, seq int64, ok bool) {
+	t.Helper()
+	f := strings.Fields(l)
+	switch {
+	case len(f) == 5 && f[0] == "submit":
+		seq, err1 := strconv.ParseInt(f[1], 10, 64)
+		tokens, err2 := strconv.Atoi(f[3])
+		lay, err3 := layout.ParseLayout(f[4])
+		if err := errors.Join(err1, err2, err3); err != nil {
+			t.Fatalf("bad line %q: %v", l, err)
+		}
+		if _, dup := submitted[seq]; dup {
+			t.Fatalf("seq %d announced twice", seq)
+		}
+		submitted[seq] = crashSubmit{path: filepath.Join(root, f[2]), tokens: tokens, layout: lay}
+		return "submit", seq, true
+	case len(f) >= 3 && f[0] == "ack":
+		seq, err := strconv.ParseInt(f[1], 10, 64)
+		if _, known := submitted[seq]; err != nil || !known {
+			t.Fatalf("ack of an unknown write: %q", l)
+		}
+		return "ack", seq, f[2] == "ok"
+	}
+	return "", 0, false
 }
 
 // checkAfterCrash checks the store a killed helper left (see TestCrashSIGKILL).

@@ -24,8 +24,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
-	"path/filepath"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -35,6 +33,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
 )
@@ -92,6 +91,7 @@ type Config struct {
 // Engine runs jobs against one store. It is safe for concurrent use.
 type Engine struct {
 	cfg     Config
+	store   *store.Store
 	jcfg    jobs.Config
 	log     *slog.Logger
 	pool    *ants.Pool
@@ -169,14 +169,15 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.Default()
 	}
-	// The root may itself be a symlink (the operator's choice); anything
-	// below it may not. A new root is created with its parents synced.
-	if st, err := cfg.FS.Lstat(cfg.Root); err == nil && st.Mode()&os.ModeSymlink != 0 {
-	} else if err := layout.MkdirAllSynced(cfg.FS, filepath.Clean(cfg.Root), "", !cfg.NoSync); err != nil {
+	// The root may itself be a symlink, or sit below symlinked directories
+	// (the operator's choice); nothing below it is followed. A new root is
+	// created with its parents synced.
+	st, err := store.Create(cfg.Root, store.Options{FS: cfg.FS, NoSync: cfg.NoSync})
+	if err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
 	// The prefix cache's index, from the page files' names.
-	pages, pst, err := pageindex.Build(cfg.FS, cfg.Root)
+	pages, pst, err := pageindex.Build(st)
 	if err != nil {
 		return nil, fmt.Errorf("engine: page index: %w", err)
 	}
@@ -186,6 +187,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{
 		pages:   pages,
 		cfg:     cfg,
+		store:   st,
 		log:     cfg.Logger,
 		mailbox: make(chan *job, cfg.Mailbox),
 		slots:   make(chan struct{}, cfg.Mailbox),
@@ -244,12 +246,16 @@ func (e *Engine) Stats() Stats {
 // (wrapping layout.ErrBadName) for invalid names, and when the namespace
 // directory is a symlink, which could lead outside the root.
 func (e *Engine) Path(ref Ref) (string, error) {
-	p, err := layout.SnapshotPath(e.cfg.Root, ref.Namespace, ref.Name)
+	ns, err := e.store.Namespace(ref.Namespace)
 	if err != nil {
 		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
-	if st, err := e.cfg.FS.Lstat(filepath.Dir(p)); err == nil && (st.Mode()&os.ModeSymlink != 0 || !st.IsDir()) {
-		return "", fmt.Errorf("%w: namespace %s is a symlink or not a directory", ErrPath, filepath.Dir(p))
+	p, err := ns.Path(ref.Name)
+	if err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
+	}
+	if err := ns.Check(); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	return p, nil
 }

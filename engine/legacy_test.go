@@ -32,17 +32,7 @@ var (
 // grown.mlxkv, blocks/<sha256>} (34 blocks).
 func bunStore(t testing.TB, root string) {
 	t.Helper()
-	testutil.CopyFile(t, filepath.Join(bunFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
-	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		testutil.CopyFile(t, filepath.Join(bunFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
-	}
-	ents, err := os.ReadDir(filepath.Join(bunFixtures, "blocks", "blocks"))
-	if err != nil || len(ents) != 34 {
-		t.Fatalf("fixture blocks: %d, %v (want 34)", len(ents), err)
-	}
-	for _, e := range ents {
-		testutil.CopyFile(t, filepath.Join(bunFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
-	}
+	testutil.BunStore(t, bunFixtures, root)
 }
 
 // bunT40 splits expected.T40.bin (what the original's reader returned) at
@@ -217,7 +207,7 @@ func bunBlockPath(t testing.TB, root string, ref Ref, s, b int) string {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return layout.LegacyBlockPath(filepath.Join(root, ref.Namespace), snap.Header.Slots()[s].Blocks[b].Hash)
+	return testutil.LegacyBlockPath(filepath.Join(root, ref.Namespace), snap.Header.Slots()[s].Blocks[b].Hash)
 }
 
 func TestMigrateThroughEngine(t *testing.T) {

@@ -4,19 +4,23 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 )
 
 // Backpressure: with Mailbox jobs waiting to start, TrySubmit returns
@@ -397,5 +401,60 @@ func TestClosedAckChannel(t *testing.T) {
 	readBack(t, e, refOf("a", "x"), m, 40) // waits for the write (same path)
 	if s := e.Stats(); s.Completed != 2 || s.Failed != 0 {
 		t.Fatalf("Stats: %+v", s)
+	}
+}
+
+// TestCloseCtxEndsAJobWaitingForAnotherProcessesLock: Close(ctx) cancels
+// the remaining jobs when ctx ends and returns once they are acked, also
+// for a job waiting for the namespace's flock (another process's gc
+// holding it): the wait polls and sees its context.
+func TestCloseCtxEndsAJobWaitingForAnotherProcessesLock(t *testing.T) {
+	root := t.TempDir()
+	ns := filepath.Join(root, "ns")
+	if err := os.MkdirAll(ns, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	lf, err := os.OpenFile(filepath.Join(ns, layout.LockName), os.O_CREATE|os.O_RDONLY, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	if err := unix.Flock(int(lf.Fd()), unix.LOCK_EX); err != nil { // "another process's gc"
+		t.Fatal(err)
+	}
+	released := false
+	release := func() {
+		if !released {
+			released = true
+			unix.Flock(int(lf.Fd()), unix.LOCK_UN)
+		}
+	}
+	defer release()
+
+	e, err := New(Config{Root: root, NoSync: true, Workers: 2, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v := gather.View{Base: make([]byte, 64), Shape: []int{32}, Strides: []int{1}, ItemSize: 2}
+	job, err := e.Submit(context.Background(), &WriteRequest{Ref: Ref{Namespace: "ns", Name: "a"}, Layout: layout.Single,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); e.Stats().Running == 0 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	closed := make(chan error, 1)
+	go func() { closed <- e.Close(ctx) }()
+	select {
+	case err := <-closed:
+		t.Logf("Close returned %v", err)
+	case <-time.After(3 * time.Second):
+		release()
+		<-closed
+		<-job.Ack
+		t.Fatalf("Close(ctx with a 200ms deadline) had not returned 3s later: the job waiting for the flock did not see its context")
 	}
 }

@@ -3,8 +3,6 @@ package engine
 import (
 	"context"
 	"fmt"
-	"os"
-	"path/filepath"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -78,14 +76,14 @@ func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
 // nsDir resolves a namespace's directory: ErrPath for an invalid name or a
 // namespace directory that is a symlink or not a directory.
 func (e *Engine) nsDir(ns string) (string, error) {
-	if err := layout.ValidName("namespace", ns); err != nil {
+	n, err := e.store.Namespace(ns)
+	if err != nil {
 		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
-	dir := filepath.Join(e.cfg.Root, ns)
-	if st, err := e.cfg.FS.Lstat(dir); err == nil && (st.Mode()&os.ModeSymlink != 0 || !st.IsDir()) {
-		return "", fmt.Errorf("%w: namespace %s is a symlink or not a directory", ErrPath, dir)
+	if err := n.Check(); err != nil {
+		return "", fmt.Errorf("%w: %w", ErrPath, err)
 	}
-	return dir, nil
+	return n.Dir(), nil
 }
 
 // executePrefix runs a prefix job and keeps the index current: a save's
@@ -94,7 +92,10 @@ func (e *Engine) nsDir(ns string) (string, error) {
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
-		dir := filepath.Join(e.cfg.Root, r.Namespace)
+		var dir string
+		if dir, err = e.nsDir(r.Namespace); err != nil {
+			return true, err
+		}
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
 			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens,
 		})
@@ -102,7 +103,10 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 		}
 	case *LoadPrefixRequest:
-		dir := filepath.Join(e.cfg.Root, r.Namespace)
+		var dir string
+		if dir, err = e.nsDir(r.Namespace); err != nil {
+			return true, err
+		}
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
 			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify,
 		})

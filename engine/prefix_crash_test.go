@@ -20,6 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
 
@@ -48,6 +49,54 @@ func cpTokens(c int) []uint32 {
 	return out
 }
 
+// cpAllTokens is every conversation's token ids (cpTokens).
+func cpAllTokens() [][]uint32 {
+	toks := make([][]uint32, cpConvs)
+	for c := range toks {
+		toks[c] = cpTokens(c)
+	}
+	return toks
+}
+
+// cpSave is the prefix save of the first n tokens of conversation c
+// (cpAllTokens), the KV from cache.
+func cpSave(cache *kvgen.Cache, toks [][]uint32, c, n int) *engine.SavePrefixRequest {
+	return &engine.SavePrefixRequest{Namespace: "p", Identity: cpIdentity,
+		Tokens: toks[c][:n], Tensors: cpTensors(cache, n), PageTokens: cpPage}
+}
+
+// cpCheckAcked loads the acked save a ("<conv> <tokens>") of root's
+// namespace p into fresh row-major destinations, verified, and fails the
+// test unless every token loads and holds exactly the KV cache saved.
+func cpCheckAcked(t *testing.T, root string, cache *kvgen.Cache, a string) {
+	t.Helper()
+	var c, n int
+	if _, err := fmt.Sscanf(a, "%d %d", &c, &n); err != nil {
+		t.Fatalf("bad ack %q", a)
+	}
+	m := kvgen.Tiny
+	shape := []int{1, m.KVHeads, n, m.HeadDim}
+	dest := make([]jobs.TensorSpec, 2*m.Layers)
+	for i := range dest {
+		dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: make([]byte, m.KVHeads*n*m.HeadDim*2),
+			Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}}
+	}
+	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.LoadPrefixSpec{
+		NSDir: filepath.Join(root, "p"), Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
+	if err != nil || res.Tokens != n {
+		t.Fatalf("acked save %s loads %+v %v", a, res, err)
+	}
+	for i, d := range dest {
+		want, _, err := cache.ViewsAt(n)[i].Gather(make([]byte, d.View.Bytes()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(d.View.Base, want) {
+			t.Fatalf("acked save %s: tensor %d differs from the KV saved", a, i)
+		}
+	}
+}
+
 func cpTensors(cache *kvgen.Cache, n int) []jobs.TensorSpec {
 	vs := cache.ViewsAt(n)
 	out := make([]jobs.TensorSpec, 2*cache.Model.Layers)
@@ -74,10 +123,7 @@ func crashPrefixMain(args []string) int {
 	}
 	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	rng := rand.New(rand.NewPCG(*seed, 3))
-	toks := make([][]uint32, cpConvs)
-	for c := range toks {
-		toks[c] = cpTokens(c)
-	}
+	toks := cpAllTokens()
 	acks := make(chan engine.Result, 2)
 	what := map[uint64]string{}
 	fmt.Println("ready")
@@ -85,8 +131,7 @@ func crashPrefixMain(args []string) int {
 	for {
 		for ; inFlight < 2; inFlight++ {
 			c, n := rng.IntN(cpConvs), 1+rng.IntN(cpMaxTokens)
-			j, err := e.Submit(context.Background(), &engine.SavePrefixRequest{Namespace: "p", Identity: cpIdentity,
-				Tokens: toks[c][:n], Tensors: cpTensors(cache, n), PageTokens: cpPage}, engine.AckTo(acks))
+			j, err := e.Submit(context.Background(), cpSave(cache, toks, c, n), engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
 				return 1
@@ -174,7 +219,7 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 			}
 		}
 		// Every page file left is whole and right.
-		err := filepath.WalkDir(layout.PagesDir(filepath.Join(root, "p")), func(p string, d fs.DirEntry, err error) error {
+		err := filepath.WalkDir(testutil.PagesDir(filepath.Join(root, "p")), func(p string, d fs.DirEntry, err error) error {
 			if err != nil || !d.Type().IsRegular() || layout.IsTemp(d.Name()) {
 				return err
 			}
@@ -221,21 +266,9 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 		if err != nil && !os.IsNotExist(err) {
 			t.Fatal(err)
 		}
-		// Every acked save loads back whole.
+		// Every acked save loads back whole, with the KV saved.
 		for a := range acked {
-			var c, n int
-			fmt.Sscanf(a, "%d %d", &c, &n)
-			dest := make([]jobs.TensorSpec, 2*kvgen.Tiny.Layers)
-			for i := range dest {
-				m := kvgen.Tiny
-				dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: make([]byte, m.KVHeads*n*m.HeadDim*2),
-					Shape: []int{1, m.KVHeads, n, m.HeadDim}, Strides: gather.RowMajor([]int{1, m.KVHeads, n, m.HeadDim}), ItemSize: 2}}
-			}
-			res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{}, &jobs.LoadPrefixSpec{
-				NSDir: filepath.Join(root, "p"), Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
-			if err != nil || res.Tokens != n {
-				t.Fatalf("round %d: acked save %s loads %+v %v", round, a, res, err)
-			}
+			cpCheckAcked(t, root, cache, a)
 		}
 	}
 	t.Logf("%d kills, %d saves acked, %d page file checks", kills, len(acked), pagesSeen)

@@ -13,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"golang.org/x/sys/unix"
 )
 
@@ -116,7 +117,7 @@ func TestEnginePrefixSaveLookupLoad(t *testing.T) {
 	// A page removed behind the index's back: Lookup still says 300, the
 	// load finds 128 without error, and the index learns it.
 	keys, _, _ := layout.PageChain("tiny", 64, toks)
-	if err := os.Remove(layout.PagePath(filepath.Join(root, "p"), keys[2])); err != nil {
+	if err := os.Remove(testutil.PagePath(filepath.Join(root, "p"), keys[2])); err != nil {
 		t.Fatal(err)
 	}
 	if got, _ := e2.Lookup("p", "tiny", 64, toks); got != 300 {
@@ -271,7 +272,7 @@ func TestEnginePagesLayout(t *testing.T) {
 	equalSlots(t, "pages read after collect", dest, want)
 	// A page gone: every cache slot fails with ErrMissingPage; the
 	// attachment is still read.
-	if err := os.Remove(layout.PagePath(filepath.Join(root, "conv"), keys[3])); err != nil {
+	if err := os.Remove(testutil.PagePath(filepath.Join(root, "conv"), keys[3])); err != nil {
 		t.Fatal(err)
 	}
 	dest = destOf(m, T)

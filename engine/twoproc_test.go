@@ -29,6 +29,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // writerMain is the writer helper: n writes of Tiny caches to random paths of
@@ -157,14 +158,15 @@ func writerMain(args []string) int {
 }
 
 // collectorMain is the collector helper, an operator's `kvpersist gc` in a
-// loop: jobs.Collect over the whole root (default temp grace, -blockgrace for
-// blocks) until its stdin is closed, at least once. It prints "collect ok
+// loop: jobs.Collect over the whole root (-tempgrace, default the default;
+// -blockgrace for blocks) until its stdin is closed, at least once. It prints "collect ok
 // <blocks deleted>" or "collect err <message>" per collect.
 func collectorMain(args []string) int {
 	fl := flag.NewFlagSet("collector", flag.ContinueOnError)
 	root := fl.String("root", "", "store root")
 	noLock := fl.Bool("nolock", false, "no namespace lock")
 	blockGrace := fl.Duration("blockgrace", 0, "collect's BlockGrace")
+	tempGrace := fl.Duration("tempgrace", 0, "collect's TempGrace (negative: every temp file)")
 	if err := fl.Parse(args); err != nil {
 		return 2
 	}
@@ -175,7 +177,7 @@ func collectorMain(args []string) int {
 	}()
 	cfg := &jobs.Config{Root: *root, NoSync: true, NoLock: *noLock}
 	for {
-		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectRequest{BlockGrace: *blockGrace})
+		m, err := jobs.Collect(context.Background(), cfg, &jobs.CollectRequest{BlockGrace: *blockGrace, TempGrace: *tempGrace})
 		if err != nil {
 			fmt.Fprintf(os.Stdout, "collect err %s\n", strings.ReplaceAll(err.Error(), "\n", " "))
 		} else if cm := m.Collect; len(cm.Unreadable) > 0 || len(cm.Skipped) > 0 {
@@ -204,30 +206,16 @@ func parseWriterLog(t *testing.T, root string, lines []string) *writerLog {
 	t.Helper()
 	w := &writerLog{submitted: map[int64]crashSubmit{}, lastAck: map[string]int64{}, ok: map[int64]bool{}}
 	for _, l := range lines {
-		f := strings.Fields(l)
-		switch {
-		case len(f) == 5 && f[0] == "submit":
-			seq, err1 := strconv.ParseInt(f[1], 10, 64)
-			tokens, err2 := strconv.Atoi(f[3])
-			lay, err3 := layout.ParseLayout(f[4])
-			if err := errors.Join(err1, err2, err3); err != nil {
-				t.Fatalf("bad line %q: %v", l, err)
-			}
-			w.submitted[seq] = crashSubmit{path: filepath.Join(root, f[2]), tokens: tokens, layout: lay}
-		case len(f) >= 3 && f[0] == "ack":
-			seq, err := strconv.ParseInt(f[1], 10, 64)
-			s, ok := w.submitted[seq]
-			if err != nil || !ok {
-				t.Fatalf("ack of an unknown write: %q", l)
-			}
-			if f[2] != "ok" {
-				w.failed = append(w.failed, l)
-				continue
-			}
+		switch kind, seq, ok := writerLine(t, root, l, w.submitted); {
+		case kind == "submit":
+		case kind == "ack" && !ok:
+			w.failed = append(w.failed, l)
+		case kind == "ack":
 			w.acked++
 			w.ok[seq] = true
 			// An engine acks one path's writes in submission order.
-			w.lastAck[s.path] = max(w.lastAck[s.path], seq)
+			p := w.submitted[seq].path
+			w.lastAck[p] = max(w.lastAck[p], seq)
 		case l == "done":
 		default:
 			t.Fatalf("unexpected writer output %q", l)
@@ -409,8 +397,10 @@ func nsPaths(root, ns string, names ...string) []string {
 const twoProcTokens = "200,256,330,384,460,520"
 
 // TestTwoProcessWriteCollect runs a writer process saving in a loop (both
-// layouts, three paths of one namespace) beside a collector process
-// (jobs.Collect of the whole root in a loop) while the test process reads.
+// layouts, three paths of one namespace) and a second one saving single
+// files only (a namespace that never has blocks/) beside a collector
+// process (jobs.Collect of the whole root in a loop, every temp file taken
+// for stale: `gc --temp-grace 0`) while the test process reads.
 // The writer is an engine ("engine") or two goroutines calling jobs.Write
 // directly ("jobs.Write"), both holding the namespace lock shared. Every
 // read during the run returns one version's exact bytes or is refused as
@@ -426,12 +416,22 @@ func TestTwoProcessWriteCollect(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			root := t.TempDir()
 			paths := nsPaths(root, "shared", "p0", "p1", "p2")
-			run := runTwoProc(t, root, paths, false, nil,
+			flat := nsPaths(root, "flat", "f0")
+			run := runTwoProc(t, root, append(paths, flat...), false, []string{"-tempgrace", "-1ns"},
 				[]string{"-ns", "shared", "-paths", "p0,p1,p2", "-n", strconv.Itoa(n), "-id", "A", "-seq", "1000000",
 					"-tokens", twoProcTokens, "-layouts", "blocks,blocks,single", "-engine=" + strconv.FormatBool(mode == "engine"),
-					"-seed", strconv.FormatInt(time.Now().UnixNano(), 10)})
+					"-seed", strconv.FormatInt(time.Now().UnixNano(), 10)},
+				[]string{"-ns", "flat", "-paths", "f0", "-n", strconv.Itoa(n / 3), "-id", "B", "-seq", "2000000",
+					"-tokens", twoProcTokens, "-layouts", "single", "-engine=" + strconv.FormatBool(mode == "engine"),
+					"-seed", strconv.FormatInt(time.Now().UnixNano()+1, 10)})
 			run.logFigures(t)
 			run.checkHelpersClean(t)
+			if w := run.writers[1]; w.acked != n/3 {
+				t.Errorf("namespace without blocks/: %d of %d writes acked", w.acked, n/3)
+			}
+			if _, err := os.Lstat(filepath.Join(root, "flat", "blocks")); !os.IsNotExist(err) {
+				t.Errorf("the single-file namespace has blocks/ (%v)", err)
+			}
 			w := run.writers[0]
 			if w.acked != n {
 				t.Errorf("%d of %d writes acked", w.acked, n)
@@ -503,29 +503,6 @@ func TestTwoProcessSamePath(t *testing.T) {
 	finalCollect(t, root, run.scan)
 }
 
-// hookFS is the real file system with two observation points, to stop a job
-// at an exact step.
-type hookFS struct {
-	vfs.FS
-	afterLstat func(name string, err error)      // after the real Lstat, before it returns
-	beforeLock func(name string, exclusive bool) // before the real Lock
-}
-
-func (h *hookFS) Lstat(name string) (os.FileInfo, error) {
-	fi, err := h.FS.Lstat(name)
-	if h.afterLstat != nil {
-		h.afterLstat(name, err)
-	}
-	return fi, err
-}
-
-func (h *hookFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
-	if h.beforeLock != nil {
-		h.beforeLock(name, exclusive)
-	}
-	return h.FS.Lock(ctx, name, exclusive, create)
-}
-
 // reuseRace is the dedup-versus-collect race, set up deterministically: the
 // snapshot at path was saved with 200 tokens, then overwritten with 256, so
 // the blocks only the 200-token version has (its partial last block of each
@@ -547,7 +524,7 @@ func newReuseRace(t *testing.T) *reuseRace {
 		out := map[string]bool{}
 		for _, s := range h.Slots() {
 			for _, b := range s.Blocks {
-				out[layout.BlockPath(filepath.Dir(r.path), b.Hash)] = true
+				out[testutil.BlockPath(filepath.Dir(r.path), b.Hash)] = true
 			}
 		}
 		return out
@@ -588,7 +565,7 @@ func (r *reuseRace) write(cfg *jobs.Config, tokens int, seq int64) (*layout.Head
 func (r *reuseRace) rewritePaused(cfg jobs.Config) (reached <-chan string, resume chan<- struct{}, done <-chan error) {
 	reachedC, resumeC, doneC := make(chan string, 1), make(chan struct{}), make(chan error, 1)
 	var once sync.Once
-	cfg.FS = &hookFS{FS: vfs.Default, afterLstat: func(name string, err error) {
+	cfg.FS = &testutil.HookFS{FS: vfs.Default, AfterLstat: func(name string, err error) {
 		if err == nil && r.orphans[name] {
 			once.Do(func() {
 				reachedC <- name
@@ -682,7 +659,7 @@ func TestCollectLockProtectsReusedBlock(t *testing.T) {
 			orphan := <-reached
 			locking := make(chan struct{})
 			var once sync.Once
-			colFS := &hookFS{FS: vfs.Default, beforeLock: func(string, bool) { once.Do(func() { close(locking) }) }}
+			colFS := &testutil.HookFS{FS: vfs.Default, BeforeLock: func(string, bool) { once.Do(func() { close(locking) }) }}
 			type result struct {
 				m   jobs.Metrics
 				err error

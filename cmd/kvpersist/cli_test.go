@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
@@ -188,7 +189,7 @@ func TestUsageAndIOErrors(t *testing.T) {
 	for _, args := range [][]string{
 		{"verify", missing}, {"ls", missing}, {"du", missing}, {"inspect", missing}, {"gc", missing},
 		{"verify"}, {"ls", root, root}, {"inspect"}, {"gc"}, {"du"},
-		{"gc", filepath.Join(root, "a")}, {"verify", filepath.Join(root, "a")}, // a namespace, not a root
+		{"gc", filepath.Join(root, "a")}, {"ls", filepath.Join(root, "a")}, {"du", filepath.Join(root, "a")}, // a namespace, not a root
 		{"verify", "--bogus", root},
 	} {
 		code, _, errs := cliRun(t, args...)
@@ -282,7 +283,7 @@ func TestVerifyReportsExactlyTheDamage(t *testing.T) {
 	if len(shared) < 2 || len(other) < 1 || onlyT4 == 0 {
 		t.Fatalf("store shape: %d blocks of t1+t3 only, %d others not in t4, %d of t4 only", len(shared), len(other), onlyT4)
 	}
-	flipped, truncated, deleted := layout.BlockPath(nsDir, shared[0]), layout.BlockPath(nsDir, shared[1]), layout.BlockPath(nsDir, other[0])
+	flipped, truncated, deleted := testutil.BlockPath(nsDir, shared[0]), testutil.BlockPath(nsDir, shared[1]), testutil.BlockPath(nsDir, other[0])
 	flipByte(t, flipped, 100)
 	st, err := os.Stat(truncated)
 	if err != nil {
@@ -313,20 +314,20 @@ func TestVerifyReportsExactlyTheDamage(t *testing.T) {
 	runJSON(t, exitProblems, &rep, "verify", root)
 	got := problemsOf(t, rep)
 	want := []string{
-		probBlockSize + " " + truncated, probCorruptBlock + " " + flipped,
-		probMissingBlock + " " + deleted, probUnreadable + " " + manifest,
+		jobs.ProblemBlockSize + " " + truncated, jobs.ProblemCorruptBlock + " " + flipped,
+		jobs.ProblemMissingBlock + " " + deleted, jobs.ProblemUnreadable + " " + manifest,
 	}
 	sort.Strings(want)
 	if !slices.Equal(keys(got), want) {
 		t.Fatalf("problems:\n  %s\nwant:\n  %s", strings.Join(keys(got), "\n  "), strings.Join(want, "\n  "))
 	}
-	if d := got[[2]string{probCorruptBlock, flipped}]; !strings.Contains(d, "t1 slot") || !strings.Contains(d, "t3 slot") {
+	if d := got[[2]string{jobs.ProblemCorruptBlock, flipped}]; !strings.Contains(d, "t1 slot") || !strings.Contains(d, "t3 slot") {
 		t.Errorf("corrupt-block detail does not name both manifests: %s", d)
 	}
-	if d := got[[2]string{probBlockSize, truncated}]; !strings.Contains(d, fmt.Sprintf("%d bytes, the manifest says %d", st.Size()-1, st.Size())) {
+	if d := got[[2]string{jobs.ProblemBlockSize, truncated}]; !strings.Contains(d, fmt.Sprintf("%d bytes, the manifest says %d", st.Size()-1, st.Size())) {
 		t.Errorf("block-size detail: %s", d)
 	}
-	if d := got[[2]string{probUnreadable, manifest}]; !strings.Contains(d, "header hash") {
+	if d := got[[2]string{jobs.ProblemUnreadable, manifest}]; !strings.Contains(d, "header hash") {
 		t.Errorf("unreadable detail: %s", d)
 	}
 	if len(rep.Notes) != 1 || !strings.Contains(rep.Notes[0], "orphan blocks not reported") || !strings.Contains(rep.Notes[0], "t4") {
@@ -351,6 +352,9 @@ func TestVerifyReportsExactlyTheDamage(t *testing.T) {
 	}
 }
 
+// TestVerifyCorruptSingleFileTensor: a corrupt tensor is found whether
+// verify is given the root, the namespace (here one without blocks/, which
+// is still a namespace: it holds a snapshot and a .lock) or the file.
 func TestVerifyCorruptSingleFileTensor(t *testing.T) {
 	root := synthStore(t, testStore[4:5])
 	path := filepath.Join(root, "b", "s1")
@@ -360,14 +364,14 @@ func TestVerifyCorruptSingleFileTensor(t *testing.T) {
 	}
 	slot := snap.Header.Slots()[3]
 	flipByte(t, path, int64(snap.DataStart)+slot.Off+slot.Bytes-1) // the slot's last byte
-	for _, target := range []string{root, path} {
+	for _, target := range []string{root, filepath.Join(root, "b"), path} {
 		var rep verifyReport
 		runJSON(t, exitProblems, &rep, "verify", target)
 		if len(rep.Problems) != 1 {
 			t.Fatalf("verify %s: problems %+v, want one", target, rep.Problems)
 		}
 		p := rep.Problems[0]
-		if p.Kind != probCorruptTensor || p.Path != path || !strings.HasPrefix(p.Detail, "cache 1 tensor 1 (slot 3): xxh3 ") ||
+		if p.Kind != jobs.ProblemCorruptTensor || p.Path != path || !strings.HasPrefix(p.Detail, "cache 1 tensor 1 (slot 3): xxh3 ") ||
 			!strings.Contains(p.Detail, "the header says "+slot.Hash) {
 			t.Errorf("verify %s: %+v", target, p)
 		}
@@ -401,7 +405,7 @@ func TestOrphansTempsAndGC(t *testing.T) {
 	}
 	// A stale temp file, a young one, and an unrecognised file in blocks/.
 	stale := layout.TempPath(filepath.Join(nsDir, "t5"))
-	young := layout.TempPath(layout.BlockPath(nsDir, strings.Repeat("ab", 32)))
+	young := layout.TempPath(testutil.BlockPath(nsDir, strings.Repeat("ab", 32)))
 	stray := filepath.Join(nsDir, "blocks", "README")
 	for _, p := range []string{stale, young, stray} {
 		if err := os.MkdirAll(filepath.Dir(p), 0o750); err != nil {
@@ -418,9 +422,9 @@ func TestOrphansTempsAndGC(t *testing.T) {
 
 	var rep verifyReport
 	runJSON(t, exitProblems, &rep, "verify", root)
-	want := []string{probStaleTemp + " " + stale}
+	want := []string{jobs.ProblemStaleTemp + " " + stale}
 	for _, o := range orphans {
-		want = append(want, probOrphanBlock+" "+o)
+		want = append(want, jobs.ProblemOrphanBlock+" "+o)
 	}
 	sort.Strings(want)
 	if got := keys(problemsOf(t, rep)); !slices.Equal(got, want) {
@@ -776,7 +780,7 @@ func TestVerifyBunWorkerStore(t *testing.T) {
 			h = k
 		}
 	}
-	block := layout.LegacyBlockPath(nsDir, h)
+	block := testutil.LegacyBlockPath(nsDir, h)
 	flipByte(t, block, 0)
 	single := filepath.Join(root, "single", "snapshot.mlxkv")
 	snap, err := layout.Load(vfs.Default, single)
@@ -787,11 +791,11 @@ func TestVerifyBunWorkerStore(t *testing.T) {
 	rep = verifyReport{}
 	runJSON(t, exitProblems, &rep, "verify", root)
 	got := problemsOf(t, rep)
-	want := []string{probCorruptBlock + " " + block, probCorruptTensor + " " + single}
+	want := []string{jobs.ProblemCorruptBlock + " " + block, jobs.ProblemCorruptTensor + " " + single}
 	if !slices.Equal(keys(got), want) {
 		t.Fatalf("problems %q, want %q", keys(got), want)
 	}
-	if d := got[[2]string{probCorruptTensor, single}]; !strings.HasPrefix(d, "attachment 0 tensor 0 (slot 4): Bun.hash ") {
+	if d := got[[2]string{jobs.ProblemCorruptTensor, single}]; !strings.HasPrefix(d, "attachment 0 tensor 0 (slot 4): Bun.hash ") {
 		t.Errorf("detail: %s", d)
 	}
 }
@@ -807,5 +811,120 @@ func TestVerifyProgressOnTerminal(t *testing.T) {
 	}
 	if out.String() != plain || !strings.Contains(errb.String(), "verify") {
 		t.Errorf("stdout:\n%s\nwant:\n%s\nstderr: %q", out.String(), plain, errb.String())
+	}
+}
+
+// writeManifest publishes a hand-made manifest of one uint8 tensor whose
+// blocks are refs (valid: the counts sum to the tensor's bytes).
+func writeManifest(t *testing.T, path string, meta layout.Meta, refs []layout.BlockRef) {
+	t.Helper()
+	var n int64
+	for _, r := range refs {
+		n += r.Bytes
+	}
+	h := &layout.Header{FormatVersion: layout.FormatBlocks, Meta: meta, Caches: []layout.Entry{{Tensors: []layout.Tensor{
+		{Bytes: n, DType: "uint8", Shape: []int64{n}, Blocks: refs}}}}}
+	js, err := h.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js))), 0o640); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestVerifyReportIsBoundedWhenManifestsDisagree: manifests that disagree
+// on a block's size make one problem for that block, naming a bounded
+// number of referrers, however many references there are.
+func TestVerifyReportIsBoundedWhenManifestsDisagree(t *testing.T) {
+	root := t.TempDir()
+	nsDir := filepath.Join(root, "ns")
+	data := bytes.Repeat([]byte("a"), 4096)
+	sum := sha256.Sum256(data)
+	h := hex.EncodeToString(sum[:])
+	block := testutil.BlockPath(nsDir, h)
+	if err := os.MkdirAll(filepath.Dir(block), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(block, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	writeManifest(t, filepath.Join(nsDir, "a"), nil, []layout.BlockRef{{Hash: h, Bytes: 4096}})
+	const refs = 2000
+	many := make([]layout.BlockRef, refs)
+	for i := range many {
+		many[i] = layout.BlockRef{Hash: h, Bytes: 1}
+	}
+	writeManifest(t, filepath.Join(nsDir, "b"), nil, many)
+	var rep verifyReport
+	runJSON(t, exitProblems, &rep, "verify", root)
+	ps := problemsOf(t, rep)
+	if len(ps) != 1 {
+		t.Fatalf("%d problems, want 1: %v", len(ps), keys(ps))
+	}
+	d, ok := ps[[2]string{jobs.ProblemBlockSize, block}]
+	if !ok || len(d) > 400 || !strings.Contains(d, "4096 bytes (a slot 0 block 0) and 1 bytes (b slot 0 block 0)") {
+		t.Errorf("detail (%d bytes): %.500s", len(d), d)
+	}
+}
+
+// TestNamesReachTheTerminalQuoted: file names and metadata keys holding
+// control characters are printed quoted by ls, verify, gc and inspect, so
+// a crafted store cannot send escape sequences to the operator's terminal.
+func TestNamesReachTheTerminalQuoted(t *testing.T) {
+	root := synthStore(t, testStore[4:5])
+	nsDir := filepath.Join(root, "b")
+	evil := filepath.Join(nsDir, "evil\x1b[2Jname")
+	if err := os.WriteFile(evil, []byte(layout.Magic+"torn"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	junk := filepath.Join(nsDir, "junk\x07")
+	if err := os.WriteFile(junk, []byte("hello"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	withMeta := filepath.Join(root, "m", "snap")
+	writeManifest(t, withMeta, layout.Meta{"key\x1b]0;title\x07": json.RawMessage(`"v"`)}, nil)
+	for _, args := range [][]string{{"ls", root}, {"verify", root}, {"gc", "--dry-run", root}, {"inspect", withMeta}, {"inspect", evil}, {"du", root}} {
+		_, out, errs := cliRun(t, args...)
+		if strings.ContainsAny(out+errs, "\x1b\x07") {
+			t.Errorf("%v printed a raw control character:\n%q", args[:1], out+errs)
+		}
+		if args[0] != "inspect" && args[0] != "du" && !strings.Contains(out, `evil\x1b[2Jname`) {
+			t.Errorf("%v does not name the file, quoted:\n%s", args[:1], out)
+		}
+	}
+	if out := mustRun(t, exitOK, "inspect", withMeta); !strings.Contains(out, `"key\x1b]0;title\a"="v"`) {
+		t.Errorf("inspect does not show the key quoted:\n%s", out)
+	}
+}
+
+// TestEveryCommandAcceptsASymlinkedRoot: the root may be a symlink, or sit
+// below a symlinked directory (the operator's choice).
+func TestEveryCommandAcceptsASymlinkedRoot(t *testing.T) {
+	root := synthStore(t, testStore[:1])
+	dir := t.TempDir()
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(root, link); err != nil {
+		t.Fatal(err)
+	}
+	parentLink := filepath.Join(dir, "parent")
+	if err := os.Symlink(filepath.Dir(root), parentLink); err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range []string{link, filepath.Join(parentLink, filepath.Base(root))} {
+		for _, cmd := range []string{"ls", "du", "verify", "gc"} {
+			out := mustRun(t, exitOK, cmd, r)
+			if want := fmt.Sprintf("%d snapshots in %d namespaces", i+1, i+1); cmd == "ls" && i > 0 && !strings.Contains(out, want) {
+				t.Errorf("ls %s:\n%s\nwant %q", r, out, want)
+			}
+		}
+		mustRun(t, exitOK, "synth", "--root", r, "--ns", fmt.Sprint("c", i), "--name", "x", "--model", "tiny", "--tokens", "10", "--no-sync")
+	}
+	mustRun(t, exitOK, "synth", "--root", filepath.Join(parentLink, "new-root"), "--ns", "c", "--name", "x", "--model", "tiny", "--tokens", "10", "--no-sync")
+	if _, err := os.Stat(filepath.Join(filepath.Dir(root), "new-root", "c", "x")); err != nil {
+		t.Errorf("a new root below a symlinked parent: %v", err)
 	}
 }

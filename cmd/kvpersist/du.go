@@ -5,7 +5,7 @@ import (
 	"fmt"
 	"text/tabwriter"
 
-	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 func init() {
@@ -74,10 +74,10 @@ func (r *duRow) ratio() {
 }
 
 // duNamespace measures one scanned namespace.
-func duNamespace(ns *scanNS) duRow {
-	r := duRow{Namespace: ns.Name}
+func duNamespace(ns *store.Listing) duRow {
+	r := duRow{Namespace: ns.Namespace.Name()}
 	live := map[string]bool{}
-	for _, s := range ns.Snaps {
+	for _, s := range ns.Snapshots {
 		r.SnapshotFileBytes += s.Size
 		if s.Err != nil {
 			r.Unreadable++
@@ -137,20 +137,20 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`)
 	if code >= 0 {
 		return code
 	}
-	names, skipped, err := scanRootDir(vfs.Default, root)
+	st, names, skipped, err := openStore(root)
 	if err != nil {
-		return c.fail("du: %v", err)
+		return c.fail("du: %s", quote(err.Error()))
 	}
 	rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
 	for _, n := range names {
 		if err := ctx.Err(); err != nil {
 			return c.fail("du: %v", err)
 		}
-		ns := scanNamespace(vfs.Default, root, n, true)
-		if ns.Err != nil {
-			return c.fail("du: namespace %s: %v", ns.Dir, ns.Err)
+		ns, err := listNamespace(st, n)
+		if err != nil {
+			return c.fail("du: %s", quote(err.Error()))
 		}
-		rep.Skipped = append(rep.Skipped, ns.Skipped...)
+		rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
 		row := duNamespace(ns)
 		rep.Namespaces = append(rep.Namespaces, row)
 		rep.Total.add(row)
@@ -176,7 +176,7 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`)
 		}
 		tw.Flush()
 		for _, s := range rep.Skipped {
-			fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", s)
+			fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
 		}
 	}
 	if rep.Total.Unreadable > 0 {

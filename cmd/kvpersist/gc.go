@@ -7,7 +7,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
-	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 func init() {
@@ -71,8 +71,8 @@ file, 2 on usage or I/O errors.`)
 	}
 	root := pos[0]
 	// engine.New creates a missing root: check first that it is one.
-	if _, _, err := scanRootDir(vfs.Default, root); err != nil {
-		return c.fail("gc: %v", err)
+	if _, err := store.Open(root, store.Options{}); err != nil {
+		return c.fail("gc: %s", quote(err.Error()))
 	}
 	tg := *tempGrace
 	if tg == 0 {
@@ -105,7 +105,7 @@ file, 2 on usage or I/O errors.`)
 			verb, freed = "would delete", "would free"
 		}
 		for _, p := range rep.Deleted {
-			fmt.Fprintf(w, "%s %s\n", verb, p)
+			fmt.Fprintf(w, "%s %s\n", verb, quote(p))
 		}
 		fmt.Fprintf(w, "gc %s: %d namespaces, %d manifests scanned, %d blocks kept; %s %d blocks and %d temp files, %s %s (%d bytes) in %v\n",
 			root, rep.Namespaces, rep.ManifestsScanned, rep.BlocksKept, verb, rep.BlocksDeleted, rep.TempRemoved,
@@ -114,13 +114,13 @@ file, 2 on usage or I/O errors.`)
 			fmt.Fprintln(w, "dry run: nothing was deleted")
 		}
 		for _, u := range rep.Unreadable {
-			fmt.Fprintf(w, "unreadable: %s\n", u)
+			fmt.Fprintf(w, "unreadable: %s\n", quote(u))
 		}
 		for _, ns := range rep.UnsweptNamespaces {
-			fmt.Fprintf(w, "not swept (it holds an unreadable file; repair or remove it): %s\n", ns)
+			fmt.Fprintf(w, "not swept (it holds an unreadable file; repair or remove it): %s\n", quote(ns))
 		}
 		for _, s := range rep.Skipped {
-			fmt.Fprintf(w, "skipped (not a kvpersist file, never deleted): %s\n", s)
+			fmt.Fprintf(w, "skipped (not a kvpersist file, never deleted): %s\n", quote(s))
 		}
 	}
 	if len(rep.UnsweptNamespaces) > 0 || len(rep.Unreadable) > 0 {

@@ -4,15 +4,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"sort"
 	"strings"
 	"text/tabwriter"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/bunhash"
 )
 
 func init() {
@@ -83,92 +82,6 @@ type inspectReport struct {
 	Tensors         []inspectTensor `json:"tensors"`
 }
 
-// failedCheck names the check of layout.Decode an error comes from.
-func failedCheck(err error) string {
-	switch {
-	case errors.Is(err, layout.ErrBadMagic):
-		return "magic"
-	case errors.Is(err, layout.ErrHeaderTooLarge):
-		return "header length"
-	case errors.Is(err, layout.ErrHeaderHash):
-		return "header hash"
-	case errors.Is(err, layout.ErrFormatVersion):
-		return "format version"
-	case errors.Is(err, layout.ErrTruncated):
-		return "file length (truncated)"
-	case errors.Is(err, layout.ErrInvalidHeader):
-		return "header validation"
-	}
-	return "read"
-}
-
-// looseTensor is a lenient parse of an unverified tensor, for display only.
-type looseTensor struct {
-	Off    int64             `json:"off"`
-	Bytes  int64             `json:"bytes"`
-	Hash   string            `json:"hash"`
-	DType  string            `json:"dtype"`
-	Shape  []int64           `json:"shape"`
-	Blocks []layout.BlockRef `json:"blocks"`
-}
-
-// parseLoose turns an unverified header JSON into a Header for display
-// (entries' metadata kept, per-tensor unknown keys dropped); ok is false
-// when it is not even that.
-func parseLoose(js []byte) (h *layout.Header, version *int, ok bool) {
-	var top map[string]json.RawMessage
-	if json.Unmarshal(js, &top) != nil {
-		return nil, nil, false
-	}
-	h = &layout.Header{Meta: layout.Meta{}}
-	if v, found := top["formatVersion"]; found {
-		if json.Unmarshal(v, &h.FormatVersion) != nil {
-			return nil, nil, false
-		}
-		version = &h.FormatVersion
-	}
-	entries := func(raw json.RawMessage) ([]layout.Entry, bool) {
-		if raw == nil {
-			return nil, true
-		}
-		var list []map[string]json.RawMessage
-		if json.Unmarshal(raw, &list) != nil {
-			return nil, false
-		}
-		out := make([]layout.Entry, len(list))
-		for i, obj := range list {
-			var ts []looseTensor
-			if json.Unmarshal(obj["tensors"], &ts) != nil {
-				return nil, false
-			}
-			out[i].Meta = layout.Meta{}
-			for k, v := range obj {
-				if k != "tensors" {
-					out[i].Meta[k] = v
-				}
-			}
-			for _, t := range ts {
-				out[i].Tensors = append(out[i].Tensors, layout.Tensor{Off: t.Off, Bytes: t.Bytes, Hash: t.Hash, DType: t.DType, Shape: t.Shape, Blocks: t.Blocks})
-			}
-		}
-		return out, true
-	}
-	if h.Caches, ok = entries(top["caches"]); !ok {
-		return nil, nil, false
-	}
-	if h.Attachments, ok = entries(top["attachments"]); !ok {
-		return nil, nil, false
-	}
-	for k, v := range top {
-		switch k {
-		case "formatVersion", "caches", "attachments":
-		default:
-			h.Meta[k] = v
-		}
-	}
-	return h, version, true
-}
-
 // tensorRows lists a header's slots for inspect.
 func tensorRows(h *layout.Header, lay layout.Layout, withBlocks bool) []inspectTensor {
 	var out []inspectTensor
@@ -231,7 +144,7 @@ func formatMeta(m layout.Meta, max int) string {
 		if len(s) > max {
 			s = fmt.Sprintf("%s…(%d bytes)", s[:max], len(v))
 		}
-		parts = append(parts, k+"="+s)
+		parts = append(parts, quote(k)+"="+quote(s))
 	}
 	return strings.Join(parts, " ")
 }
@@ -258,7 +171,7 @@ passed, 1 when one failed, 2 on usage or I/O errors.`)
 	}
 	rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
 	if ioErr != nil {
-		return c.fail("inspect %s: %v", path, ioErr)
+		return c.fail("inspect %s", quote(fmt.Sprintf("%s: %v", path, ioErr)))
 	}
 	if *asJSON {
 		if code := c.writeJSON(rep); code >= 0 {
@@ -273,66 +186,37 @@ passed, 1 when one failed, 2 on usage or I/O errors.`)
 	return exitOK
 }
 
-// inspectFile decodes path as far as it can. A non-nil error is an I/O
-// error (the file could not be opened or read); a file that fails a check
-// is a report with Verified false.
+// inspectFile decodes path as far as it can (layout.Inspect). A non-nil
+// error is an I/O error (the file could not be opened or read); a file
+// that fails a check is a report with Verified false.
 func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, error) {
 	f, err := fsys.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	st, err := f.Stat()
+	in, err := layout.Inspect(f, path)
 	if err != nil {
 		return nil, err
 	}
-	rep := &inspectReport{Path: path, FileBytes: st.Size(), Meta: layout.Meta{}, Tensors: []inspectTensor{}}
-	snap, decErr := layout.Decode(f, path)
-	if decErr != nil && !isDecodeError(decErr) {
-		return nil, decErr
+	rep := &inspectReport{Path: path, FileBytes: in.Size, Meta: layout.Meta{}, Tensors: []inspectTensor{}}
+	switch in.Magic {
+	case layout.Magic:
+		rep.Magic = magicKV
+	case layout.LegacyMagic:
+		rep.Magic, rep.Legacy = magicLegacy, true
 	}
-	// The prefix and JSON, read again here so that they can be shown even
-	// when Decode failed.
-	var pb [layout.PrefixLen]byte
-	var p layout.Prefix
-	var js []byte
-	if st.Size() >= layout.PrefixLen {
-		if err := layout.ReadFull(f, pb[:], 0); err != nil {
-			return nil, err
-		}
-		switch string(pb[:10]) {
-		case layout.Magic:
-			rep.Magic = magicKV
-		case layout.LegacyMagic:
-			rep.Magic, rep.Legacy = magicLegacy, true
-		}
-		var perr error
-		p, perr = layout.ParsePrefix(pb[:])
-		if rep.Magic != "" {
-			rep.HeaderLen, rep.DataStart = p.HeaderLen, p.DataStart
-			rep.HeaderHash = fmt.Sprintf("%016x", p.HeaderHash)
-			rep.HeaderHashRule = "xxh3-64 of u32 headerLen, u32 dataStart and the JSON"
-			if rep.Legacy {
-				rep.HeaderHashRule = "Bun.hash (wyhash) of the JSON"
-			}
-		}
-		if rep.Magic != "" && (perr == nil || errors.Is(perr, layout.ErrInvalidHeader)) &&
-			p.HeaderLen <= layout.MaxHeaderLen && int64(layout.PrefixLen)+int64(p.HeaderLen) <= st.Size() {
-			js = make([]byte, p.HeaderLen) // bounded by MaxHeaderLen and the file size
-			if err := layout.ReadFull(f, js, layout.PrefixLen); err != nil {
-				return nil, err
-			}
-			var sum uint64
-			if p.Legacy {
-				sum = bunhash.Sum(js)
-			} else {
-				sum = layout.HeaderHash(p.HeaderLen, p.DataStart, js)
-			}
-			rep.ComputedHeaderHash = fmt.Sprintf("%016x", sum)
-			rep.HeaderHashOK = sum == p.HeaderHash
-		}
+	if rep.Magic != "" {
+		p := in.Prefix
+		rep.HeaderLen, rep.DataStart = p.HeaderLen, p.DataStart
+		rep.HeaderHash = fmt.Sprintf("%016x", p.HeaderHash)
+		rep.HeaderHashRule = p.HeaderHashRule()
 	}
-	if decErr == nil {
+	if in.JSON != nil {
+		rep.ComputedHeaderHash = fmt.Sprintf("%016x", in.ComputedHash)
+		rep.HeaderHashOK = in.HashOK()
+	}
+	if snap := in.Snapshot; snap != nil {
 		rep.Verified = true
 		if v := snap.Header.FormatVersion; v != 0 || !snap.Legacy {
 			rep.FormatVersion = &v // the Bun worker's single files carry none
@@ -346,25 +230,21 @@ func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, err
 		rep.Tensors = tensorRows(snap.Header, snap.Layout, withBlocks)
 		return rep, nil
 	}
-	rep.FailedCheck = failedCheck(decErr)
-	rep.Error = decErr.Error()
-	if js != nil && !json.Valid(js) {
+	rep.FailedCheck = jobs.FailedCheck(in.Err)
+	rep.Error = in.Err.Error()
+	if in.JSON != nil && !json.Valid(in.JSON) {
 		var x any
-		rep.HeaderJSONError = fmt.Sprint(json.Unmarshal(js, &x))
-		rep.HeaderText = string(js[:min(len(js), 1024)])
+		rep.HeaderJSONError = fmt.Sprint(json.Unmarshal(in.JSON, &x))
+		rep.HeaderText = string(in.JSON[:min(len(in.JSON), 1024)])
 	}
-	if js != nil && json.Valid(js) {
-		rep.Header = json.RawMessage(js)
-		if h, version, ok := parseLoose(js); ok {
-			rep.FormatVersion = version
-			lay := layout.Single
-			if h.FormatVersion == layout.FormatBlocks {
-				lay = layout.Blocks
-			}
-			rep.Layout = lay.String()
+	if in.JSON != nil && json.Valid(in.JSON) {
+		rep.Header = json.RawMessage(in.JSON)
+		if h := in.Loose; h != nil {
+			rep.FormatVersion = in.LooseVersion
+			rep.Layout = in.LooseLayout.String()
 			rep.Meta = h.Meta
 			rep.LogicalBytes = logicalBytes(h)
-			rep.Tensors = tensorRows(h, lay, withBlocks)
+			rep.Tensors = tensorRows(h, in.LooseLayout, withBlocks)
 		}
 	}
 	return rep, nil
@@ -373,7 +253,7 @@ func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, err
 func printInspect(c *cli, r *inspectReport) {
 	w := c.stdout
 	kv := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintf(kv, "path\t%s\n", r.Path)
+	fmt.Fprintf(kv, "path\t%s\n", quote(r.Path))
 	magic := r.Magic
 	if magic == "" {
 		magic = "unrecognised (not a kvpersist file)"
@@ -413,7 +293,7 @@ func printInspect(c *cli, r *inspectReport) {
 		fmt.Fprintf(kv, "tensors\t%s\n", line)
 	}
 	if !r.Verified {
-		fmt.Fprintf(kv, "CHECK FAILED\t%s: %s\n", r.FailedCheck, strings.TrimPrefix(r.Error, "layout: "+r.Path+": "))
+		fmt.Fprintf(kv, "CHECK FAILED\t%s: %s\n", r.FailedCheck, quote(strings.TrimPrefix(r.Error, "layout: "+r.Path+": ")))
 	}
 	if r.HeaderJSONError != "" {
 		fmt.Fprintf(kv, "header JSON\tnot valid JSON (%s); its first %d bytes:\n", r.HeaderJSONError, len(r.HeaderText))
@@ -447,7 +327,7 @@ func printInspect(c *cli, r *inspectReport) {
 		if hash == "" {
 			hash = "-"
 		}
-		fmt.Fprintf(tw, "%d\t%s %d\t%d\t%s\t%v\t%d\t%s\t%s\t%s\n", t.Slot, t.Group, t.Entry, t.Index, t.DType, t.Shape, t.Bytes, loc, hash, formatMeta(t.Meta, 40))
+		fmt.Fprintf(tw, "%d\t%s %d\t%d\t%s\t%v\t%d\t%s\t%s\t%s\n", t.Slot, t.Group, t.Entry, t.Index, quote(t.DType), t.Shape, t.Bytes, loc, quote(hash), formatMeta(t.Meta, 40))
 	}
 	tw.Flush()
 	for _, line := range strings.SplitAfter(table.String(), "\n") {

@@ -20,19 +20,7 @@ const migFixtures = testutil.BunFixtures
 // grown.mlxkv (T=48), blocks/<sha256>}.
 func migLegacyStore(t *testing.T) string {
 	t.Helper()
-	root := filepath.Join(t.TempDir(), "legacy")
-	testutil.CopyFile(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
-	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
-	}
-	ents, err := os.ReadDir(filepath.Join(migFixtures, "blocks", "blocks"))
-	if err != nil || len(ents) != 34 {
-		t.Fatalf("fixture blocks: %d, %v", len(ents), err)
-	}
-	for _, e := range ents {
-		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
-	}
-	return root
+	return testutil.BunStore(t, migFixtures, filepath.Join(t.TempDir(), "legacy"))
 }
 
 // migWant is a fixture snapshot's content: expected.T40.bin cut at the

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"strconv"
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
@@ -20,24 +19,10 @@ func init() {
 	})
 }
 
-// cacheRequest builds the write request of a conversation's cache as the
-// first tokens of its (capacity-padded) buffers: per layer one entry
-// {"type":"KVCache","offset":T} with K and V, one attachment {"name":"tokens"}
-// with the int32 token ids, and the model's name as top-level metadata.
+// cacheRequest is the write request of a conversation's cache as mlx-lm
+// saves it (kvgen.CacheRequest).
 func cacheRequest(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntrySpec, meta layout.Meta) {
-	views := c.ViewsAt(tokens)
-	dtypes := c.DTypes()
-	off := layout.Meta{"type": []byte(`"KVCache"`), "offset": []byte(strconv.Itoa(tokens))}
-	for l := 0; l < c.Model.Layers; l++ {
-		caches = append(caches, jobs.EntrySpec{Meta: off, Tensors: []jobs.TensorSpec{
-			{DType: dtypes[2*l], View: views[2*l]}, {DType: dtypes[2*l+1], View: views[2*l+1]},
-		}})
-	}
-	last := len(views) - 1
-	attachments = []jobs.EntrySpec{{Meta: layout.Meta{"name": []byte(`"tokens"`)},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[last], View: views[last]}}}}
-	meta = layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": []byte(strconv.Itoa(tokens))}
-	return caches, attachments, meta
+	return kvgen.CacheRequest(c, tokens)
 }
 
 func runSynth(ctx context.Context, c *cli, args []string) int {

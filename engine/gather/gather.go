@@ -641,6 +641,22 @@ func (p Plan) MaxBlockBytes() int {
 	return min(p.limit, p.rowSize) * p.itemSize
 }
 
+// Fits checks that p was built for shape and itemSize (bytes): ErrItemSize
+// or ErrRank otherwise.
+func (p Plan) Fits(shape []int, itemSize int) error {
+	if p.itemSize != itemSize {
+		return fmt.Errorf("gather: %w: plan item size %d bytes, view item size %d bytes", ErrItemSize, p.itemSize, itemSize)
+	}
+	same := len(p.shape) == len(shape)
+	for k := 0; same && k < len(p.shape); k++ {
+		same = p.shape[k] == shape[k]
+	}
+	if !same {
+		return fmt.Errorf("gather: %w: plan shape %v, view shape %v", ErrRank, p.shape, shape)
+	}
+	return nil
+}
+
 // Block returns the bytes of block i of plan p for view v: zero-copy (a
 // capacity-capped sub-slice of v.Base, copied false) when the block lies
 // inside one run of v, else packed into scratch (copied true). See
@@ -655,15 +671,8 @@ func (v View) Block(p Plan, i int, scratch []byte) (out []byte, copied bool, err
 	if err := v.compile(&l); err != nil {
 		return nil, false, err
 	}
-	if p.itemSize != v.ItemSize {
-		return nil, false, fmt.Errorf("gather: %w: plan item size %d bytes, view item size %d bytes", ErrItemSize, p.itemSize, v.ItemSize)
-	}
-	same := len(p.shape) == len(v.Shape)
-	for k := 0; same && k < len(p.shape); k++ {
-		same = p.shape[k] == v.Shape[k]
-	}
-	if !same {
-		return nil, false, fmt.Errorf("gather: %w: plan shape %v, view shape %v", ErrRank, p.shape, v.Shape)
+	if err := p.Fits(v.Shape, v.ItemSize); err != nil {
+		return nil, false, err
 	}
 	if uint(i) >= uint(p.n) {
 		return nil, false, fmt.Errorf("gather: %w: block %d outside [0, %d)", ErrOutOfBounds, i, p.n)

@@ -13,7 +13,9 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 func TestDedupGrownCache(t *testing.T) {
@@ -171,7 +173,7 @@ func TestVerifyCatchesFlippedBlockByte(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "ns", "snap")
 	c, h := writeTiny(t, path, layout.Blocks)
 	ref := h.Slots()[3].Blocks[1] // cache 1 tensor 1, bytes 4096..8192
-	flipByte(t, layout.BlockPath(filepath.Dir(path), ref.Hash), 100)
+	flipByte(t, testutil.BlockPath(filepath.Dir(path), ref.Hash), 100)
 
 	_, _, _, err := readBack(t, noSync(), path, true)
 	if !errors.Is(err, jobs.ErrCorrupt) {
@@ -227,8 +229,8 @@ func TestBlockFileSizeMismatch(t *testing.T) {
 	path := filepath.Join(t.TempDir(), "ns", "snap")
 	_, h := writeTiny(t, path, layout.Blocks)
 	ns := filepath.Dir(path)
-	long := layout.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
-	short := layout.BlockPath(ns, h.Slots()[4].Blocks[0].Hash) // token ids, 1200 bytes
+	long := testutil.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
+	short := testutil.BlockPath(ns, h.Slots()[4].Blocks[0].Hash) // token ids, 1200 bytes
 	f, err := os.OpenFile(long, os.O_WRONLY|os.O_APPEND, 0)
 	if err != nil {
 		t.Fatal(err)
@@ -271,7 +273,7 @@ func TestTruncatedBlockIsRewritten(t *testing.T) {
 	ns := filepath.Join(t.TempDir(), "ns")
 	c, h := writeTiny(t, filepath.Join(ns, "a"), layout.Blocks)
 	ref := h.Slots()[1].Blocks[2] // a 1408-byte tail
-	bp := layout.BlockPath(ns, ref.Hash)
+	bp := testutil.BlockPath(ns, ref.Hash)
 	if ref.Bytes != 1408 {
 		t.Fatalf("block size %d", ref.Bytes)
 	}
@@ -330,13 +332,97 @@ func TestBlockBytesValidation(t *testing.T) {
 		if _, err := os.Lstat(path); !os.IsNotExist(err) {
 			t.Fatalf("blockBytes %d: manifest exists", bb)
 		}
-		if _, err := os.Lstat(layout.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
+		if _, err := os.Lstat(testutil.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
 			t.Fatalf("blockBytes %d: blocks directory created", bb)
 		}
 	}
 	for _, bb := range []int{jobs.MinBlockBytes, 1 << 20, jobs.MaxBlockBytes} {
 		if err := jobs.CheckBlockBytes(bb); err != nil {
 			t.Errorf("CheckBlockBytes(%d) = %v", bb, err)
+		}
+	}
+}
+
+// TestWriteTakesPrecomputedBlockPlans: a tensor's precomputed plan decides
+// its block boundaries (here 3,000-byte blocks, not a power of two, as a
+// Bun-worker store may have), its metadata round-trips, and a plan that
+// does not fit its view, or a plan for a single file, is refused before
+// anything is created.
+func TestWriteTakesPrecomputedBlockPlans(t *testing.T) {
+	root := t.TempDir()
+	c := kvgen.NewCache(kvgen.Tiny, 300, true, nil)
+	spec := cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 4096)
+	k := &spec.Caches[0].Tensors[0]
+	p, err := gather.NewPlan(k.View.Shape, k.View.ItemSize, 3000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	k.Plan, k.Meta = &p, layout.Meta{"scale": rawJSON(t, 0.5)}
+	h, _ := mustWrite(t, noSync(), spec)
+	refs := h.Slots()[0].Blocks
+	want := planSizes(h.Slots()[0].Shape, k.View.ItemSize, 3000)
+	if len(refs) != len(want) {
+		t.Fatalf("%d blocks, want %d", len(refs), len(want))
+	}
+	for i, r := range refs {
+		if r.Bytes != want[i] {
+			t.Fatalf("block %d: %d bytes, want %d", i, r.Bytes, want[i])
+		}
+	}
+	snap, err := layout.Load(vfs.Default, spec.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := snap.Header.Slots()[0].Meta; !layout.MetaEqual(got, layout.Meta{"scale": rawJSON(t, 0.5)}) {
+		t.Errorf("tensor metadata %v", got)
+	}
+	got, _, _, err := readBack(t, noSync(), spec.path, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqualExpected(t, got, expectedAll(c))
+
+	other, err := gather.NewPlan([]int{7}, k.View.ItemSize, 3000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		lay  layout.Layout
+		plan *gather.Plan
+	}{{"plan of another shape", layout.Blocks, &other}, {"plan for a single file", layout.Single, &p}} {
+		bad := cacheSpec(t, c, filepath.Join(root, "bad", "s"), tc.lay, 4096)
+		bad.Caches[0].Tensors[0].Plan = tc.plan
+		if _, _, err := writeAt(context.Background(), noSync(), bad); !errors.Is(err, jobs.ErrInvalidRequest) {
+			t.Errorf("%s: %v, want ErrInvalidRequest", tc.name, err)
+		}
+		if _, err := os.Lstat(filepath.Join(root, "bad")); !os.IsNotExist(err) {
+			t.Errorf("%s: the namespace was created (%v)", tc.name, err)
+		}
+	}
+}
+
+// TestReusedBlocksDirectoriesAreSynced: a save whose blocks all exist still
+// fsyncs every fan-out directory holding one of them before its manifest
+// (another writer may have renamed a block in without syncing yet).
+func TestReusedBlocksDirectoriesAreSynced(t *testing.T) {
+	root := t.TempDir()
+	buf := distinctBlocks(6, 9)
+	if _, _, err := writeAt(context.Background(), &jobs.Config{}, oneTensorBlocks(filepath.Join(root, "ns", "a"), buf)); err != nil {
+		t.Fatal(err)
+	}
+	fsys := testutil.NewFaultFS(vfs.Default)
+	h, m, err := writeAt(context.Background(), &jobs.Config{FS: fsys}, oneTensorBlocks(filepath.Join(root, "ns", "b"), buf))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.BlocksReused != 6 || m.BlocksWritten != 0 {
+		t.Fatalf("second save reused %d, wrote %d blocks; want 6 and 0", m.BlocksReused, m.BlocksWritten)
+	}
+	for _, b := range h.Slots()[0].Blocks {
+		dir := filepath.Dir(testutil.BlockPath(filepath.Join(root, "ns"), b.Hash))
+		if n := fsys.CountPath(testutil.OpSyncDir, dir); n != 1 {
+			t.Fatalf("fan-out %s of a reused block fsynced %d times before the manifest, want 1", dir, n)
 		}
 	}
 }

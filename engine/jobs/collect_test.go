@@ -10,9 +10,12 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 func collect(t *testing.T, root string, req *jobs.CollectRequest) *jobs.CollectMetrics {
@@ -82,17 +85,6 @@ func TestCollectDeletesExactlyUnreferenced(t *testing.T) {
 	}
 }
 
-func mkfile(t *testing.T, path string, data string) string {
-	t.Helper()
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte(data), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	return path
-}
-
 func mkdir(t *testing.T, path string) string {
 	t.Helper()
 	if err := os.MkdirAll(path, 0o755); err != nil {
@@ -133,18 +125,18 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 	flipped := slices.Clone(manifest)
 	flipped[40] ^= 0x01
 	badJS := []byte(`{"caches":[{]}`)
-	mkfile(t, filepath.Join(root, "bad-hash", "broken"), string(flipped))
-	mkfile(t, filepath.Join(root, "bad-json", "broken"), string(append(layout.EncodePrefix(badJS, uint32(26+len(badJS))), badJS...)))
-	mkfile(t, filepath.Join(root, "short", "broken"), string(manifest[:20]))
+	testutil.WriteFile(t, filepath.Join(root, "bad-hash", "broken"), string(flipped))
+	testutil.WriteFile(t, filepath.Join(root, "bad-json", "broken"), string(append(layout.EncodePrefix(badJS, uint32(26+len(badJS))), badJS...)))
+	testutil.WriteFile(t, filepath.Join(root, "short", "broken"), string(manifest[:20]))
 	// An unreadable namespace still loses its stale temp files.
-	staleTemp := mkfile(t, layout.TempPath(layout.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
+	staleTemp := testutil.WriteFile(t, layout.TempPath(testutil.BlockPath(filepath.Join(root, "bad-json"), orphans["bad-json"][0])), "partial")
 	old := time.Now().Add(-time.Hour)
 	if err := os.Chtimes(staleTemp, old, old); err != nil {
 		t.Fatal(err)
 	}
 
 	good := filepath.Join(root, "good")
-	gb := layout.BlocksDir(good)
+	gb := testutil.BlocksDir(good)
 	hash := orphans["good"][0]
 	foreign := "ff" + hash[2:]
 	if hash[:2] == "ff" {
@@ -152,19 +144,19 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 	}
 	wantSkipped := []string{
 		mkdir(t, filepath.Join(root, ".hidden")),
-		mkfile(t, filepath.Join(root, "stray.txt"), "x"),
-		mkfile(t, filepath.Join(good, "-not-a-name"), "x"),
+		testutil.WriteFile(t, filepath.Join(root, "stray.txt"), "x"),
+		testutil.WriteFile(t, filepath.Join(good, "-not-a-name"), "x"),
 		mkdir(t, filepath.Join(good, "olddir")),
 		mkdir(t, filepath.Join(gb, "notes")),
 		mkdir(t, filepath.Join(gb, strings.Repeat("e", 64))),
-		mkfile(t, filepath.Join(gb, "README"), "x"),
-		mkfile(t, filepath.Join(gb, hash[:2], "README"), "x"),
-		mkfile(t, filepath.Join(gb, hash[:2], strings.ToUpper(hash)), "x"),
-		mkfile(t, filepath.Join(gb, "zz", foreign), "x"),     // not a fan-out dir: skipped whole
-		mkfile(t, filepath.Join(gb, foreign[:2], hash), "x"), // a block name in the wrong fan-out dir
+		testutil.WriteFile(t, filepath.Join(gb, "README"), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, hash[:2], "README"), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, hash[:2], strings.ToUpper(hash)), "x"),
+		testutil.WriteFile(t, filepath.Join(gb, "zz", foreign), "x"),     // not a fan-out dir: skipped whole
+		testutil.WriteFile(t, filepath.Join(gb, foreign[:2], hash), "x"), // a block name in the wrong fan-out dir
 	}
 	wantSkipped[len(wantSkipped)-2] = filepath.Join(gb, "zz")
-	mkfile(t, filepath.Join(gb, "notes", "n.txt"), "x")
+	testutil.WriteFile(t, filepath.Join(gb, "notes", "n.txt"), "x")
 	before := map[string]map[string]int64{}
 	for _, ns := range names {
 		before[ns] = blockFiles(t, filepath.Join(root, ns))
@@ -211,12 +203,12 @@ func TestCollectPastUnreadableManifests(t *testing.T) {
 		switch ns {
 		case "good":
 			for _, h := range orphans[ns] {
-				if _, err := os.Lstat(layout.BlockPath(good, h)); !os.IsNotExist(err) {
+				if _, err := os.Lstat(testutil.BlockPath(good, h)); !os.IsNotExist(err) {
 					t.Fatalf("good: orphan block %s kept", h)
 				}
 			}
 			for h := range blockSet(liveSets[ns]) {
-				if _, err := os.Lstat(layout.BlockPath(good, h)); err != nil {
+				if _, err := os.Lstat(testutil.BlockPath(good, h)); err != nil {
 					t.Fatalf("good: live block %s: %v", h, err)
 				}
 			}
@@ -240,7 +232,7 @@ func TestCollectRootErrors(t *testing.T) {
 	root := t.TempDir()
 	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(root, "ns", "s"), layout.Blocks, 0))
-	file := mkfile(t, filepath.Join(root, "file"), "x")
+	file := testutil.WriteFile(t, filepath.Join(root, "file"), "x")
 	for _, r := range []string{filepath.Join(root, "missing"), file, filepath.Join(root, "ns")} {
 		_, err := collectAt(context.Background(), noSync(), r, &jobs.CollectRequest{})
 		if !errors.Is(err, jobs.ErrRoot) || !strings.Contains(err.Error(), r) {
@@ -261,19 +253,19 @@ func TestCollectTempGrace(t *testing.T) {
 	ns := filepath.Join(root, "ns")
 	c := kvgen.NewCache(kvgen.Tiny, 40, true, nil)
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, filepath.Join(ns, "snap"), layout.Blocks, 0))
-	block := layout.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
+	block := testutil.BlockPath(ns, h.Slots()[0].Blocks[0].Hash)
 	old := time.Now().Add(-time.Hour)
 	var stale, fresh []string
-	for _, target := range []string{filepath.Join(ns, "snap"), block, filepath.Join(layout.BlocksDir(ns), "x")} {
-		s := mkfile(t, layout.TempPath(target), "partial")
+	for _, target := range []string{filepath.Join(ns, "snap"), block, filepath.Join(testutil.BlocksDir(ns), "x")} {
+		s := testutil.WriteFile(t, layout.TempPath(target), "partial")
 		if err := os.Chtimes(s, old, old); err != nil {
 			t.Fatal(err)
 		}
 		stale = append(stale, s)
-		fresh = append(fresh, mkfile(t, layout.TempPath(target), "in progress"))
+		fresh = append(fresh, testutil.WriteFile(t, layout.TempPath(target), "in progress"))
 	}
 	// Looks like a temp file but the random part is not hex: not ours.
-	foreign := mkfile(t, filepath.Join(ns, ".snap.tmp-ZZZZZZZZZZZZZZZZ"), "x")
+	foreign := testutil.WriteFile(t, filepath.Join(ns, ".snap.tmp-ZZZZZZZZZZZZZZZZ"), "x")
 	if err := os.Chtimes(foreign, old, old); err != nil {
 		t.Fatal(err)
 	}
@@ -327,5 +319,101 @@ func TestCollectBlockGrace(t *testing.T) {
 	cm = collect(t, root, &jobs.CollectRequest{BlockGrace: time.Hour, Now: time.Now().Add(2 * time.Hour)})
 	if cm.BlocksDeleted != 9 || len(blockFiles(t, ns)) != 0 {
 		t.Fatalf("past grace: %+v", cm)
+	}
+}
+
+// TestCollectTakesAnEmptyFileForNotOurs: kvpersist never publishes an
+// empty file, so one in a namespace is skipped and reported, and the
+// namespace is swept as usual (it does not block the sweep the way an
+// unreadable manifest does).
+func TestCollectTakesAnEmptyFileForNotOurs(t *testing.T) {
+	root := t.TempDir()
+	ns := filepath.Join(root, "ns")
+	mustWrite(t, noSync(), cacheSpec(t, kvgen.NewCache(kvgen.Tiny, 1100, true, nil), filepath.Join(ns, "a"), layout.Blocks, 4096))
+	mustWrite(t, noSync(), cacheSpec(t, kvgen.NewCache(kvgen.Tiny, 700, false, nil), filepath.Join(ns, "b"), layout.Blocks, 4096))
+	kept := blockFiles(t, ns)
+	if err := os.Remove(filepath.Join(ns, "b")); err != nil {
+		t.Fatal(err)
+	}
+	empty := testutil.WriteFile(t, filepath.Join(ns, "empty"), "")
+	cm := collect(t, root, &jobs.CollectRequest{})
+	if len(cm.Unreadable) != 0 || len(cm.UnsweptNamespaces) != 0 || !slices.Contains(cm.Skipped, empty) {
+		t.Fatalf("unreadable %q, unswept %q, skipped %q; want the empty file skipped", cm.Unreadable, cm.UnsweptNamespaces, cm.Skipped)
+	}
+	if cm.BlocksDeleted == 0 || int(cm.BlocksKept+cm.BlocksDeleted) != len(kept) {
+		t.Fatalf("kept %d, deleted %d of %d blocks: the namespace was not swept", cm.BlocksKept, cm.BlocksDeleted, len(kept))
+	}
+	if _, err := os.Lstat(empty); err != nil {
+		t.Fatalf("the empty file was touched: %v", err)
+	}
+	got, _, _, err := readBack(t, noSync(), filepath.Join(ns, "a"), true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	mustEqualExpected(t, got, expectedAll(kvgen.NewCache(kvgen.Tiny, 1100, true, nil)))
+}
+
+// TestCollectAboveTheRootLeavesTheStoreUsable: a collect run one level
+// above the store root (`kvpersist gc /srv` for /srv/kvstore) takes the
+// store root for a namespace, and creates no lock file in it (it holds no
+// blocks/ or pages/ of its own): later collects of the real root still
+// take it for a root.
+func TestCollectAboveTheRootLeavesTheStoreUsable(t *testing.T) {
+	parent := t.TempDir()
+	store := filepath.Join(parent, "kvstore")
+	v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
+	spec := &wreq{filepath.Join(store, "conv-1", "turn-1"), &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: 4096,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+	if _, _, err := writeAt(context.Background(), noSync(), spec); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{}); err != nil {
+		t.Fatalf("collect of the store root: %v", err)
+	}
+	// The operator's slip: one directory too high. It "succeeds".
+	if _, err := collectAt(context.Background(), noSync(), parent, &jobs.CollectRequest{}); err != nil {
+		t.Logf("collect of the parent: %v", err)
+	}
+	if _, err := os.Lstat(filepath.Join(store, layout.LockName)); !os.IsNotExist(err) {
+		t.Errorf("the collect of the parent created %s/.lock (%v)", store, err)
+	}
+	_, err := collectAt(context.Background(), noSync(), store, &jobs.CollectRequest{})
+	if errors.Is(err, jobs.ErrRoot) {
+		t.Fatalf("after one collect of the parent, collect of the real root fails: %v", err)
+	}
+}
+
+// TestCollectKeepsBlocksOfALegacyManifestWhateverItsName: collect decodes
+// every file that starts with a magic, whatever its name (the Bun worker
+// accepted any, e.g. "turn 2.mlxkv" with a space), and keeps the blocks it
+// names.
+func TestCollectKeepsBlocksOfALegacyManifestWhateverItsName(t *testing.T) {
+	root := t.TempDir()
+	ns := filepath.Join(root, "bun")
+	testutil.CopyTree(t, filepath.Join(testutil.BunFixtures, "blocks"), ns)
+	if err := os.Rename(filepath.Join(ns, "grown.mlxkv"), filepath.Join(ns, "turn 2.mlxkv")); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(filepath.Join(ns, "snapshot.mlxkv")); err != nil {
+		t.Fatal(err)
+	}
+	snap, err := layout.Load(vfs.Default, filepath.Join(ns, "turn 2.mlxkv"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := collectAt(context.Background(), noSync(), root, &jobs.CollectRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	missing := 0
+	for _, tn := range snap.Header.Slots() {
+		for _, b := range tn.Blocks {
+			if _, err := os.Lstat(testutil.LegacyBlockPath(ns, b.Hash)); err != nil {
+				missing++
+			}
+		}
+	}
+	if missing > 0 {
+		t.Fatalf("collect deleted %d blocks named by the published manifest %q (skipped: %v)", missing, "turn 2.mlxkv", m.Collect.Skipped)
 	}
 }

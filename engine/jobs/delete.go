@@ -3,10 +3,10 @@ package jobs
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // Delete removes the snapshot file or manifest req.Ref (under cfg.Root) and
@@ -23,17 +23,17 @@ func Delete(ctx context.Context, cfg *Config, req *DeleteRequest) (Metrics, erro
 	if err != nil {
 		return m, fmt.Errorf("jobs: delete %s: %w", req.Ref, err)
 	}
-	fsys := cfg.fs()
-	nsDir := filepath.Dir(path)
-	if err := checkDir(fsys, nsDir); err != nil {
+	ns, _ := store.NamespaceOf(path, cfg.storeOptions())
+	st := ns.Store()
+	if err := ns.Check(); err != nil {
 		return m, fmt.Errorf("jobs: delete %s: %w", path, err)
 	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return m, err
+		return m, fmt.Errorf("jobs: delete %s: %w", path, err)
 	}
 	defer unlock()
-	ok, err := layout.HasMagic(fsys, path)
+	ok, err := store.IsSnapshotFile(st.FS(), path)
 	if err != nil {
 		return m, fmt.Errorf("jobs: delete: %w", err)
 	}
@@ -43,13 +43,11 @@ func Delete(ctx context.Context, cfg *Config, req *DeleteRequest) (Metrics, erro
 	if err := ctx.Err(); err != nil {
 		return m, err
 	}
-	if err := fsys.Remove(path); err != nil {
+	if err := st.FS().Remove(path); err != nil {
 		return m, fmt.Errorf("jobs: delete: %w", err)
 	}
-	if !cfg.NoSync {
-		if err := fsys.SyncDir(nsDir); err != nil {
-			return m, fmt.Errorf("jobs: delete %s: fsync directory %s: %w", path, nsDir, err)
-		}
+	if err := st.SyncDir(ns.Dir()); err != nil {
+		return m, fmt.Errorf("jobs: delete %s: fsync directory %s: %w", path, ns.Dir(), err)
 	}
 	m.Elapsed = time.Since(start)
 	return m, nil

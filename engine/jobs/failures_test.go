@@ -2,9 +2,11 @@ package jobs_test
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -17,6 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // hookFS calls onCreate after each file it creates and onWrite after each
@@ -128,7 +131,7 @@ func TestInvalidRequestWritesNothing(t *testing.T) {
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {
 				t.Fatalf("%v %s: snapshot exists", lay, tc.name)
 			}
-			if _, err := os.Lstat(layout.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
+			if _, err := os.Lstat(testutil.BlocksDir(filepath.Dir(path))); !os.IsNotExist(err) {
 				t.Fatalf("%v %s: blocks directory created", lay, tc.name)
 			}
 			if tmp := temps(t, root); len(tmp) != 0 {
@@ -300,4 +303,112 @@ func TestScratchBounded(t *testing.T) {
 			t.Fatal("packed blocks differ")
 		}
 	})
+}
+
+// TestWriteRefusesMoreAxesThanReadersAccept: a view of more than
+// layout.MaxRank axes is refused (ErrInvalidRequest) before anything is
+// published: readers would refuse the file, and collect would then never
+// sweep its namespace again.
+func TestWriteRefusesMoreAxesThanReadersAccept(t *testing.T) {
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		t.Run(lay.String(), func(t *testing.T) {
+			root := t.TempDir()
+			path := filepath.Join(root, "ns", "snap")
+			shape := make([]int, layout.MaxRank+1)
+			for i := range shape {
+				shape[i] = 1
+			}
+			shape[len(shape)-1] = 4
+			v := gather.View{Base: make([]byte, 8), Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}
+			spec := &wreq{path, &jobs.WriteRequest{Layout: lay, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+			_, _, werr := writeAt(context.Background(), &jobs.Config{NoSync: true}, spec)
+			if !errors.Is(werr, jobs.ErrInvalidRequest) {
+				t.Fatalf("Write of %d axes: %v, want ErrInvalidRequest", len(shape), werr)
+			}
+			if _, err := os.Lstat(path); !os.IsNotExist(err) {
+				t.Fatalf("a file was published at %s (%v)", path, err)
+			}
+		})
+	}
+}
+
+// panicBlock is the block size, in bytes, of the writes of the panic tests.
+const panicBlock = 4096
+
+// oneTensorBlocks saves b as one uint8 tensor in blocks of panicBlock bytes.
+func oneTensorBlocks(path string, b []byte) *wreq {
+	return &wreq{path, &jobs.WriteRequest{Layout: layout.Blocks, BlockBytes: panicBlock,
+		Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "uint8",
+			View: gather.View{Base: b, Shape: []int{len(b)}, Strides: []int{1}, ItemSize: 1}}}}}}}
+}
+
+// distinctBlocks returns n distinct blocks' worth of bytes (covers ~all 256 fan-outs).
+func distinctBlocks(n int, seed byte) []byte {
+	buf := make([]byte, n*panicBlock)
+	for i := 0; i < n; i++ {
+		binary.LittleEndian.PutUint64(buf[i*panicBlock:], uint64(i))
+		buf[i*panicBlock+8] = seed
+	}
+	return buf
+}
+
+// panicFS panics in Rename of a block temp file (a bug in a vfs.FS, or in
+// Commit).
+type panicFS struct{ vfs.FS }
+
+func (p panicFS) Rename(o, n string) error {
+	if strings.Contains(o, string(filepath.Separator)+layout.BlocksDirName+string(filepath.Separator)) {
+		panic("test: rename panicked")
+	}
+	return p.FS.Rename(o, n)
+}
+
+// TestAPanicInABlockSyncerFailsTheWrite: a panic in a block's fsync waiter
+// (here a vfs.FS whose Rename panics) is recovered and fails the write
+// with ErrPanic; the process lives on. Run in a child process, so that a
+// panic that escapes shows as the child's crash.
+func TestAPanicInABlockSyncerFailsTheWrite(t *testing.T) {
+	if os.Getenv("KVPERSIST_PANIC_CHILD") == "1" {
+		_, _, err := writeAt(context.Background(), &jobs.Config{FS: panicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(os.Getenv("KVPERSIST_PANIC_ROOT"), "ns", "a"), distinctBlocks(4, 4)))
+		if !errors.Is(err, jobs.ErrPanic) {
+			t.Fatalf("want ErrPanic, got %v", err)
+		}
+		return
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestAPanicInABlockSyncerFailsTheWrite$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "KVPERSIST_PANIC_CHILD=1", "KVPERSIST_PANIC_ROOT="+t.TempDir())
+	out, err := cmd.CombinedOutput()
+	if err != nil && strings.Contains(string(out), "panic: test: rename panicked") {
+		t.Fatalf("a panic in a syncer's Commit crashed the process instead of failing the write with ErrPanic:\n%.600s", out)
+	}
+	if err != nil {
+		t.Fatalf("child: %v\n%s", err, out)
+	}
+}
+
+// wbPanicFS panics in StartWriteback (between Stage and the hand-off).
+type wbPanicFS struct{ vfs.FS }
+type wbPanicFile struct{ vfs.File }
+
+func (w wbPanicFS) Create(name string, perm os.FileMode) (vfs.File, error) {
+	f, err := w.FS.Create(name, perm)
+	if err != nil {
+		return nil, err
+	}
+	return wbPanicFile{f}, nil
+}
+func (wbPanicFile) StartWriteback(off, n int64) error { panic("test: writeback panicked") }
+
+// TestAPanicWhileStoringABlockLeavesNoTempFile: a panic between a block's
+// temp file being created and its hand-off to the fsync waiters fails the
+// write with ErrPanic and leaves no temp file.
+func TestAPanicWhileStoringABlockLeavesNoTempFile(t *testing.T) {
+	root := t.TempDir()
+	_, _, err := writeAt(context.Background(), &jobs.Config{FS: wbPanicFS{vfs.Default}}, oneTensorBlocks(filepath.Join(root, "ns", "a"), distinctBlocks(4, 5)))
+	if !errors.Is(err, jobs.ErrPanic) {
+		t.Fatalf("want ErrPanic, got %v", err)
+	}
+	if temps := testutil.TempFiles(t, root); len(temps) > 0 {
+		t.Fatalf("%d temp files left after a panic while storing a block: %v", len(temps), temps[0])
+	}
 }

@@ -23,6 +23,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -183,7 +184,7 @@ func fxCheckReferenced(t testing.TB, root string) map[string]bool {
 			}
 			for _, tn := range snap.Header.Slots() {
 				for _, ref := range tn.Blocks {
-					p := layout.BlockPath(nsDir, ref.Hash)
+					p := testutil.BlockPath(nsDir, ref.Hash)
 					st, err := os.Lstat(p)
 					if err != nil || !st.Mode().IsRegular() || st.Size() != ref.Bytes {
 						t.Fatalf("%s names block %s (%d bytes): %v", e.Name(), p, ref.Bytes, err)
@@ -613,6 +614,37 @@ func TestFaultConcurrentBlockWrite(t *testing.T) {
 			}
 			if _, err := os.Lstat(path); !os.IsNotExist(err) {
 				t.Fatalf("manifest published: %v", err)
+			}
+		})
+	}
+}
+
+// TestWriteSyncsTheRootEvenWhenTheNamespaceExists: every write fsyncs the
+// store root once its namespace directory exists, so the namespace's entry
+// is durable before a snapshot in it is acked, even when the write that
+// created the directory failed to sync the root (or died before it, or is
+// another process's that has not synced yet).
+func TestWriteSyncsTheRootEvenWhenTheNamespaceExists(t *testing.T) {
+	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
+		t.Run(lay.String(), func(t *testing.T) {
+			root := t.TempDir()
+			ffs := testutil.NewFaultFS(vfs.Default)
+			ffs.Inject(testutil.Fault{Op: testutil.OpSyncDir, Glob: root, Nth: 1, Err: syscall.EIO})
+			cfg := &jobs.Config{FS: ffs}
+			v := gather.View{Base: make([]byte, 8192), Shape: []int{4096}, Strides: []int{1}, ItemSize: 2}
+			spec := func(name string) *wreq {
+				return &wreq{filepath.Join(root, "ns", name), &jobs.WriteRequest{Layout: lay, BlockBytes: 4096,
+					Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}}}}}}
+			}
+			if _, _, err := writeAt(context.Background(), cfg, spec("a")); err == nil {
+				t.Fatalf("first write: want the injected fsync failure of the root")
+			}
+			before := ffs.CountPath(testutil.OpSyncDir, root)
+			if _, _, err := writeAt(context.Background(), cfg, spec("b")); err != nil {
+				t.Fatalf("second write: %v", err)
+			}
+			if ffs.CountPath(testutil.OpSyncDir, root) == before {
+				t.Fatalf("the second write acked a snapshot in %s/ns without fsyncing %s after the first one's fsync of it failed", root, root)
 			}
 		})
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
 
@@ -73,7 +74,7 @@ func fzSplit(f *testing.F, b []byte) (js, tail []byte) {
 // t*8 + d, token ids int32 1000 + 7i; 256-byte blocks cut per row.
 func bunBlocks(t testing.TB, nsDir string) {
 	t.Helper()
-	dir := layout.BlocksDir(nsDir)
+	dir := testutil.BlocksDir(nsDir)
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		t.Fatal(err)
 	}
@@ -177,10 +178,10 @@ func FuzzReadHeader(f *testing.F) {
 	// tries to leave the store.
 	blk := make([]byte, 4096)
 	sum := sha256.Sum256(blk)
-	if err := os.MkdirAll(filepath.Dir(layout.BlockPath(nsDir, hex.EncodeToString(sum[:]))), 0o750); err != nil {
+	if err := os.MkdirAll(filepath.Dir(testutil.BlockPath(nsDir, hex.EncodeToString(sum[:]))), 0o750); err != nil {
 		f.Fatal(err)
 	}
-	if err := os.WriteFile(layout.BlockPath(nsDir, hex.EncodeToString(sum[:])), blk, 0o640); err != nil {
+	if err := os.WriteFile(testutil.BlockPath(nsDir, hex.EncodeToString(sum[:])), blk, 0o640); err != nil {
 		f.Fatal(err)
 	}
 	one := `{"caches":[{"tensors":[{"off":0,"bytes":4096,"hash":"","dtype":"uint8","shape":[4096],"blocks":[{"hash":"%s","bytes":4096}]}]}],"formatVersion":5}`
@@ -340,9 +341,9 @@ func storedBytes(t *testing.T, snap *layout.Snapshot, file []byte, tn *layout.Te
 	nsDir := filepath.Dir(snap.Path)
 	var out []byte
 	for _, r := range tn.Blocks {
-		p := layout.BlockPath(nsDir, r.Hash)
+		p := testutil.BlockPath(nsDir, r.Hash)
 		if snap.Legacy {
-			p = layout.LegacyBlockPath(nsDir, r.Hash)
+			p = testutil.LegacyBlockPath(nsDir, r.Hash)
 		}
 		b, err := os.ReadFile(p)
 		if err != nil {

@@ -88,24 +88,8 @@ func rawJSON(t testing.TB, v any) json.RawMessage {
 // {"name":"tokens"} holding the int32 token ids.
 func cacheSpec(t testing.TB, c *kvgen.Cache, path string, lay layout.Layout, blockBytes int) *wreq {
 	t.Helper()
-	views, dtypes := c.Views(), c.DTypes()
-	spec := &wreq{path, &jobs.WriteRequest{Layout: lay, BlockBytes: blockBytes,
-		Meta: layout.Meta{"model": rawJSON(t, c.Model.Name), "tokens": rawJSON(t, c.Tokens)}}}
-	for l := 0; l < c.Model.Layers; l++ {
-		spec.Caches = append(spec.Caches, jobs.EntrySpec{
-			Meta: layout.Meta{"type": rawJSON(t, "KVCache"), "offset": rawJSON(t, c.Tokens)},
-			Tensors: []jobs.TensorSpec{
-				{DType: dtypes[2*l], View: views[2*l]},
-				{DType: dtypes[2*l+1], View: views[2*l+1]},
-			},
-		})
-	}
-	n := len(views) - 1
-	spec.Attachments = []jobs.EntrySpec{{
-		Meta:    layout.Meta{"name": rawJSON(t, "tokens")},
-		Tensors: []jobs.TensorSpec{{DType: dtypes[n], View: views[n]}},
-	}}
-	return spec
+	caches, atts, meta := kvgen.CacheRequest(c, c.Tokens)
+	return &wreq{path, &jobs.WriteRequest{Layout: lay, BlockBytes: blockBytes, Meta: meta, Caches: caches, Attachments: atts}}
 }
 
 func expectedAll(c *kvgen.Cache) [][]byte {
@@ -250,7 +234,7 @@ func blockSet(h *layout.Header) map[string]int64 {
 func blockFiles(t testing.TB, nsDir string) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	root := layout.BlocksDir(nsDir)
+	root := testutil.BlocksDir(nsDir)
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			if os.IsNotExist(err) && p == root {
@@ -303,7 +287,7 @@ func mustWrite(t testing.TB, cfg *jobs.Config, spec *wreq) (*layout.Header, jobs
 func blockPaths(nsDir string, hashes []string) []string {
 	out := make([]string, len(hashes))
 	for i, h := range hashes {
-		out[i] = layout.BlockPath(nsDir, h)
+		out[i] = testutil.BlockPath(nsDir, h)
 	}
 	slices.Sort(out)
 	return out

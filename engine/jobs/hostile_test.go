@@ -202,7 +202,7 @@ func TestHostileSymlinks(t *testing.T) {
 	t.Run("block", func(t *testing.T) {
 		s := newHsStore(t)
 		ref := s.header.Slots()[1].Blocks[2]
-		p := layout.BlockPath(s.nsDir, ref.Hash)
+		p := testutil.BlockPath(s.nsDir, ref.Hash)
 		// The block's own bytes, moved outside the store and linked back:
 		// even the right content is refused when reached through a link.
 		outside := filepath.Join(t.TempDir(), "moved")
@@ -273,12 +273,12 @@ func TestHostileSymlinks(t *testing.T) {
 			case "namespace":
 				link = nsDir
 			case "blocks":
-				link = layout.BlocksDir(nsDir)
+				link = testutil.BlocksDir(nsDir)
 			case "fanout":
 				// The fan-out directory of the first block this cache writes.
 				probe := t.TempDir()
 				h := fxWrite(t, c, filepath.Join(probe, "ns", "snap"), layout.Blocks)
-				link = filepath.Dir(layout.BlockPath(nsDir, h.Slots()[0].Blocks[0].Hash))
+				link = filepath.Dir(testutil.BlockPath(nsDir, h.Slots()[0].Blocks[0].Hash))
 			}
 			if err := os.MkdirAll(filepath.Dir(link), 0o750); err != nil {
 				t.Fatal(err)
@@ -442,7 +442,7 @@ func TestHostileMismatchedRestores(t *testing.T) {
 		t.Run("block-"+bc.name, func(t *testing.T) {
 			s := newHsStore(t)
 			ref := s.header.Slots()[3].Blocks[4]
-			p := layout.BlockPath(s.nsDir, ref.Hash)
+			p := testutil.BlockPath(s.nsDir, ref.Hash)
 			b, err := os.ReadFile(p)
 			if err != nil {
 				t.Fatal(err)

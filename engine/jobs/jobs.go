@@ -1,7 +1,10 @@
 // Package jobs holds kvpersist's jobs as plain synchronous functions: Write
 // (single-file or block layout), Read (verified, into caller-owned buffers),
-// Collect (garbage collection of unreferenced blocks), Delete, and Migrate
-// (of stores written by the Bun worker). They start no CPU goroutines of
+// Collect (garbage collection of unreferenced blocks), Delete, Verify (a
+// hash-only re-read, for tools) and Migrate (of stores written by the Bun
+// worker). What a store, a namespace and their entries are, where blocks
+// live, the namespace lock and the sync policy are package store's: no job
+// lists a directory or builds a block path itself. They start no CPU goroutines of
 // their own: a job that can use more cores hands tasks to Config.Spawn (the
 // engine's bounded pool) and does the rest itself, so a job makes progress
 // even when the pool is full. The exceptions wait on the disk, not the
@@ -19,13 +22,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"path/filepath"
 	"runtime/debug"
 	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -43,9 +45,11 @@ type Config struct {
 	FS vfs.FS
 	// NoSync turns off every fsync (file and directory). Only for tests
 	// and tmpfs: a published snapshot may then vanish in a power cut.
+	// (store.Options.NoSync: the store applies it.)
 	NoSync bool
 	// NoLock turns off the per-namespace advisory lock (flock) that keeps a
-	// collect in another process away from this job's blocks.
+	// collect in another process away from this job's blocks
+	// (store.Options.NoLock).
 	NoLock bool
 	// Spawn lends the job more goroutines (bounded by the pool); nil = none.
 	Spawn Spawn
@@ -70,6 +74,12 @@ func (c *Config) fs() vfs.FS {
 		return vfs.Default
 	}
 	return c.FS
+}
+
+// storeOptions are the store policies of this job's configuration: the
+// store package decides what NoSync and NoLock mean.
+func (c *Config) storeOptions() store.Options {
+	return store.Options{FS: c.fs(), NoSync: c.NoSync, NoLock: c.NoLock}
 }
 
 func (c *Config) helpers() int {
@@ -287,23 +297,6 @@ func parallelWith[W any](ctx context.Context, cfg *Config, n int, newW func() W,
 	}()
 	wg.Wait()
 	return first
-}
-
-// lockNamespace takes the namespace's advisory lock: shared for writers and
-// readers, exclusive for collect. create=false skips a missing lock file
-// (reads of a store no writer has touched, e.g. a read-only source).
-func lockNamespace(ctx context.Context, cfg *Config, nsDir string, exclusive, create bool) (func(), error) {
-	if cfg.NoLock {
-		return func() {}, nil
-	}
-	unlock, err := cfg.fs().Lock(ctx, filepath.Join(nsDir, layout.LockName), exclusive, create)
-	if err != nil {
-		if !create && vfs.IsNotExist(err) {
-			return func() {}, nil
-		}
-		return nil, fmt.Errorf("jobs: lock namespace %s: %w", nsDir, err)
-	}
-	return func() { _ = unlock() }, nil
 }
 
 func maxInt64(a *atomic.Int64, v int64) {

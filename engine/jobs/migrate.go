@@ -1,12 +1,9 @@
 package jobs
 
 import (
-	"bytes"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"path/filepath"
 	"slices"
 	"sort"
@@ -15,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -185,23 +183,18 @@ func resolvePath(p string) string {
 // SourceNamespaces lists the directories directly under root, sorted, not
 // following symlinks: the namespaces Migrate scans when
 // MigrateRequest.Namespaces is nil. Names kvpersist does not accept are
-// included (Migrate reports their snapshots as failed).
+// included (Migrate reports their snapshots as failed). root must be a
+// store root (store.OpenSource).
 func SourceNamespaces(fsys vfs.FS, root string) ([]string, error) {
-	if fsys == nil {
-		fsys = vfs.Default
-	}
-	ents, err := fsys.ReadDir(root)
+	st, err := store.OpenSource(root, store.Options{FS: fsys})
 	if err != nil {
 		return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
 	}
-	out := []string{}
-	for _, e := range ents {
-		if e.IsDir() {
-			out = append(out, e.Name())
-		}
+	names, _, err := st.Namespaces(true)
+	if err != nil {
+		return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
 	}
-	sort.Strings(out)
-	return out, nil
+	return names, nil
 }
 
 // migrateCandidate is one legacy file found by the scan.
@@ -311,76 +304,73 @@ func migrate(ctx context.Context, cfg *Config, spec *migrateSpec) (*MigrateRepor
 
 // scanLegacy lists the legacy files of the namespaces to migrate and decodes
 // their headers (to size the work); everything else goes to rep.Ignored.
+// The source is only read: no lock is taken and no file is created there.
 func scanLegacy(fsys vfs.FS, spec *migrateSpec, rep *MigrateReport) ([]migrateCandidate, error) {
+	src, err := store.OpenSource(spec.SrcRoot, store.Options{FS: fsys})
+	if err != nil {
+		return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
+	}
 	names := spec.Namespaces
 	if names == nil {
-		ents, err := fsys.ReadDir(spec.SrcRoot)
-		if err != nil {
+		var skipped []string
+		if names, skipped, err = src.Namespaces(true); err != nil {
 			return nil, fmt.Errorf("jobs: migrate: source root: %w", err)
 		}
-		for _, e := range ents {
-			if e.IsDir() {
-				names = append(names, e.Name())
-			} else {
-				rep.Ignored = append(rep.Ignored, IgnoredEntry{filepath.Join(spec.SrcRoot, e.Name()), "not a namespace directory"})
-			}
+		for _, p := range skipped {
+			rep.Ignored = append(rep.Ignored, IgnoredEntry{p, "not a namespace directory"})
 		}
 	}
 	var out []migrateCandidate
-	for _, ns := range names {
-		if ns == "" || ns == "." || ns == ".." || strings.ContainsRune(ns, filepath.Separator) || strings.ContainsRune(ns, '/') {
-			return nil, fmt.Errorf("%w: namespace %q is not a plain directory name", ErrInvalidRequest, ns)
-		}
-		nsDir := filepath.Join(spec.SrcRoot, ns)
-		st, err := fsys.Lstat(nsDir)
+	for _, name := range names {
+		ns, err := src.AnyNamespace(name)
 		if err != nil {
-			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", nsDir, err)
+			return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+		}
+		st, err := fsys.Lstat(ns.Dir())
+		if err != nil {
+			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", ns.Dir(), err)
 		}
 		if !st.IsDir() {
-			return nil, fmt.Errorf("%w: namespace %s is not a directory (symlinks are not followed)", ErrInvalidRequest, nsDir)
+			return nil, fmt.Errorf("%w: namespace %s is not a directory (symlinks are not followed)", ErrInvalidRequest, ns.Dir())
 		}
-		nsErr := layout.ValidName("namespace", ns)
-		ents, err := fsys.ReadDir(nsDir)
+		nsErr := layout.ValidName("namespace", name)
+		dst, _ := store.At(spec.DstRoot, store.Options{FS: fsys}).AnyNamespace(name) // name checked above
+		l, err := ns.List(false)
 		if err != nil {
-			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", nsDir, err)
+			return nil, fmt.Errorf("jobs: migrate: namespace %s: %w", ns.Dir(), err)
 		}
-		for _, e := range ents {
-			name, path := e.Name(), filepath.Join(nsDir, e.Name())
-			ignore := func(why string) { rep.Ignored = append(rep.Ignored, IgnoredEntry{path, why}) }
-			switch {
-			case name == layout.BlocksDirName && e.IsDir():
-				continue // the legacy (flat) or kvpersist block directory
-			case name == layout.LockName:
-				continue
-			case e.IsDir():
-				ignore("directory")
-				continue
-			case !e.Type().IsRegular():
-				ignore("not a regular file")
-				continue
+		for _, sk := range l.Skipped {
+			if filepath.Dir(sk.Path) == ns.Dir() { // what lies in blocks/ or pages/ is not reported
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{sk.Path, "not a snapshot of the original worker: " + sk.Why})
 			}
-			magic, err := readMagic(fsys, path)
-			c := migrateCandidate{ns: ns, name: name, src: path, dst: filepath.Join(spec.DstRoot, ns, name)}
+		}
+		for _, t := range l.Temps {
+			if filepath.Dir(t.Path) == ns.Dir() {
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{t.Path, "temp file of kvpersist"})
+			}
+		}
+		for _, f := range l.Snapshots {
+			c := migrateCandidate{ns: name, name: f.Name, src: f.Path, dst: dst.Entry(f.Name)}
 			switch {
-			case err != nil:
-				c.err = fmt.Errorf("jobs: migrate: %w", err)
+			case f.Err != nil:
+				c.err = fmt.Errorf("jobs: migrate: %w", f.Err)
 				out = append(out, c)
 				continue
-			case magic == layout.Magic:
-				ignore("already in kvpersist's format")
+			case f.Magic == layout.Magic:
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{f.Path, "already in kvpersist's format"})
 				continue
-			case magic != layout.LegacyMagic:
-				ignore(fmt.Sprintf("not a snapshot of the original worker (starts with %q)", magic))
+			case f.Magic != layout.LegacyMagic:
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{f.Path, fmt.Sprintf("not a snapshot of the original worker (starts with %q)", f.Magic)})
 				continue
-			case strings.HasSuffix(name, ".tmp"):
-				ignore("temp file of the original worker (never published)")
+			case strings.HasSuffix(f.Name, ".tmp"):
+				rep.Ignored = append(rep.Ignored, IgnoredEntry{f.Path, "temp file of the original worker (never published)"})
 				continue
 			}
 			if nsErr != nil {
 				c.err = nsErr
-			} else if err := layout.ValidName("snapshot name", name); err != nil {
+			} else if err := layout.ValidName("snapshot name", f.Name); err != nil {
 				c.err = err
-			} else if snap, err := layout.Load(fsys, path); err != nil {
+			} else if snap, err := layout.Load(fsys, f.Path); err != nil {
 				c.err = err
 			} else {
 				c.lay = snap.Layout
@@ -391,25 +381,8 @@ func scanLegacy(fsys vfs.FS, spec *migrateSpec, rep *MigrateReport) ([]migrateCa
 			out = append(out, c)
 		}
 	}
+	sort.Slice(rep.Ignored, func(i, j int) bool { return rep.Ignored[i].Path < rep.Ignored[j].Path })
 	return out, nil
-}
-
-// readMagic returns the first 10 bytes of a file (fewer for a shorter one).
-func readMagic(fsys vfs.FS, path string) (string, error) {
-	f, err := fsys.Open(path)
-	if err != nil {
-		return "", err
-	}
-	defer f.Close()
-	var b [len(layout.Magic)]byte
-	n, err := f.ReadAt(b[:], 0)
-	if n == len(b) {
-		return string(b[:]), nil
-	}
-	if err != nil && !errors.Is(err, io.EOF) {
-		return "", err
-	}
-	return string(b[:n]), nil
 }
 
 // migrateOne migrates one decodable candidate, filling in it.Status, Err,
@@ -477,14 +450,19 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 		fail(fmt.Errorf("%w: %s was replaced while being migrated", ErrUnsupported, it.Src))
 		return
 	}
-	var wm Metrics
-	if keep {
-		wm, err = writeKeptBlocks(ctx, cfg, it.Dst, rsnap.Header, bufs)
-	} else {
-		var h *layout.Header
-		h, wm, err = writeRestored(ctx, cfg, it.Dst, rsnap, bufs, spec.BlockBytes)
-		if err == nil && snap.Layout == layout.Blocks {
-			it.Recut = !sameBoundaries(rsnap.Header, h)
+	h, wm, err := writeRestored(ctx, cfg, it.Dst, rsnap, bufs, spec.BlockBytes, keep)
+	if err == nil && snap.Layout == layout.Blocks {
+		it.Recut = !layout.SameBoundaries(rsnap.Header, h)
+	}
+	if err == nil && keep {
+		// The kept plans reproduce the source's cut and Read verified each
+		// block's SHA-256 against its name: the manifest names the very
+		// same blocks. Anything else is a bug, reported, not hidden.
+		for i, t := range h.Slots() {
+			if !slices.Equal(t.Blocks, rsnap.Header.Slots()[i].Blocks) {
+				err = fmt.Errorf("%w: %s %s: the restored bytes do not hash to the source's block names", ErrCorrupt, it.Dst, h.SlotName(i))
+				break
+			}
 		}
 	}
 	if err != nil {
@@ -499,15 +477,16 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 
 // migratable rejects what the destination format cannot carry unchanged:
 // every dtype must be known; a manifest whose boundaries are kept must have
-// the original's cut (legacyPlan); Write has no per-tensor metadata, so a
-// snapshot going through it (single file, re-cut manifest) must have none.
+// the original's cut (legacyPlan); per-tensor metadata is kept only with
+// the boundaries (a re-cut or a single file would have to decide where a
+// tensor's keys go when its blocks change, and the format has no rule).
 func migratable(snap *layout.Snapshot, keep bool) error {
 	for i, t := range snap.Header.Slots() {
 		if _, err := layout.ItemSize(t.DType); err != nil {
 			return fmt.Errorf("%w: %s %s: %w", ErrUnsupported, snap.Path, snap.Header.SlotName(i), err)
 		}
 		if keep {
-			if _, _, err := legacyPlan(t, snap.Path+" "+snap.Header.SlotName(i)); err != nil {
+			if _, err := legacyPlan(t, snap.Path+" "+snap.Header.SlotName(i)); err != nil {
 				return err
 			}
 		} else if len(t.Meta) > 0 {
@@ -525,7 +504,7 @@ func migratable(snap *layout.Snapshot, keep bool) error {
 // checkLegacyBlocks checks that every block a legacy manifest names exists
 // as a regular file of its size (ErrMissingBlock, ErrBlockSize).
 func checkLegacyBlocks(fsys vfs.FS, snap *layout.Snapshot) error {
-	nsDir := filepath.Dir(snap.Path)
+	ns, _ := store.NamespaceOf(snap.Path, store.Options{FS: fsys})
 	seen := map[string]bool{}
 	for i, t := range snap.Header.Slots() {
 		for b, r := range t.Blocks {
@@ -533,7 +512,7 @@ func checkLegacyBlocks(fsys vfs.FS, snap *layout.Snapshot) error {
 				continue
 			}
 			seen[r.Hash] = true
-			p := layout.LegacyBlockPath(nsDir, r.Hash)
+			p := ns.SnapshotBlockPath(snap, r.Hash)
 			st, err := fsys.Lstat(p)
 			if vfs.IsNotExist(err) {
 				return fmt.Errorf("%w: %s %s block %d: %s", ErrMissingBlock, snap.Path, snap.Header.SlotName(i), b, p)
@@ -550,8 +529,12 @@ func checkLegacyBlocks(fsys vfs.FS, snap *layout.Snapshot) error {
 }
 
 // writeRestored writes the restored tensors through Write: contiguous
-// row-major views of bufs, the source's layout and caller metadata.
-func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Snapshot, bufs [][]byte, blockBytes int) (*layout.Header, Metrics, error) {
+// row-major views of bufs, the source's layout and caller metadata. With
+// keep (a manifest), each tensor is cut by the plan that reproduces its
+// legacy blocks (legacyPlan) and keeps its per-tensor metadata, so the
+// manifest names exactly the source's blocks with every durability step of
+// a save.
+func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Snapshot, bufs [][]byte, blockBytes int, keep bool) (*layout.Header, Metrics, error) {
 	h := snap.Header
 	slot := 0
 	specs := func(in []layout.Entry) ([]EntrySpec, error) {
@@ -561,7 +544,8 @@ func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Sn
 		out := make([]EntrySpec, len(in))
 		for i, e := range in {
 			out[i] = EntrySpec{Meta: e.Meta, Tensors: make([]TensorSpec, len(e.Tensors))}
-			for j, t := range e.Tensors {
+			for j := range e.Tensors {
+				t := &e.Tensors[j]
 				size, err := layout.ItemSize(t.DType)
 				if err != nil {
 					return nil, fmt.Errorf("%w: %v", ErrUnsupported, err)
@@ -570,9 +554,17 @@ func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Sn
 				for k, d := range t.Shape {
 					shape[k] = int(d) // Validate bounded the product by MaxInt64
 				}
-				out[i].Tensors[j] = TensorSpec{DType: t.DType, View: gather.View{
+				ts := TensorSpec{DType: t.DType, View: gather.View{
 					Base: bufs[slot], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size,
 				}}
+				if keep {
+					p, err := legacyPlan(t, fmt.Sprintf("%s %s", dst, h.SlotName(slot)))
+					if err != nil {
+						return nil, err
+					}
+					ts.Plan, ts.Meta = &p, t.Meta
+				}
+				out[i].Tensors[j] = ts
 				slot++
 			}
 		}
@@ -596,10 +588,10 @@ func writeRestored(ctx context.Context, cfg *Config, dst string, snap *layout.Sn
 // floor(blockBytes/itemsize)-element blocks, so the first block's size is a
 // block size that yields the same cut (exactly the original's when a row
 // held more than one block). ErrUnsupported when no such plan matches.
-func legacyPlan(t *layout.Tensor, name string) (gather.Plan, []int, error) {
+func legacyPlan(t *layout.Tensor, name string) (gather.Plan, error) {
 	size, err := layout.ItemSize(t.DType)
 	if err != nil {
-		return gather.Plan{}, nil, fmt.Errorf("%w: %s: %w", ErrUnsupported, name, err)
+		return gather.Plan{}, fmt.Errorf("%w: %s: %w", ErrUnsupported, name, err)
 	}
 	shape := make([]int, len(t.Shape))
 	for k, d := range t.Shape {
@@ -611,7 +603,7 @@ func legacyPlan(t *layout.Tensor, name string) (gather.Plan, []int, error) {
 	}
 	p, err := gather.NewPlan(shape, size, bb)
 	if err != nil {
-		return gather.Plan{}, nil, fmt.Errorf("%w: %s: %v", ErrUnsupported, name, err)
+		return gather.Plan{}, fmt.Errorf("%w: %s: %v", ErrUnsupported, name, err)
 	}
 	ok := p.Len() == len(t.Blocks)
 	for b := 0; ok && b < p.Len(); b++ {
@@ -619,88 +611,9 @@ func legacyPlan(t *layout.Tensor, name string) (gather.Plan, []int, error) {
 		ok = int64(count)*int64(size) == t.Blocks[b].Bytes
 	}
 	if !ok {
-		return gather.Plan{}, nil, fmt.Errorf("%w: %s: its %d blocks are not the original worker's cut of shape %v (re-cut them with a block size)", ErrUnsupported, name, len(t.Blocks), t.Shape)
+		return gather.Plan{}, fmt.Errorf("%w: %s: its %d blocks are not the original worker's cut of shape %v (re-cut them with a block size)", ErrUnsupported, name, len(t.Blocks), t.Shape)
 	}
-	return p, shape, nil
-}
-
-// writeKeptBlocks publishes a kvpersist manifest naming exactly the
-// source's blocks: each tensor is cut again with the plan that reproduces
-// its legacy blocks (legacyPlan), the blocks are stored under kvpersist's
-// fan-out by Write's block writer (existing ones reused), every block
-// directory is synced, then the manifest is published, as writeBlocks does.
-// Each block's SHA-256 must equal the source's name for it (it does: Read
-// verified it). The header keeps every metadata key, per-tensor ones too.
-func writeKeptBlocks(ctx context.Context, cfg *Config, dst string, src *layout.Header, bufs [][]byte) (Metrics, error) {
-	var m Metrics
-	fsys := cfg.fs()
-	nsDir := filepath.Dir(dst)
-	h := src.Clone()
-	h.FormatVersion = layout.FormatBlocks
-	slots := h.Slots()
-	bs := make([]blockSlot, len(slots))
-	var off int64
-	total := 0
-	for i, t := range slots {
-		p, shape, err := legacyPlan(t, fmt.Sprintf("%s %s", dst, h.SlotName(i)))
-		if err != nil {
-			return m, err
-		}
-		size, _ := layout.ItemSize(t.DType)
-		bs[i] = blockSlot{
-			view:  gather.View{Base: bufs[i], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size},
-			plan:  p,
-			refs:  make([]layout.BlockRef, p.Len()),
-			first: total,
-		}
-		total += p.Len()
-		t.Off, t.Hash = off, ""
-		off += t.Bytes
-		m.LogicalBytes += t.Bytes
-	}
-	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
-		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
-	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
-	if err != nil {
-		return m, err
-	}
-	defer unlock()
-	blocksDir := layout.BlocksDir(nsDir)
-	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
-		return m, fmt.Errorf("jobs: migrate %s: %w", dst, err)
-	}
-	w := &blockWriter{cfg: cfg, spec: &writeSpec{Path: dst, WriteRequest: &WriteRequest{Layout: layout.Blocks}}, blocksDir: blocksDir, nsDir: nsDir}
-	if err := w.run(ctx, bs, total); err != nil {
-		return m, err
-	}
-	for i, t := range slots {
-		if !slices.Equal(bs[i].refs, t.Blocks) {
-			return m, fmt.Errorf("%w: %s %s: the restored bytes do not hash to the source's block names", ErrCorrupt, dst, h.SlotName(i))
-		}
-		t.Blocks = bs[i].refs // non-nil, also for a tensor of no bytes
-	}
-	return m, w.publishManifest(ctx, h, &m)
-}
-
-// sameBoundaries reports whether two headers cut every tensor into blocks
-// of the same sizes.
-func sameBoundaries(a, b *layout.Header) bool {
-	as, bs := a.Slots(), b.Slots()
-	if len(as) != len(bs) {
-		return false
-	}
-	for i := range as {
-		if len(as[i].Blocks) != len(bs[i].Blocks) {
-			return false
-		}
-		for k := range as[i].Blocks {
-			if as[i].Blocks[k].Bytes != bs[i].Blocks[k].Bytes {
-				return false
-			}
-		}
-	}
-	return true
+	return p, nil
 }
 
 // alreadyMigrated reports whether dst holds src's migration: a kvpersist
@@ -727,14 +640,17 @@ func alreadyMigrated(fsys vfs.FS, src *layout.Snapshot, dst string, keep bool) (
 	if d.Legacy {
 		return false, fmt.Errorf("%w: %s is a file of the original worker", ErrDestinationExists, dst)
 	}
-	if why := sameTensors(src, d, keep); why != "" {
+	if src.Layout != d.Layout {
+		return false, fmt.Errorf("%w: %s: layout %s, the source is %s", ErrDestinationExists, dst, d.Layout, src.Layout)
+	}
+	if why := layout.DiffHeaders(src.Header, d.Header, keep); why != "" {
 		return false, fmt.Errorf("%w: %s: %s", ErrDestinationExists, dst, why)
 	}
 	if d.Layout == layout.Blocks {
-		nsDir := filepath.Dir(dst)
+		ns, _ := store.NamespaceOf(dst, store.Options{FS: fsys})
 		for _, t := range d.Header.Slots() {
 			for _, r := range t.Blocks {
-				st, err := fsys.Lstat(layout.BlockPath(nsDir, r.Hash))
+				st, err := fsys.Lstat(ns.SnapshotBlockPath(d, r.Hash))
 				if err != nil || !st.Mode().IsRegular() || st.Size() != r.Bytes {
 					return false, nil
 				}
@@ -742,68 +658,4 @@ func alreadyMigrated(fsys vfs.FS, src *layout.Snapshot, dst string, keep bool) (
 		}
 	}
 	return true, nil
-}
-
-// sameTensors compares a source and a destination header; "" when they
-// match, else what differs.
-func sameTensors(src, dst *layout.Snapshot, keep bool) string {
-	if src.Layout != dst.Layout {
-		return fmt.Sprintf("layout %s, the source is %s", dst.Layout, src.Layout)
-	}
-	a, b := src.Header, dst.Header
-	if !metaEqual(a.Meta, b.Meta) {
-		return "top-level metadata differs"
-	}
-	for _, g := range []struct {
-		what string
-		a, b []layout.Entry
-	}{{"caches", a.Caches, b.Caches}, {"attachments", a.Attachments, b.Attachments}} {
-		if len(g.a) != len(g.b) {
-			return fmt.Sprintf("%d %s, the source has %d", len(g.b), g.what, len(g.a))
-		}
-		for i := range g.a {
-			ea, eb := g.a[i], g.b[i]
-			if !metaEqual(ea.Meta, eb.Meta) {
-				return fmt.Sprintf("%s[%d] metadata differs", g.what, i)
-			}
-			if len(ea.Tensors) != len(eb.Tensors) {
-				return fmt.Sprintf("%s[%d] has %d tensors, the source %d", g.what, i, len(eb.Tensors), len(ea.Tensors))
-			}
-			for j := range ea.Tensors {
-				ta, tb := &ea.Tensors[j], &eb.Tensors[j]
-				if ta.DType != tb.DType || ta.Bytes != tb.Bytes || !slices.Equal(ta.Shape, tb.Shape) || !metaEqual(ta.Meta, tb.Meta) {
-					return fmt.Sprintf("%s[%d] tensor %d is %s%v, the source %s%v", g.what, i, j, tb.DType, tb.Shape, ta.DType, ta.Shape)
-				}
-				if keep && !slices.Equal(ta.Blocks, tb.Blocks) {
-					return fmt.Sprintf("%s[%d] tensor %d names other blocks than the source", g.what, i, j)
-				}
-			}
-		}
-	}
-	return ""
-}
-
-// metaEqual compares metadata by key and compacted JSON value; nil and
-// empty are equal.
-func metaEqual(a, b layout.Meta) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for k, va := range a {
-		vb, ok := b[k]
-		if !ok {
-			return false
-		}
-		var ca, cb bytes.Buffer
-		if json.Compact(&ca, va) != nil || json.Compact(&cb, vb) != nil {
-			if !bytes.Equal(va, vb) {
-				return false
-			}
-			continue
-		}
-		if !bytes.Equal(ca.Bytes(), cb.Bytes()) {
-			return false
-		}
-	}
-	return true
 }

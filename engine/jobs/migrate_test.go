@@ -30,22 +30,7 @@ const migFixtures = testutil.BunFixtures
 // (T=40), grown.mlxkv (T=48), blocks/<sha256>}.
 func migSource(t testing.TB) string {
 	t.Helper()
-	root := filepath.Join(t.TempDir(), "legacy")
-	testutil.CopyFile(t, filepath.Join(migFixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
-	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
-		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
-	}
-	ents, err := os.ReadDir(filepath.Join(migFixtures, "blocks", "blocks"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(ents) != 34 {
-		t.Fatalf("%d fixture blocks, the README says 34", len(ents))
-	}
-	for _, e := range ents {
-		testutil.CopyFile(t, filepath.Join(migFixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
-	}
-	return root
+	return testutil.BunStore(t, migFixtures, filepath.Join(t.TempDir(), "legacy"))
 }
 
 // migExpected40 splits expected.T40.bin at the README's offsets
@@ -357,7 +342,7 @@ func TestMigrateRerunSkipsAndRepairs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	lost := layout.BlockPath(filepath.Join(dst, "bun-blocks"), snap.Header.Slots()[3].Blocks[5].Hash)
+	lost := testutil.BlockPath(filepath.Join(dst, "bun-blocks"), snap.Header.Slots()[3].Blocks[5].Hash)
 	if err := os.Remove(lost); err != nil {
 		t.Fatal(err)
 	}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
 )
@@ -23,8 +24,8 @@ import (
 
 // SavePrefixSpec describes a save to the prefix cache.
 type SavePrefixSpec struct {
-	// NSDir is the namespace directory, <root>/<namespace>; pages go to
-	// NSDir/pages/<k[0:2]>/<k>.
+	// NSDir is the namespace directory, <root>/<namespace>; pages go
+	// where engine/store puts them (store.Namespace.PagePath).
 	NSDir string
 	// Identity names everything that makes KV incompatible (model weights
 	// digest, KV dtype, layout, tensor-parallel rank: the caller decides);
@@ -160,41 +161,39 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 		return nil, m, fmt.Errorf("save prefix %s: %w", spec.NSDir, err)
 	}
 	tensors := resolveTensors(spec.Tensors)
-	fsys := cfg.fs()
-	nsDir := spec.NSDir
-	if err := layout.MkdirAllSynced(fsys, nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", nsDir, err)
+	// The namespace directory, durably (the root synced in any case, as
+	// for Write), then its lock, shared: collect may not sweep meanwhile.
+	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
+	if err := ns.Create(); err != nil {
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
 	}
-	if !cfg.NoSync {
-		if err := fsys.SyncDir(filepath.Dir(nsDir)); err != nil {
-			return nil, m, fmt.Errorf("jobs: save prefix %s: fsync directory %s: %w", nsDir, filepath.Dir(nsDir), err)
-		}
-	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
+	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, tensors, keys, res, &m)
+	err = savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &m)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
 
 // savePages stores the pages keys (PageChain of tokens) of tensors in
-// nsDir/pages, the namespace already created and locked: existing pages
-// are reused by name and size, new ones written and committed by the
-// fsync waiters, then the fan-out directories and pages/ are fsynced. It
-// fills res's counts and m's write metrics.
-func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics) error {
-	fsys := cfg.fs()
+// ns's pages/ (paths and directories from engine/store), the namespace
+// already created and locked: existing pages are reused by name and size,
+// new ones written and committed by the fsync waiters, then the fan-out
+// directories and pages/ are fsynced. It fills res's counts and m's write
+// metrics.
+func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics) error {
+	st := ns.Store()
+	fsys := st.FS()
 	n := len(tokens)
-	pagesDir := layout.PagesDir(nsDir)
-	if err := layout.MkdirAllSynced(fsys, pagesDir, nsDir, !cfg.NoSync); err != nil {
-		return fmt.Errorf("jobs: save pages %s: %w", nsDir, err)
+	pagesDir := ns.PagesDir()
+	if err := ns.CreatePagesDir(); err != nil {
+		return fmt.Errorf("jobs: save pages %s: %w", ns.Dir(), err)
 	}
 	var err error
-	c := newCommitter(ctx, cfg, pagesDir, len(keys))
+	c := newCommitter(ctx, st, pagesDir, len(keys))
 	var copied, peak atomic.Int64
 	made := map[string]bool{}     // fan-out directories created or checked
 	needSync := map[string]bool{} // fan-out directories to fsync
@@ -213,10 +212,10 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 		lo, hi := i*p, min(n, (i+1)*p)
 		page := &layout.Page{Key: key, Parent: parent, Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
 		parent = key
-		path := layout.PagePath(nsDir, key)
+		path := ns.PagePath(key)
 		dir := filepath.Dir(path)
 		if !made[dir] {
-			if err = layout.MkdirAllSynced(fsys, dir, pagesDir, false); err != nil { // synced below
+			if err = ns.CreateFanout(dir); err != nil { // synced below
 				err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err)
 				break
 			}
@@ -248,7 +247,7 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 			err = fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
 			break
 		}
-		if err = stagePage(ctx, cfg, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
+		if err = stagePage(ctx, cfg, st, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
 			break
 		}
 	}
@@ -256,14 +255,14 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 	if err == nil {
 		err = syncErr
 	}
-	if err == nil && !cfg.NoSync {
+	if err == nil && st.Durable() {
 		dirs := make([]string, 0, len(needSync))
 		for d := range needSync {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
-		if err = syncDirs(ctx, fsys, dirs, pagesDir); err == nil {
-			if serr := fsys.SyncDir(pagesDir); serr != nil {
+		if err = syncDirs(ctx, st, dirs, pagesDir); err == nil {
+			if serr := st.SyncDir(pagesDir); serr != nil {
 				err = fmt.Errorf("jobs: save prefix: fsync directory %s: %w", pagesDir, serr)
 			}
 		}
@@ -302,21 +301,21 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 }
 
 // stagePage writes a planned page to a temp file and hands it to c.
-func stagePage(ctx context.Context, cfg *Config, c *committer, ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
-	st, err := layout.Stage(cfg.fs(), ws.Path, size)
+func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
+	sf, err := layout.Stage(st.FS(), ws.Path, size)
 	if err != nil {
 		return fmt.Errorf("jobs: save prefix: %w", err)
 	}
 	handed := false
 	defer func() {
 		if !handed { // an error or a panic before the hand-off
-			st.Abort()
+			sf.Abort()
 		}
 	}()
-	if err := fillSingle(ctx, cfg, ws.Path, h, slots, jsLen, dataStart, st.File, copied, peak); err != nil {
+	if err := fillSingle(ctx, cfg, st, ws.Path, h, slots, jsLen, dataStart, sf.File, copied, peak); err != nil {
 		return err
 	}
-	c.hand(stagedBlock{s: st, n: size})
+	c.hand(stagedBlock{s: sf, n: size})
 	handed = true
 	return nil
 }
@@ -378,17 +377,16 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 	}
 	dests := resolveTensors(spec.Dest)
 	fsys := cfg.fs()
-	nsDir := spec.NSDir
+	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
 	res := &PrefixResult{}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
 	}
 	defer unlock()
-	pagesDir := layout.PagesDir(nsDir)
-	for _, d := range []string{nsDir, pagesDir} {
+	for _, d := range []string{ns.Dir(), ns.PagesDir()} {
 		if err := checkDir(fsys, d); err != nil {
-			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", nsDir, err)
+			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
 		}
 	}
 	// Step 2: open and check every page of the prefix.
@@ -403,7 +401,7 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 		if err := ctx.Err(); err != nil {
 			return nil, m, err
 		}
-		path := layout.PagePath(nsDir, key)
+		path := ns.PagePath(key)
 		dir := filepath.Dir(path)
 		derr, ok := checked[dir]
 		if !ok {
@@ -669,7 +667,7 @@ func checkPagesSpec(spec *writeSpec, slots []slotIn) error {
 // (savePages: pages already stored are reused, shared with the prefix
 // cache), then, once every page is durable, the page manifest is published
 // like a single file whose data region holds only the attachments.
-func writePages(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	p := pageTokens(spec.PageTokens)
 	nc := cacheSlots(h)
 	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
@@ -683,7 +681,7 @@ func writePages(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Hea
 	}
 	res := &PrefixResult{Keys: keys}
 	var pm Metrics
-	if err := savePages(ctx, cfg, filepath.Dir(spec.Path), spec.Identity, p, spec.Tokens, tensors, keys, res, &pm); err != nil {
+	if err := savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &pm); err != nil {
 		return err
 	}
 	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}
@@ -694,7 +692,7 @@ func writePages(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Hea
 	meta["pages"] = list.MetaJSON()
 	h.Meta = meta
 	var am Metrics
-	if err := writeSingle(ctx, cfg, spec, h, slots[nc:], &am); err != nil {
+	if err := writeSingle(ctx, cfg, ns, spec, h, slots[nc:], &am); err != nil {
 		return err
 	}
 	m.LogicalBytes += am.LogicalBytes
@@ -719,7 +717,7 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 	pl := snap.Pages
 	slots := snap.Header.Slots()
 	nc := cacheSlots(snap.Header)
-	nsDir := filepath.Dir(snap.Path)
+	ns, _ := store.NamespaceOf(snap.Path, cfg.storeOptions())
 	pages := make([]foundPage, 0, len(pl.Keys))
 	defer func() {
 		for _, fp := range pages {
@@ -727,11 +725,11 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 		}
 	}()
 	pageErr := func() error {
-		if err := checkDir(fsys, layout.PagesDir(nsDir)); err != nil {
+		if err := checkDir(fsys, ns.PagesDir()); err != nil {
 			return err
 		}
 		for i, k := range pl.Keys {
-			path := layout.PagePath(nsDir, k)
+			path := ns.PagePath(k)
 			if err := checkDir(fsys, filepath.Dir(path)); err != nil {
 				return err
 			}

@@ -119,7 +119,7 @@ func seqTokens(n int, seed uint32) []uint32 {
 func pageFiles(t *testing.T, nsDir string) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
-	root := layout.PagesDir(nsDir)
+	root := testutil.PagesDir(nsDir)
 	err := filepath.WalkDir(root, func(p string, d os.DirEntry, err error) error {
 		if err != nil {
 			return err
@@ -185,7 +185,7 @@ func TestPrefixRoundTrip(t *testing.T) {
 		keys, _, _ := layout.PageChain("tiny/bf16", 256, c.tokens)
 		parent := layout.PageRoot("tiny/bf16", 256)
 		for i, k := range keys {
-			snap, err := layout.Load(vfs.Default, layout.PagePath(ns, k))
+			snap, err := layout.Load(vfs.Default, testutil.PagePath(ns, k))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -227,12 +227,12 @@ func TestPrefixReuseAndGrowth(t *testing.T) {
 	ns := filepath.Join(t.TempDir(), "ns")
 	c := newConv(seqTokens(856, 2), pTensors, pHeads, pDim, 1024)
 	first := savePrefix(t, noSync(), ns, c, 600, 256)
-	st0, _ := os.Stat(layout.PagePath(ns, first.Keys[0]))
+	st0, _ := os.Stat(testutil.PagePath(ns, first.Keys[0]))
 	again := savePrefix(t, noSync(), ns, c, 600, 256)
 	if again.PagesWritten != 0 || again.BytesWritten != 0 || again.PagesReused != 3 || again.BytesReused != first.BytesWritten {
 		t.Fatalf("second save of the same tokens: %+v", again)
 	}
-	if st1, _ := os.Stat(layout.PagePath(ns, first.Keys[0])); !os.SameFile(st0, st1) {
+	if st1, _ := os.Stat(testutil.PagePath(ns, first.Keys[0])); !os.SameFile(st0, st1) {
 		t.Fatal("a reused page was rewritten")
 	}
 	grown := savePrefix(t, noSync(), ns, c, 856, 256)
@@ -304,7 +304,7 @@ func TestPrefixCorruptAndMissingPages(t *testing.T) {
 	ns := filepath.Join(t.TempDir(), "ns")
 	c := newConv(seqTokens(800, 6), pTensors, pHeads, pDim, 1024)
 	res := savePrefix(t, noSync(), ns, c, 800, 256)
-	p1 := layout.PagePath(ns, res.Keys[1])
+	p1 := testutil.PagePath(ns, res.Keys[1])
 	raw, err := os.ReadFile(p1)
 	if err != nil {
 		t.Fatal(err)
@@ -346,7 +346,7 @@ func TestPrefixCorruptAndMissingPages(t *testing.T) {
 	}
 	c.checkDest(t, bufs, 1024, 256) // decode failures are found before any write
 	// A page removed behind the index's back: a miss.
-	if err := os.Remove(layout.PagePath(ns, res.Keys[0])); err != nil {
+	if err := os.Remove(testutil.PagePath(ns, res.Keys[0])); err != nil {
 		t.Fatal(err)
 	}
 	bufs, dest = c.dests(1024)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 )
@@ -119,14 +120,14 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 	start := time.Now()
 	var m Metrics
 	fsys := cfg.fs()
-	nsDir := filepath.Dir(spec.Path)
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, false)
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 	}
 	defer unlock()
-	if err := checkDir(fsys, nsDir); err != nil {
-		return nil, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
+	if err := ns.Check(); err != nil {
+		return nil, m, fmt.Errorf("%w: read %s: %w", ErrInvalidRequest, spec.Path, err)
 	}
 	f, err := fsys.Open(spec.Path)
 	if err != nil {
@@ -251,11 +252,8 @@ func (b *readBlocks) close() {
 // blockPath is where a manifest's block lives: kvpersist's fan-out, or the
 // Bun worker's flat blocks/.
 func blockPath(snap *layout.Snapshot, hash string) string {
-	nsDir := filepath.Dir(snap.Path)
-	if snap.Legacy {
-		return layout.LegacyBlockPath(nsDir, hash)
-	}
-	return layout.BlockPath(nsDir, hash)
+	ns, _ := store.NamespaceOf(snap.Path, store.Options{})
+	return ns.SnapshotBlockPath(snap, hash)
 }
 
 // openBlocks opens every distinct block the manifest names (without
@@ -382,18 +380,12 @@ func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) 
 	return exts
 }
 
-// checkDir fails unless dir is a real directory (not a symlink to one).
-// A missing directory is not an error here: the block's open reports it.
+// checkDir fails unless dir is a real directory (not a symlink to one;
+// store.CheckRealDir). A missing directory is not an error here: the
+// block's open reports it.
 func checkDir(fsys vfs.FS, dir string) error {
-	st, err := fsys.Lstat(dir)
-	if err != nil {
-		if vfs.IsNotExist(err) {
-			return nil
-		}
-		return err
-	}
-	if !st.IsDir() {
-		return fmt.Errorf("%w: %s is a symlink or not a directory; refusing to follow it", ErrInvalidRequest, dir)
+	if err := store.At(filepath.Dir(dir), store.Options{FS: fsys}).CheckRealDir(dir); err != nil {
+		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 	}
 	return nil
 }

@@ -164,7 +164,7 @@ func TestCollectBunWorkerStore(t *testing.T) {
 	var want []string
 	for h := range blockSet(old.Header) {
 		if _, ok := keep[h]; !ok {
-			want = append(want, layout.LegacyBlockPath(ns, h))
+			want = append(want, testutil.LegacyBlockPath(ns, h))
 		}
 	}
 	slices.Sort(want)
@@ -192,7 +192,7 @@ func TestReadRefusesSymlinkedDirectories(t *testing.T) {
 	path := filepath.Join(root, "ns", "snap")
 	h, _ := mustWrite(t, noSync(), cacheSpec(t, c, path, layout.Blocks, 4096))
 	nsDir := filepath.Dir(path)
-	fan := filepath.Join(layout.BlocksDir(nsDir), h.Slots()[0].Blocks[0].Hash[:2])
+	fan := filepath.Join(testutil.BlocksDir(nsDir), h.Slots()[0].Blocks[0].Hash[:2])
 	moved := filepath.Join(root, "elsewhere")
 	if err := os.Rename(fan, moved); err != nil {
 		t.Fatal(err)

@@ -6,12 +6,13 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // Ref names a snapshot of a store: the file <root>/<Namespace>/<Name>,
 // where root is Config.Root (for the engine, engine.Config.Root). Both names
 // are single path elements (layout.ValidName: 1-200 of [A-Za-z0-9._-], not
-// starting with '.' or '-', the namespace not "blocks").
+// starting with '.' or '-', not "blocks" or "pages").
 type Ref struct {
 	Namespace string
 	Name      string
@@ -39,6 +40,15 @@ func (*MigrateRequest) request() {}
 type TensorSpec struct {
 	DType string // "bfloat16", "float16", "float32", "int32", ... (layout.ItemSize)
 	View  gather.View
+	// Meta is the tensor's caller metadata (keys other than the format's,
+	// see layout.Tensor.Meta); nil for none. It round-trips unchanged.
+	Meta layout.Meta
+	// Plan, for the block layout only, is the tensor's precomputed block
+	// plan (for View's shape and the dtype's itemsize, else
+	// ErrInvalidRequest): the blocks are cut where it says instead of at
+	// WriteRequest.BlockBytes. Migrate uses it to keep a source's block
+	// boundaries. nil: cut at BlockBytes.
+	Plan *gather.Plan
 }
 
 // EntrySpec is one cache entry (e.g. a layer's K and V) or attachment.
@@ -189,5 +199,9 @@ func (c *Config) snapshotPath(ref Ref) (string, error) {
 	if c.Root == "" {
 		return "", fmt.Errorf("%w: Config.Root is empty", ErrInvalidRequest)
 	}
-	return layout.SnapshotPath(c.Root, ref.Namespace, ref.Name)
+	ns, err := store.At(c.Root, c.storeOptions()).Namespace(ref.Namespace)
+	if err != nil {
+		return "", err
+	}
+	return ns.Path(ref.Name)
 }

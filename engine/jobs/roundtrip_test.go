@@ -10,6 +10,7 @@ import (
 	"slices"
 	"testing"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -302,5 +303,43 @@ func TestReservedMetadataRejectedBeforeData(t *testing.T) {
 				t.Fatalf("%v: temp files %v", lay, tmp)
 			}
 		}
+	}
+}
+
+// noAllocFS is the real file system on one without fallocate: vfs.File.Allocate
+// documents that "a file system without fallocate is not an error (it is a
+// hint)", and osFile.Allocate returns nil on EOPNOTSUPP (e.g. some FUSE, NFSv3,
+// older ZFS).
+type noAllocFS struct{ vfs.FS }
+type noAllocFile struct{ vfs.File }
+
+func (f noAllocFile) Allocate(int64) error { return nil }
+func (n noAllocFS) Create(name string, perm os.FileMode) (vfs.File, error) {
+	f, err := n.FS.Create(name, perm)
+	if err != nil {
+		return nil, err
+	}
+	return noAllocFile{f}, nil
+}
+
+// TestSingleFileEndsAtItsLastTensorWithoutFallocate: a single-file
+// snapshot whose last slot has zero bytes (an empty token attachment, an
+// unfilled cache) loads on a file system without fallocate: an empty
+// tensor has off 0 and the file ends at the last non-empty tensor, so the
+// file's size does not depend on fallocate having extended it.
+func TestSingleFileEndsAtItsLastTensorWithoutFallocate(t *testing.T) {
+	root := t.TempDir()
+	path := filepath.Join(root, "ns", "snap")
+	k := gather.View{Base: make([]byte, 100), Shape: []int{50}, Strides: []int{1}, ItemSize: 2}
+	empty := gather.View{Base: nil, Shape: []int{0}, Strides: []int{1}, ItemSize: 4}
+	spec := &wreq{path, &jobs.WriteRequest{Layout: layout.Single,
+		Caches:      []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: k}}}},
+		Attachments: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{DType: "int32", View: empty}}}}}}
+	cfg := &jobs.Config{NoSync: true, FS: noAllocFS{vfs.Default}}
+	if _, _, err := writeAt(context.Background(), cfg, spec); err != nil {
+		t.Fatalf("Write: %v", err)
+	}
+	if _, err := layout.Load(vfs.Default, path); err != nil {
+		t.Fatalf("Write acked, but the snapshot it published does not load: %v", err)
 	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
@@ -89,7 +90,15 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 		for k, d := range s.view.Shape {
 			shape[k] = int64(d)
 		}
-		*s.out = layout.Tensor{Bytes: int64(s.view.Bytes()), DType: s.t.DType, Shape: shape}
+		if s.t.Plan != nil {
+			if spec.Layout != layout.Blocks {
+				return nil, nil, fmt.Errorf("%w: %s %s: a block plan is only for the block layout", ErrInvalidRequest, spec.Path, s.name)
+			}
+			if err := s.t.Plan.Fits(s.view.Shape, s.view.ItemSize); err != nil {
+				return nil, nil, fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			}
+		}
+		*s.out = layout.Tensor{Bytes: int64(s.view.Bytes()), DType: s.t.DType, Shape: shape, Meta: s.t.Meta}
 	}
 	// Readers refuse a snapshot past layout.MaxSnapshotBytes: never write one.
 	if _, err := h.TotalBytes(); err != nil {
@@ -167,30 +176,24 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 			return nil, m, err
 		}
 	}
-	nsDir := filepath.Dir(spec.Path)
-	if err = layout.MkdirAllSynced(cfg.fs(), nsDir, filepath.Dir(nsDir), !cfg.NoSync); err != nil {
+	// The namespace directory, durably, and the root synced in any case:
+	// the namespace's entry must be durable before a snapshot in it is
+	// acked, even if the write that created it died before syncing.
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	if err = ns.Create(); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
-	if !cfg.NoSync {
-		// The namespace's entry in the root must be durable before a
-		// snapshot in it is acked: the write that created the directory may
-		// have died (or failed) before syncing the root, in this or another
-		// process. A clean directory syncs in microseconds.
-		if err = cfg.fs().SyncDir(filepath.Dir(nsDir)); err != nil {
-			return nil, m, fmt.Errorf("jobs: write %s: fsync directory %s: %w", spec.Path, filepath.Dir(nsDir), err)
-		}
-	}
-	unlock, err := lockNamespace(ctx, cfg, nsDir, false, true)
+	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
-		return nil, m, err
+		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
 	defer unlock()
 	if spec.Layout == layout.Single {
-		err = writeSingle(ctx, cfg, spec, h, slots, &m)
+		err = writeSingle(ctx, cfg, ns, spec, h, slots, &m)
 	} else if spec.Layout == layout.Pages {
-		err = writePages(ctx, cfg, spec, h, slots, &m)
+		err = writePages(ctx, cfg, ns, spec, h, slots, &m)
 	} else {
-		err = writeBlocks(ctx, cfg, spec, h, slots, bb, &m)
+		err = writeBlocks(ctx, cfg, ns, spec, h, slots, bb, &m)
 	}
 	m.Elapsed = time.Since(start)
 	if err != nil {
@@ -201,7 +204,7 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 
 // writeSingle writes the single-file snapshot of the validated header h
 // (slots from buildHeader), filling in offsets and hashes.
-func writeSingle(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
+func writeSingle(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
 	jsLen, dataStart, end, err := planSingle(spec.Path, h, slots)
 	if err != nil {
 		return err
@@ -210,9 +213,10 @@ func writeSingle(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.He
 		m.LogicalBytes += s.out.Bytes
 	}
 	var copied, peak atomic.Int64
-	err = layout.Publish(cfg.fs(), spec.Path, layout.PublishOptions{Sync: !cfg.NoSync, SyncDir: true, Size: dataStart + end},
+	st := ns.Store()
+	err = layout.Publish(st.FS(), spec.Path, st.PublishOptions(true, dataStart+end),
 		func(f vfs.File) error {
-			return fillSingle(ctx, cfg, spec.Path, h, slots, jsLen, dataStart, f, &copied, &peak)
+			return fillSingle(ctx, cfg, st, spec.Path, h, slots, jsLen, dataStart, f, &copied, &peak)
 		})
 	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
 	if err != nil {
@@ -254,7 +258,7 @@ func planSingle(path string, h *layout.Header, slots []slotIn) (jsLen int, dataS
 // tensor a task: chunks gathered zero-copy or into scratch, hashed,
 // pwritten, write-back started), then its real header at offset 0. copied
 // and peak collect the scratch metrics.
-func fillSingle(ctx context.Context, cfg *Config, path string, h *layout.Header, slots []slotIn, jsLen int, dataStart int64, f vfs.File, copied, peak *atomic.Int64) error {
+func fillSingle(ctx context.Context, cfg *Config, st *store.Store, path string, h *layout.Header, slots []slotIn, jsLen int, dataStart int64, f vfs.File, copied, peak *atomic.Int64) error {
 	err := parallel(ctx, cfg, len(slots), ChunkBytes, func(i int, scratch []byte) error {
 		s := slots[i]
 		var hs xxh3s.Digest // hashes each chunk in place, no copy
@@ -287,12 +291,10 @@ func fillSingle(ctx context.Context, cfg *Config, path string, h *layout.Header,
 			if err := layout.WriteFull(f, b, at); err != nil {
 				return err
 			}
-			if !cfg.NoSync {
-				// Start write-back now so the final fdatasync
-				// finds most of the file already on its way.
-				if err := f.StartWriteback(at, int64(len(b))); err != nil {
-					return err
-				}
+			// Start write-back now so the final fdatasync
+			// finds most of the file already on its way.
+			if err := st.StartWriteback(f, at, int64(len(b))); err != nil {
+				return err
 			}
 			e += count
 		}
@@ -322,21 +324,24 @@ type blockSlot struct {
 
 // writeBlocks stores the blocks of the validated header h (slots from
 // buildHeader) in blocks of bb bytes and publishes its manifest.
-func writeBlocks(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
-	fsys := cfg.fs()
-	nsDir := filepath.Dir(spec.Path)
-	blocksDir := layout.BlocksDir(nsDir)
-	if err := layout.MkdirAllSynced(fsys, blocksDir, nsDir, !cfg.NoSync); err != nil {
+func writeBlocks(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, bb int, m *Metrics) error {
+	if err := ns.CreateBlocksDir(); err != nil {
 		return fmt.Errorf("jobs: %s: %w", spec.Path, err)
 	}
-	w := &blockWriter{cfg: cfg, spec: spec, blocksDir: blocksDir, nsDir: nsDir}
+	w := &blockWriter{cfg: cfg, ns: ns, st: ns.Store(), spec: spec}
 	bs := make([]blockSlot, len(slots))
 	var off int64
 	total := 0
 	for i, s := range slots {
-		p, err := gather.NewPlan(s.view.Shape, s.view.ItemSize, bb)
-		if err != nil {
-			return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+		var p gather.Plan
+		if s.t.Plan != nil {
+			p = *s.t.Plan // checked by buildHeader
+		} else {
+			var err error
+			p, err = gather.NewPlan(s.view.Shape, s.view.ItemSize, bb)
+			if err != nil {
+				return fmt.Errorf("%w: %s %s: %v", ErrInvalidRequest, spec.Path, s.name, err)
+			}
 		}
 		bs[i] = blockSlot{view: s.view, plan: p, refs: make([]layout.BlockRef, p.Len()), first: total}
 		total += p.Len()
@@ -365,19 +370,18 @@ func writeBlocks(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.He
 // yet), then the blocks directory, then the manifest is published (temp,
 // fdatasync, rename, directory fsync). It fills m's write metrics.
 func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *Metrics) error {
-	fsys := w.cfg.fs()
 	path := w.spec.Path
-	if !w.cfg.NoSync {
+	if w.st.Durable() {
 		var dirs []string
 		for d := range w.needSync.Range {
 			dirs = append(dirs, d.(string))
 		}
 		sort.Strings(dirs)
-		if err := syncDirs(ctx, fsys, dirs, path); err != nil {
+		if err := syncDirs(ctx, w.st, dirs, path); err != nil {
 			return err
 		}
-		if err := fsys.SyncDir(w.blocksDir); err != nil {
-			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.blocksDir, err)
+		if err := w.st.SyncDir(w.ns.BlocksDir()); err != nil {
+			return fmt.Errorf("jobs: %s: fsync directory %s: %w", path, w.ns.BlocksDir(), err)
 		}
 	}
 	js, err := h.Encode()
@@ -391,7 +395,7 @@ func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if err := layout.Publish(fsys, path, layout.PublishOptions{Sync: !w.cfg.NoSync, SyncDir: true},
+	if err := layout.Publish(w.st.FS(), path, w.st.PublishOptions(true, 0),
 		func(f vfs.File) error { return layout.WriteFull(f, buf, 0) }); err != nil {
 		return err
 	}
@@ -405,8 +409,9 @@ func (w *blockWriter) publishManifest(ctx context.Context, h *layout.Header, m *
 
 type blockWriter struct {
 	cfg               *Config
+	ns                *store.Namespace
+	st                *store.Store
 	spec              *writeSpec
-	nsDir, blocksDir  string
 	dirs              sync.Map // fan-out dir -> *dirOnce (created this save)
 	needSync          sync.Map // fan-out dir -> struct{}: fsync before the manifest
 	written, reused   atomic.Int64
@@ -418,7 +423,7 @@ type blockWriter struct {
 // goroutines that only wait on the disk (an fsync of a directory with
 // nothing dirty returns in a fraction of a millisecond, but 256 of them one
 // after another add up), joined before it returns. First error wins.
-func syncDirs(ctx context.Context, fsys vfs.FS, dirs []string, forPath string) error {
+func syncDirs(ctx context.Context, st *store.Store, dirs []string, forPath string) error {
 	var (
 		next  atomic.Int64
 		wg    sync.WaitGroup
@@ -432,7 +437,7 @@ func syncDirs(ctx context.Context, fsys vfs.FS, dirs []string, forPath string) e
 				if i >= len(dirs) || ctx.Err() != nil {
 					return
 				}
-				if err := fsys.SyncDir(dirs[i]); err != nil {
+				if err := st.SyncDir(dirs[i]); err != nil {
 					mu.Lock()
 					if first == nil {
 						first = fmt.Errorf("jobs: %s: fsync directory %s: %w", forPath, dirs[i], err)
@@ -460,7 +465,7 @@ func (w *blockWriter) ensureDir(dir string) error {
 	v, _ := w.dirs.LoadOrStore(dir, &dirOnce{})
 	d := v.(*dirOnce)
 	d.once.Do(func() {
-		d.err = layout.MkdirAllSynced(w.cfg.fs(), dir, w.blocksDir, false) // synced with the others before the manifest
+		d.err = w.ns.CreateFanout(dir) // synced with the others before the manifest
 	})
 	return d.err
 }
@@ -490,7 +495,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 	for _, b := range bs {
 		maxBlock = max(maxBlock, b.plan.MaxBlockBytes())
 	}
-	c := newCommitter(ctx, w.cfg, w.spec.Path, total)
+	c := newCommitter(ctx, w.st, w.spec.Path, total)
 	err := parallelWith(ctx, w.cfg, total,
 		func() *blockState { return &blockState{scratch: *getScratch(maxBlock)} },
 		func(g int, st *blockState) error {
@@ -530,8 +535,8 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 // system batch them into few journal commits.
 type committer struct {
 	ctx     context.Context
-	cfg     *Config
-	forPath string // for error messages: the snapshot or namespace saved
+	st      *store.Store // the sync policy
+	forPath string       // for error messages: the snapshot or namespace saved
 	staged  chan stagedBlock
 	wg      sync.WaitGroup
 	abort   atomic.Bool
@@ -542,8 +547,8 @@ type committer struct {
 }
 
 // newCommitter starts min(blockSyncers, files) syncers (at least one).
-func newCommitter(ctx context.Context, cfg *Config, forPath string, files int) *committer {
-	c := &committer{ctx: ctx, cfg: cfg, forPath: forPath, staged: make(chan stagedBlock, blockSyncers)}
+func newCommitter(ctx context.Context, st *store.Store, forPath string, files int) *committer {
+	c := &committer{ctx: ctx, st: st, forPath: forPath, staged: make(chan stagedBlock, blockSyncers)}
 	for range max(1, min(blockSyncers, files)) {
 		c.wg.Go(func() {
 			for sb := range c.staged {
@@ -577,7 +582,7 @@ func (c *committer) commit(sb stagedBlock) {
 		sb.s.Abort()
 		return
 	}
-	if err := sb.s.Commit(layout.PublishOptions{Sync: !c.cfg.NoSync}); err != nil {
+	if err := sb.s.Commit(c.st.PublishOptions(false, 0)); err != nil {
 		c.fail(fmt.Errorf("jobs: %s: %w", c.forPath, err))
 		return
 	}
@@ -637,12 +642,12 @@ func (w *blockWriter) put(data []byte, c *committer) (layout.BlockRef, error) {
 	sum := sha256.Sum256(data)
 	name := hex.EncodeToString(sum[:])
 	ref := layout.BlockRef{Hash: name, Bytes: int64(len(data))}
-	path := layout.BlockPath(w.nsDir, name)
+	path := w.ns.BlockPath(name, false)
 	dir := filepath.Dir(path)
 	if err := w.ensureDir(dir); err != nil {
 		return ref, fmt.Errorf("jobs: %s: block directory %s: %w", w.spec.Path, dir, err)
 	}
-	fsys := w.cfg.fs()
+	fsys := w.st.FS()
 	if fi, err := fsys.Lstat(path); err == nil && fi.Mode().IsRegular() && fi.Size() == int64(len(data)) {
 		w.reused.Add(int64(len(data)))
 		w.nReused.Add(1)
@@ -669,10 +674,8 @@ func (w *blockWriter) put(data []byte, c *committer) (layout.BlockRef, error) {
 	if err := layout.WriteFull(s.File, data, 0); err != nil {
 		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
-	if !w.cfg.NoSync {
-		if err := s.File.StartWriteback(0, 0); err != nil {
-			return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
-		}
+	if err := w.st.StartWriteback(s.File, 0, 0); err != nil {
+		return ref, fmt.Errorf("jobs: %s: %w", w.spec.Path, err)
 	}
 	c.hand(stagedBlock{s: s, n: int64(len(data))})
 	handed = true

@@ -129,24 +129,3 @@ func ReadFull(f vfs.File, b []byte, off int64) error { return readFull(f, b, off
 func isMagicPrefix(b []byte) bool {
 	return strings.HasPrefix(Magic, string(b)) || strings.HasPrefix(LegacyMagic, string(b))
 }
-
-// HasMagic reports whether the file at path begins like a kvpersist or Bun
-// worker file (its first bytes are a prefix of either magic), reading at most
-// 10 bytes. Collect, ls, du and verify take only such files for snapshots
-// and manifests, whatever their names; any other file is not theirs to judge.
-func HasMagic(fsys vfs.FS, path string) (bool, error) {
-	f, err := fsys.Open(path)
-	if err != nil {
-		return false, err
-	}
-	defer f.Close()
-	st, err := f.Stat()
-	if err != nil {
-		return false, err
-	}
-	head := make([]byte, min(st.Size(), int64(len(Magic))))
-	if err := readFull(f, head, 0); err != nil {
-		return false, err
-	}
-	return isMagicPrefix(head), nil
-}

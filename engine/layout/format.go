@@ -205,16 +205,28 @@ func ParsePrefix(b []byte) (Prefix, error) {
 // kvpersist rule (covers headerLen and dataStart) or, for legacy files, the
 // Bun worker's (Bun.hash of the JSON alone).
 func (p Prefix) CheckHeaderHash(js []byte) error {
-	var got uint64
-	if p.Legacy {
-		got = bunhash.Sum(js)
-	} else {
-		got = HeaderHash(p.HeaderLen, p.DataStart, js)
-	}
-	if got != p.HeaderHash {
+	if got := p.ComputeHeaderHash(js); got != p.HeaderHash {
 		return fmt.Errorf("%w: stored %016x, computed %016x", ErrHeaderHash, p.HeaderHash, got)
 	}
 	return nil
+}
+
+// ComputeHeaderHash is the header hash of js under p's rule: HeaderHash
+// (xxh3-64 over headerLen, dataStart and the JSON) for kvpersist's files,
+// Bun.hash of the JSON alone for the Bun worker's.
+func (p Prefix) ComputeHeaderHash(js []byte) uint64 {
+	if p.Legacy {
+		return bunhash.Sum(js)
+	}
+	return HeaderHash(p.HeaderLen, p.DataStart, js)
+}
+
+// HeaderHashRule describes p's header-hash rule, for people.
+func (p Prefix) HeaderHashRule() string {
+	if p.Legacy {
+		return "Bun.hash (wyhash) of the JSON"
+	}
+	return "xxh3-64 of u32 headerLen, u32 dataStart and the JSON"
 }
 
 // slotName formats as h.SlotName(i) when printed.

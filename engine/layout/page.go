@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"path/filepath"
 	"sync"
 )
 
@@ -31,9 +30,6 @@ const (
 	// MaxIdentityBytes caps the identity string, in bytes.
 	MaxIdentityBytes = 4096
 )
-
-// PagesDirName is the directory of a namespace holding its page files.
-const PagesDirName = "pages"
 
 // pageKeyDomain starts the root of every key chain (version 1 of the rule).
 const pageKeyDomain = "kvpersist/page/v1\n"
@@ -138,16 +134,6 @@ func PageChain(identity string, pageTokens int, tokens []uint32) (keys []PageKey
 		keys[i] = k
 	}
 	return keys, full, nil
-}
-
-// PagesDir is nsDir/pages.
-func PagesDir(nsDir string) string { return filepath.Join(nsDir, PagesDirName) }
-
-// PagePath is where a page is stored: nsDir/pages/<k[0:2]>/<k> with k the
-// key in lowercase hex (a 256-way fan-out, as blocks).
-func PagePath(nsDir string, k PageKey) string {
-	s := k.String()
-	return filepath.Join(nsDir, PagesDirName, s[:2], s)
 }
 
 // Page is the "page" object of a page file's header.

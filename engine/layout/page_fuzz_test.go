@@ -11,6 +11,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // seedPage saves a leaf page of 20 tokens (P = 16: one full page and a
@@ -34,7 +35,7 @@ func seedPage(tb testing.TB, dir string) ([]byte, *layout.Snapshot) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	path := layout.PagePath(ns, res.Keys[1])
+	path := testutil.PagePath(ns, res.Keys[1])
 	raw, err := os.ReadFile(path)
 	if err != nil {
 		tb.Fatal(err)

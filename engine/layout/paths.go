@@ -19,44 +19,24 @@ var nameRE = regexp.MustCompile(`^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$`)
 // BlocksDirName is the directory of a namespace holding its blocks.
 const BlocksDirName = "blocks"
 
+// PagesDirName is the directory of a namespace holding the pages of the
+// prefix page cache.
+const PagesDirName = "pages"
+
 // LockName is the per-namespace advisory lock file (flock): writers and
 // readers hold it shared, collect holds it exclusive.
 const LockName = ".lock"
 
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of
-// [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks". Such a
-// name is one path element, so root/namespace/name never leaves the root,
-// and it can never be taken for a temp file (those start with '.').
+// [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks" or
+// "pages" (the directories of a namespace). Such a name is one path
+// element, so root/namespace/name never leaves the root, and it can never
+// be taken for a temp file (those start with '.').
 func ValidName(kind, s string) error {
-	if !nameRE.MatchString(s) || s == BlocksDirName {
-		return fmt.Errorf("%w: %s %q (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q)", ErrBadName, kind, s, BlocksDirName)
+	if !nameRE.MatchString(s) || s == BlocksDirName || s == PagesDirName {
+		return fmt.Errorf("%w: %s %q (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q or %q)", ErrBadName, kind, s, BlocksDirName, PagesDirName)
 	}
 	return nil
-}
-
-// SnapshotPath is root/namespace/name after validating both names.
-func SnapshotPath(root, namespace, name string) (string, error) {
-	if err := ValidName("namespace", namespace); err != nil {
-		return "", err
-	}
-	if err := ValidName("snapshot name", name); err != nil {
-		return "", err
-	}
-	return filepath.Join(root, namespace, name), nil
-}
-
-// BlocksDir is nsDir/blocks.
-func BlocksDir(nsDir string) string { return filepath.Join(nsDir, BlocksDirName) }
-
-// BlockPath is where kvpersist stores a block: nsDir/blocks/<hash[:2]>/<hash>,
-// a 256-way fan-out. hash must satisfy ValidBlockHash.
-func BlockPath(nsDir, hash string) string {
-	return filepath.Join(nsDir, BlocksDirName, hash[:2], hash)
-}
-
-// LegacyBlockPath is where the Bun worker stored a block: nsDir/blocks/<hash>.
-func LegacyBlockPath(nsDir, hash string) string {
-	return filepath.Join(nsDir, BlocksDirName, hash)
 }
 
 // tempMarker separates a target's name from the random part of its temp file.

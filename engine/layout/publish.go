@@ -125,34 +125,3 @@ func WriteFull(f vfs.File, b []byte, off int64) error {
 	}
 	return nil
 }
-
-// MkdirAllSynced creates dir and any missing parents up to (not including)
-// stop, fsyncing each parent whose entries changed, so that a new directory
-// survives a power cut. It refuses a path element that is a symlink.
-func MkdirAllSynced(fsys vfs.FS, dir, stop string, sync bool) error {
-	st, err := fsys.Lstat(dir)
-	if err == nil {
-		if st.Mode()&os.ModeSymlink != 0 || !st.IsDir() {
-			return fmt.Errorf("layout: %s is not a directory (symlinks are refused)", dir)
-		}
-		return nil
-	}
-	if !vfs.IsNotExist(err) {
-		return err
-	}
-	parent := filepath.Dir(dir)
-	if parent != dir && dir != stop && parent != stop {
-		if err := MkdirAllSynced(fsys, parent, stop, sync); err != nil {
-			return err
-		}
-	}
-	if err := fsys.MkdirAll(dir, DirPerm); err != nil {
-		return err
-	}
-	if sync {
-		if err := fsys.SyncDir(parent); err != nil {
-			return fmt.Errorf("layout: fsync directory %s: %w", parent, err)
-		}
-	}
-	return nil
-}

@@ -129,36 +129,4 @@ func TestValidName(t *testing.T) {
 			t.Errorf("ValidName(%q) = %v", s, err)
 		}
 	}
-	if p, err := layout.SnapshotPath("/r", "ns", "s"); err != nil || p != "/r/ns/s" {
-		t.Errorf("SnapshotPath = %q, %v", p, err)
-	}
-	if _, err := layout.SnapshotPath("/r", "..", "s"); !errors.Is(err, layout.ErrBadName) {
-		t.Errorf("SnapshotPath with namespace '..': %v", err)
-	}
-	if _, err := layout.SnapshotPath("/r", "ns", "a/b"); !errors.Is(err, layout.ErrBadName) {
-		t.Errorf("SnapshotPath with name 'a/b': %v", err)
-	}
-	h := strings.Repeat("ab", 32)
-	if got := layout.BlockPath("/r/ns", h); got != "/r/ns/blocks/ab/"+h {
-		t.Errorf("BlockPath = %q", got)
-	}
-	if got := layout.LegacyBlockPath("/r/ns", h); got != "/r/ns/blocks/"+h {
-		t.Errorf("LegacyBlockPath = %q", got)
-	}
-}
-
-func TestMkdirAllSyncedRefusesSymlink(t *testing.T) {
-	root := t.TempDir()
-	if err := layout.MkdirAllSynced(vfs.Default, filepath.Join(root, "ns", "blocks"), root, true); err != nil {
-		t.Fatal(err)
-	}
-	if st, err := os.Stat(filepath.Join(root, "ns", "blocks")); err != nil || !st.IsDir() {
-		t.Fatalf("not created: %v", err)
-	}
-	if err := os.Symlink(root, filepath.Join(root, "link")); err != nil {
-		t.Fatal(err)
-	}
-	if err := layout.MkdirAllSynced(vfs.Default, filepath.Join(root, "link"), root, false); err == nil {
-		t.Fatal("a symlink was accepted as a directory")
-	}
 }

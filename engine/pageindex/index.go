@@ -15,10 +15,10 @@ package pageindex
 import (
 	"encoding/hex"
 	"fmt"
-	"path/filepath"
 	"sync"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -125,97 +125,47 @@ type BuildStats struct {
 	Skipped []string
 }
 
-// Build scans every namespace under root (directories with a valid name,
-// not symlinks) and records each page file it finds, by name:
-// <ns>/pages/<2 hex>/<64 hex> whose first two digits are its directory's.
-// It reads directory entries only (no file is opened): a torn or corrupt
-// page is recorded and found out when loaded. Temp files are ignored.
-func Build(fsys vfs.FS, root string) (*Index, BuildStats, error) {
+// Build records each page file of every namespace of st (the store lists
+// the namespaces and classifies pages/: engine/store.Namespace.ListPages),
+// by name: <ns>/pages/<2 hex>/<64 hex> whose first two digits are its
+// directory's. No page file is opened: a torn or corrupt page is recorded
+// and found out when loaded. Temp files are ignored; a missing root is an
+// empty store.
+func Build(st *store.Store) (*Index, BuildStats, error) {
 	x := New()
-	var st BuildStats
-	ents, err := fsys.ReadDir(root)
+	var bs BuildStats
+	names, _, err := st.Namespaces(false)
 	if err != nil {
 		if vfs.IsNotExist(err) {
-			return x, st, nil
+			return x, bs, nil
 		}
-		return nil, st, fmt.Errorf("pageindex: %w", err)
+		return nil, bs, fmt.Errorf("pageindex: %w", err)
 	}
-	for _, e := range ents {
-		if !e.IsDir() || layout.ValidName("namespace", e.Name()) != nil {
+	for _, name := range names {
+		ns, err := st.Namespace(name)
+		if err != nil {
+			return nil, bs, fmt.Errorf("pageindex: %w", err)
+		}
+		l, err := ns.ListPages()
+		if err != nil {
+			if vfs.IsNotExist(err) { // removed since the root was listed
+				continue
+			}
+			return nil, bs, fmt.Errorf("pageindex: %w", err)
+		}
+		bs.Skipped = append(bs.Skipped, l.SkippedPaths()...)
+		if !l.HasPagesDir {
 			continue
 		}
-		n, err := x.scanNamespace(fsys, filepath.Join(root, e.Name()), e.Name(), &st)
-		if err != nil {
-			return nil, st, err
-		}
-		if n >= 0 {
-			st.Namespaces++
-			st.Pages += n
-		}
-	}
-	return x, st, nil
-}
-
-// scanNamespace records the pages of one namespace; -1 when it has no
-// pages/ directory.
-func (x *Index) scanNamespace(fsys vfs.FS, nsDir, ns string, st *BuildStats) (int, error) {
-	pagesDir := layout.PagesDir(nsDir)
-	fi, err := fsys.Lstat(pagesDir)
-	if err != nil {
-		if vfs.IsNotExist(err) {
-			return -1, nil
-		}
-		return 0, fmt.Errorf("pageindex: %w", err)
-	}
-	if !fi.IsDir() {
-		st.Skipped = append(st.Skipped, pagesDir)
-		return -1, nil
-	}
-	fans, err := fsys.ReadDir(pagesDir)
-	if err != nil {
-		return 0, fmt.Errorf("pageindex: %w", err)
-	}
-	var keys []layout.PageKey
-	for _, fan := range fans {
-		name := fan.Name()
-		dir := filepath.Join(pagesDir, name)
-		if !fan.IsDir() || len(name) != 2 || !isHex(name) {
-			if !layout.IsTemp(name) {
-				st.Skipped = append(st.Skipped, dir)
-			}
-			continue
-		}
-		ents, err := fsys.ReadDir(dir)
-		if err != nil {
-			if vfs.IsNotExist(err) {
-				continue
-			}
-			return 0, fmt.Errorf("pageindex: %w", err)
-		}
-		for _, e := range ents {
-			pn := e.Name()
-			if layout.IsTemp(pn) {
-				continue
-			}
-			if !e.Type().IsRegular() || !layout.ValidBlockHash(pn) || pn[:2] != name {
-				st.Skipped = append(st.Skipped, filepath.Join(dir, pn))
-				continue
-			}
+		keys := make([]layout.PageKey, 0, len(l.Pages))
+		for _, pg := range l.Pages {
 			var k layout.PageKey
-			_, _ = hex.Decode(k[:], []byte(pn))
+			_, _ = hex.Decode(k[:], []byte(pg.Key)) // 64 lowercase hex digits: the store checked
 			keys = append(keys, k)
 		}
+		x.Add(name, keys...)
+		bs.Namespaces++
+		bs.Pages += len(keys)
 	}
-	x.Add(ns, keys...)
-	return len(keys), nil
-}
-
-func isHex(s string) bool {
-	for i := 0; i < len(s); i++ {
-		c := s[i]
-		if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
-			return false
-		}
-	}
-	return true
+	return x, bs, nil
 }

@@ -12,7 +12,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
-	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 func toks(n int, seed uint32) []uint32 {
@@ -73,7 +73,7 @@ func TestBuildLookupAgreesWithLoad(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	x, st, err := pageindex.Build(vfs.Default, root)
+	x, st, err := pageindex.Build(store.At(root, store.Options{}))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +137,7 @@ func TestLookupNoAlloc(t *testing.T) {
 }
 
 func TestBuildMissingRoot(t *testing.T) {
-	x, st, err := pageindex.Build(vfs.Default, filepath.Join(t.TempDir(), "none"))
+	x, st, err := pageindex.Build(store.At(filepath.Join(t.TempDir(), "none"), store.Options{}))
 	if err != nil || st.Pages != 0 || x.Len("x") != 0 {
 		t.Fatalf("%+v %v", st, err)
 	}

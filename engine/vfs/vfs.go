@@ -59,6 +59,10 @@ type FS interface {
 	ReadDir(name string) ([]os.DirEntry, error)
 	// Lstat describes a path without following a final symlink.
 	Lstat(name string) (os.FileInfo, error)
+	// Stat describes a path following symlinks. kvpersist uses it only for
+	// a store root, which the operator may place behind a symlink; nothing
+	// below a root is ever followed.
+	Stat(name string) (os.FileInfo, error)
 	// SyncDir makes a directory's entries (creates, renames, removes)
 	// durable: open it and fsync it.
 	SyncDir(name string) error
@@ -193,6 +197,7 @@ func (osFS) Remove(name string) error                     { return os.Remove(nam
 func (osFS) MkdirAll(name string, perm os.FileMode) error { return os.MkdirAll(name, perm) }
 func (osFS) ReadDir(name string) ([]os.DirEntry, error)   { return os.ReadDir(name) }
 func (osFS) Lstat(name string) (os.FileInfo, error)       { return os.Lstat(name) }
+func (osFS) Stat(name string) (os.FileInfo, error)        { return os.Stat(name) }
 func (osFS) SyncDir(name string) error {
 	d, err := os.Open(name)
 	if err != nil {

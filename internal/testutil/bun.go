@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"encoding/hex"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -75,4 +76,25 @@ func TreeDigest(tb TB, root string) map[string]string {
 type TB interface {
 	Helper()
 	Fatal(args ...any)
+}
+
+// BunStore lays the Bun worker's fixtures (found at fixtures: BunFixtures,
+// or "../testdata/bun-worker" from a package one level down) out under root
+// as a store of the original worker, and returns root:
+// root/bun-single/snapshot.mlxkv (T = 40) and root/bun-blocks/{snapshot.mlxkv
+// (T = 40), grown.mlxkv (T = 48), blocks/<sha256>} (34 flat blocks).
+func BunStore(tb TB, fixtures, root string) string {
+	tb.Helper()
+	CopyFile(tb, filepath.Join(fixtures, "single", "snapshot.mlxkv"), filepath.Join(root, "bun-single", "snapshot.mlxkv"))
+	for _, n := range []string{"snapshot.mlxkv", "grown.mlxkv"} {
+		CopyFile(tb, filepath.Join(fixtures, "blocks", n), filepath.Join(root, "bun-blocks", n))
+	}
+	ents, err := os.ReadDir(filepath.Join(fixtures, "blocks", "blocks"))
+	if err != nil || len(ents) != 34 {
+		tb.Fatal(fmt.Sprintf("fixture blocks: %d, %v (the README says 34)", len(ents), err))
+	}
+	for _, e := range ents {
+		CopyFile(tb, filepath.Join(fixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
+	}
+	return root
 }

@@ -41,6 +41,7 @@ const (
 	OpMkdirAll       Op = "mkdirall"
 	OpReadDir        Op = "readdir"
 	OpLstat          Op = "lstat"
+	OpStat           Op = "stat"
 	OpSyncDir        Op = "syncdir"
 	OpLock           Op = "lock"
 	OpStatfs         Op = "statfs"
@@ -49,7 +50,7 @@ const (
 // Ops lists every intercepted operation (not OpAny), in a fixed order.
 func Ops() []Op {
 	return []Op{OpCreate, OpOpen, OpOpenDirect, OpDirectAlignment, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
-		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpSyncDir, OpLock, OpStatfs}
+		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock, OpStatfs}
 }
 
 // Fault describes calls to fail. A call matches when its operation is Op (or
@@ -103,6 +104,7 @@ type FaultFS struct {
 
 	mu       sync.Mutex
 	counts   map[Op]int
+	byPath   map[Op]map[string]int // calls per operation and (first) path
 	faults   []*faultState
 	injected []Injection
 	files    []*faultFile // every file handle opened, for Sync counts
@@ -121,7 +123,7 @@ func NewFaultFS(inner vfs.FS) *FaultFS {
 	if inner == nil {
 		inner = vfs.Default
 	}
-	return &FaultFS{inner: inner, counts: map[Op]int{}, availLimit: -1}
+	return &FaultFS{inner: inner, counts: map[Op]int{}, byPath: map[Op]map[string]int{}, availLimit: -1}
 }
 
 // LimitAvail makes Statfs report at most bytes free (AvailBytes and
@@ -165,7 +167,7 @@ func (f *FaultFS) Reset() {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.faults, f.injected, f.files = nil, nil, nil
-	f.counts = map[Op]int{}
+	f.counts, f.byPath = map[Op]int{}, map[Op]map[string]int{}
 	f.availLimit = -1
 }
 
@@ -174,6 +176,14 @@ func (f *FaultFS) Count(op Op) int {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return f.counts[op]
+}
+
+// CountPath returns how many calls of op were made on path (the old path
+// of a Rename; failed calls included), e.g. the fsyncs of one directory.
+func (f *FaultFS) CountPath(op Op, path string) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.byPath[op][path]
 }
 
 // Counts returns a copy of the per-operation call counts.
@@ -252,6 +262,10 @@ func (f *FaultFS) check(op Op, paths ...string) (*Fault, error) {
 	defer f.mu.Unlock()
 	f.counts[op]++
 	call := f.counts[op]
+	if f.byPath[op] == nil {
+		f.byPath[op] = map[string]int{}
+	}
+	f.byPath[op][paths[0]]++
 	var hit *faultState
 	for _, s := range f.faults {
 		if !s.matches(op, paths...) {
@@ -365,6 +379,14 @@ func (f *FaultFS) Lstat(name string) (os.FileInfo, error) {
 		return nil, err
 	}
 	return f.inner.Lstat(name)
+}
+
+// Stat implements vfs.FS.
+func (f *FaultFS) Stat(name string) (os.FileInfo, error) {
+	if _, err := f.check(OpStat, name); err != nil {
+		return nil, err
+	}
+	return f.inner.Stat(name)
 }
 
 // SyncDir implements vfs.FS.

@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // CopyFile copies src to dst, creating dst's directory.
@@ -70,4 +71,43 @@ func FilesMatching(tb TB, root string, match func(name string) bool) []string {
 func TempFiles(tb TB, root string) []string {
 	tb.Helper()
 	return FilesMatching(tb, root, layout.IsTemp)
+}
+
+// BlockPath is where the store model puts the block of SHA-256 hash in the
+// namespace directory nsDir (kvpersist's fan-out; store.Namespace.BlockPath).
+func BlockPath(nsDir, hash string) string {
+	return store.NamespaceAt(nsDir, store.Options{}).BlockPath(hash, false)
+}
+
+// LegacyBlockPath is where the Bun worker put a block: flat in blocks/.
+func LegacyBlockPath(nsDir, hash string) string {
+	return store.NamespaceAt(nsDir, store.Options{}).BlockPath(hash, true)
+}
+
+// PagePath is where the store model puts the page of key k in the
+// namespace directory nsDir (store.Namespace.PagePath).
+func PagePath(nsDir string, k layout.PageKey) string {
+	return store.NamespaceAt(nsDir, store.Options{}).PagePath(k)
+}
+
+// PagesDir is the namespace directory's pages/ (store.Namespace.PagesDir).
+func PagesDir(nsDir string) string {
+	return store.NamespaceAt(nsDir, store.Options{}).PagesDir()
+}
+
+// BlocksDir is the namespace directory's blocks/ (store.Namespace.BlocksDir).
+func BlocksDir(nsDir string) string {
+	return store.NamespaceAt(nsDir, store.Options{}).BlocksDir()
+}
+
+// WriteFile writes data to path (mode 0640), creating its directory.
+func WriteFile(tb TB, path, data string) string {
+	tb.Helper()
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		tb.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte(data), 0o640); err != nil {
+		tb.Fatal(err)
+	}
+	return path
 }
