@@ -445,3 +445,27 @@ func TestOptionsErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestRunCancel: a run whose context ends returns ctx's error, reports no
+// success and removes its temporary root.
+func TestRunCancel(t *testing.T) {
+	tmp := t.TempDir()
+	t.Setenv("TMPDIR", tmp)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	loads := 0
+	testHookAfterLoad = func([]byte) {
+		if loads++; loads == 2 {
+			cancel()
+		}
+	}
+	defer func() { testHookAfterLoad = nil }()
+	var out bytes.Buffer
+	err := Run(ctx, small(""), &out)
+	if !errors.Is(err, context.Canceled) || strings.Contains(out.String(), "every loaded byte matched") {
+		t.Fatalf("err %v, want context.Canceled\n%s", err, out.String())
+	}
+	if ents, _ := os.ReadDir(tmp); len(ents) != 0 {
+		t.Fatalf("cancelled run left %d entries in TMPDIR", len(ents))
+	}
+}
