@@ -22,10 +22,12 @@ type bar struct {
 	what  string
 	start time.Time
 
-	mu   sync.Mutex
-	sum  int64
-	pb   *progressbar.ProgressBar
-	dead bool
+	pb *progressbar.ProgressBar // nil unless out is a terminal
+
+	mu    sync.Mutex
+	sum   int64
+	shown bool // drawn (the job has run ProgressDelay)
+	dead  bool // done was called
 }
 
 // newBar returns a bar of total bytes described by what, drawn on out when
@@ -34,6 +36,17 @@ func newBar(out io.Writer, total int64, what string) *bar {
 	b := &bar{total: total, what: what, start: time.Now()}
 	if isTerminal(out) {
 		b.out = out
+		// Created now, drawn later: its clock (and so its rate) starts
+		// with the job.
+		b.pb = progressbar.NewOptions64(total,
+			progressbar.OptionSetWriter(out),
+			progressbar.OptionSetDescription(what),
+			progressbar.OptionShowBytes(true),
+			progressbar.OptionThrottle(100*time.Millisecond),
+			progressbar.OptionClearOnFinish(),
+			progressbar.OptionSetWidth(30),
+		)
+		b.pb.StartWithoutRender()
 	}
 	return b
 }
@@ -51,25 +64,14 @@ func (b *bar) add(n int64) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.sum += n
-	if b.dead {
-		return
-	}
-	if b.pb == nil {
-		if time.Since(b.start) < ProgressDelay {
-			return
-		}
-		b.pb = progressbar.NewOptions64(b.total,
-			progressbar.OptionSetWriter(b.out),
-			progressbar.OptionSetDescription(b.what),
-			progressbar.OptionShowBytes(true),
-			progressbar.OptionThrottle(100*time.Millisecond),
-			progressbar.OptionClearOnFinish(),
-			progressbar.OptionSetWidth(30),
-		)
+	switch {
+	case b.dead:
+	case b.shown:
+		_ = b.pb.Add64(n)
+	case time.Since(b.start) >= ProgressDelay:
+		b.shown = true
 		_ = b.pb.Set64(b.sum)
-		return
 	}
-	_ = b.pb.Add64(n)
 }
 
 func (b *bar) done() {
@@ -79,7 +81,7 @@ func (b *bar) done() {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.dead = true
-	if b.pb != nil {
+	if b.shown {
 		_ = b.pb.Finish()
 		_ = b.pb.Clear()
 	}
