@@ -97,7 +97,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			return true, err
 		}
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens,
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
@@ -108,7 +108,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			return true, err
 		}
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify,
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
