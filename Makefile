@@ -5,7 +5,7 @@ PKGS    := ./...
 # Fuzz time per target for `make fuzz`.
 FUZZTIME ?= 60s
 
-.PHONY: test vet weed race demo bench soak fuzz fmt clean
+.PHONY: test vet weed race demo bench soak fuzz fmt clean readme-check readme-samples
 
 ## test: vet, then every test with the race detector (short soak, crash and
 ## fuzz-seed runs included). CI runs this. The object-store tests need the
@@ -23,6 +23,15 @@ vet:
 ## is not cached yet (${XDG_CACHE_HOME:-$$HOME/.cache}/kvpersist/seaweedfs/).
 weed:
 	$(GO) run ./internal/seaweedfs/cmd/weed-ensure
+
+## readme-check: the README's "Operating a store" transcripts equal what
+## the commands print on a fresh store (also part of `test`, through go test).
+readme-check:
+	$(GO) test -count=1 -run '^TestREADMESamples$$' ./cmd/kvpersist
+
+## readme-samples: regenerate those transcripts in README.md.
+readme-samples:
+	./scripts/readme-samples.sh
 
 ## demo: the main job (same as the README's first command).
 demo:

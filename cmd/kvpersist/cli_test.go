@@ -170,12 +170,12 @@ func keys(ps problemSet) []string {
 
 func TestHelpPrintsExample(t *testing.T) {
 	for _, name := range []string{"inspect", "ls", "verify", "gc", "du"} {
-		code, _, errs := cliRun(t, name, "--help")
-		if code != exitOK || !strings.Contains(errs, "Example:\n  kvpersist "+name) || !strings.Contains(errs, "Usage: kvpersist "+name) {
-			t.Errorf("%s --help: exit %d, stderr:\n%s", name, code, errs)
+		code, out, errs := cliRun(t, name, "--help")
+		if code != exitOK || errs != "" || !strings.Contains(out, "Examples:\n  kvpersist "+name) || !strings.Contains(out, "Usage:\n  kvpersist "+name) {
+			t.Errorf("%s --help: exit %d, stdout:\n%s\nstderr:\n%s", name, code, out, errs)
 		}
-		if code, _, errs := cliRun(t, "help", name); code != exitOK || !strings.Contains(errs, "Example:") {
-			t.Errorf("help %s: exit %d, stderr:\n%s", name, code, errs)
+		if code, out2, errs := cliRun(t, "help", name); code != exitOK || errs != "" || out2 != out {
+			t.Errorf("help %s: exit %d (stdout differs from --help's: %v), stderr:\n%s", name, code, out2 != out, errs)
 		}
 	}
 	if _, out, _ := cliRun(t, "help"); !strings.Contains(out, "verify") || !strings.Contains(out, "inspect") {

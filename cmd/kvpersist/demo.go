@@ -16,23 +16,22 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "demo", args: "",
-		summary: "simulate a multi-turn conversation: save its KV cache each turn, restore, verify, collect",
-		example: "kvpersist demo --model llama-3.1-8b --tokens 2048,4096,6144,8192",
-		run:     runDemo,
-	})
-}
 
 // defaultDemoNamespace is the namespace the demo writes when --ns is not given.
 const defaultDemoNamespace = "kvpersist-demo"
 
-func runDemo(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["demo"]
-	fs := c.flags(cmd)
+func (c *cli) demoCommand() *cobra.Command {
+	cmd := c.command("demo", "simulate a multi-turn conversation: save its KV cache each turn, restore, verify, collect",
+		`It builds the conversation's cache in memory (capacity-padded, as mlx-lm
+keeps it) and restores each turn into fresh buffers, and refuses, before
+allocating, when the two need more memory than the machine has available
+(MemAvailable of /proc/meminfo). Exit status: 0 when every restore matched,
+1 on a mismatch or a failed save or restore, 2 on usage or I/O errors.`,
+		"kvpersist demo --model llama-3.1-8b --tokens 2048,4096,6144,8192",
+		cobra.NoArgs)
+	fs := cmd.Flags()
 	model := fs.String("model", "llama-3.1-8b", "model geometry: tiny, llama-3.1-8b, qwen2.5-7b, gemma-2-9b")
 	tokenList := fs.String("tokens", "2048,4096,6144,8192", "tokens in the cache at each turn, comma-separated, growing")
 	blockBytes := fs.Int("block-bytes", jobs.DefaultBlockBytes, "block size in bytes (power of two, 4 KiB to 64 MiB)")
@@ -42,123 +41,127 @@ func runDemo(ctx context.Context, c *cli, args []string) int {
 	keep := fs.Bool("keep", false, "keep the store (and every turn's manifest) at the end")
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tmpfs only; numbers then flatter the disk)")
-	if _, code := c.parse(fs, args); code >= 0 {
-		return code
-	}
-	m, err := kvgen.ModelByName(*model)
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	turns, err := parseInts(*tokenList)
-	if err != nil {
-		return c.fail("--tokens: %v", err)
-	}
-	for i := 1; i < len(turns); i++ {
-		if turns[i] < turns[i-1] {
-			return c.fail("--tokens must not shrink: %d after %d", turns[i], turns[i-1])
-		}
-	}
-	if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
-		return c.fail("--block-bytes: %v", err)
-	}
-	if err := layout.ValidName("namespace", *nsName); err != nil {
-		return c.fail("--ns: %v", err)
-	}
-	ns := *nsName
-	dir := *root
-	if dir != "" && !*reuse {
-		// The store may be the operator's: never overwrite or delete
-		// snapshots the demo did not write.
-		if _, err := os.Lstat(filepath.Join(dir, ns)); err == nil {
-			return c.fail("namespace %s already exists in %s: the demo would overwrite its snapshots; pick another --ns, or pass --reuse-ns", ns, dir)
-		} else if !errors.Is(err, iofs.ErrNotExist) {
-			return c.fail("%v", err)
-		}
-	}
-	if dir == "" {
-		if dir, err = os.MkdirTemp("", "kvpersist-demo-"); err != nil {
-			return c.fail("%v", err)
-		}
-		if !*keep {
-			defer os.RemoveAll(dir)
-		}
-	}
-	e, err := engine.New(engine.Config{Root: dir, Workers: *workers, BlockBytes: *blockBytes, NoSync: *noSync, Logger: c.log})
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	defer e.Close(context.Background())
-
-	last := turns[len(turns)-1]
-	fmt.Fprintf(c.stdout, "kvpersist demo: %s (%d layers, %d KV heads, head_dim %d, %s), turns %v tokens, store %s, namespace %s\n",
-		m.Name, m.Layers, m.KVHeads, m.HeadDim, m.DType, turns, dir, ns)
-	fmt.Fprintf(c.stdout, "building the conversation's KV cache: %s at %d tokens, capacity-padded as mlx-lm keeps it...\n",
-		humanBytes(int64(m.CacheBytes(last))), last)
-	cache := kvgen.NewCache(m, last, true, nil)
-
-	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "turn\tlayout\ttokens\tlogical\twritten\treused\tdedup\tsave MB/s\trestore MB/s\t")
-	var names []string
-	row := func(turn string, l layout.Layout, tokens int, name string) error {
-		caches, atts, meta := cacheRequest(cache, tokens)
-		ref := engine.Ref{Namespace: ns, Name: name}
-		bar := c.progress(int64(m.CacheBytes(tokens)), fmt.Sprintf("turn %s save", turn))
-		w := e.Do(ctx, &engine.WriteRequest{Ref: ref, Layout: l, Meta: meta, Caches: caches, Attachments: atts})
-		bar.Add(w.Metrics.LogicalBytes)
-		bar.Done()
-		if w.Err != nil {
-			return fmt.Errorf("turn %s: save: %w", turn, w.Err)
-		}
-		rd, restore, err := restoreAndCompare(ctx, c, e, ref, cache.ViewsAt(tokens))
+	runs(cmd, func(ctx context.Context, args []string) int {
+		m, err := kvgen.ModelByName(*model)
 		if err != nil {
-			return fmt.Errorf("turn %s: %w", turn, err)
+			return c.fail("%v", err)
 		}
-		lb := float64(w.Metrics.LogicalBytes)
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.0f%%\t%.0f\t%.0f\t\n", turn, l, tokens,
-			humanBytes(w.Metrics.LogicalBytes), humanBytes(w.Metrics.WrittenBytes), humanBytes(w.Metrics.ReusedBytes),
-			100*float64(w.Metrics.ReusedBytes)/lb, lb/1e6/w.Metrics.Elapsed.Seconds(), float64(rd)/1e6/restore.Seconds())
-		return nil
-	}
-	for i, t := range turns {
-		name := fmt.Sprintf("turn-%02d", i+1)
-		if err := row(fmt.Sprint(i+1), layout.Blocks, t, name); err != nil {
+		turns, err := parseInts(*tokenList)
+		if err != nil {
+			return c.fail("--tokens: %v", err)
+		}
+		for i := 1; i < len(turns); i++ {
+			if turns[i] < turns[i-1] {
+				return c.fail("--tokens must not shrink: %d after %d", turns[i], turns[i-1])
+			}
+		}
+		if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
+			return c.fail("--block-bytes: %v", err)
+		}
+		if err := layout.ValidName("namespace", *nsName); err != nil {
+			return c.fail("--ns: %v", err)
+		}
+		ns := *nsName
+		last := turns[len(turns)-1]
+		// The cache, and the largest turn's restore buffers.
+		if code := c.checkMemory("demo", cacheAllocBytes(m, last)+int64(m.CacheBytes(last))+int64(last*kvgen.IDSize)); code != exitOK {
+			return code
+		}
+		dir := *root
+		if dir != "" && !*reuse {
+			// The store may be the operator's: never overwrite or delete
+			// snapshots the demo did not write.
+			if _, err := os.Lstat(filepath.Join(dir, ns)); err == nil {
+				return c.fail("namespace %s already exists in %s: the demo would overwrite its snapshots; pick another --ns, or pass --reuse-ns", ns, dir)
+			} else if !errors.Is(err, iofs.ErrNotExist) {
+				return c.fail("%v", err)
+			}
+		}
+		if dir == "" {
+			if dir, err = os.MkdirTemp("", "kvpersist-demo-"); err != nil {
+				return c.fail("%v", err)
+			}
+			if !*keep {
+				defer os.RemoveAll(dir)
+			}
+		}
+		e, err := engine.New(engine.Config{Root: dir, Workers: *workers, BlockBytes: *blockBytes, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
+		if err != nil {
+			return c.fail("%v", err)
+		}
+		defer e.Close(context.Background())
+
+		fmt.Fprintf(c.stdout, "kvpersist demo: %s (%d layers, %d KV heads, head_dim %d, %s), turns %v tokens, store %s, namespace %s\n",
+			m.Name, m.Layers, m.KVHeads, m.HeadDim, m.DType, turns, dir, ns)
+		fmt.Fprintf(c.stdout, "building the conversation's KV cache: %s at %d tokens, capacity-padded as mlx-lm keeps it...\n",
+			humanBytes(int64(m.CacheBytes(last))), last)
+		cache := kvgen.NewCache(m, last, true, nil)
+
+		tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+		fmt.Fprintln(tw, "turn\tlayout\ttokens\tlogical\twritten\treused\tdedup\tsave MB/s\trestore MB/s\t")
+		var names []string
+		row := func(turn string, l layout.Layout, tokens int, name string) error {
+			caches, atts, meta := cacheRequest(cache, tokens)
+			ref := engine.Ref{Namespace: ns, Name: name}
+			bar := c.progress(int64(m.CacheBytes(tokens)), fmt.Sprintf("turn %s save", turn))
+			w := e.Do(ctx, &engine.WriteRequest{Ref: ref, Layout: l, Meta: meta, Caches: caches, Attachments: atts})
+			bar.Add(w.Metrics.LogicalBytes)
+			bar.Done()
+			if w.Err != nil {
+				return fmt.Errorf("turn %s: save: %w", turn, w.Err)
+			}
+			rd, restore, err := restoreAndCompare(ctx, c, e, ref, cache.ViewsAt(tokens))
+			if err != nil {
+				return fmt.Errorf("turn %s: %w", turn, err)
+			}
+			lb := float64(w.Metrics.LogicalBytes)
+			fmt.Fprintf(tw, "%s\t%s\t%d\t%s\t%s\t%s\t%.0f%%\t%.0f\t%.0f\t\n", turn, l, tokens,
+				humanBytes(w.Metrics.LogicalBytes), humanBytes(w.Metrics.WrittenBytes), humanBytes(w.Metrics.ReusedBytes),
+				100*float64(w.Metrics.ReusedBytes)/lb, lb/1e6/w.Metrics.Elapsed.Seconds(), float64(rd)/1e6/restore.Seconds())
+			return nil
+		}
+		for i, t := range turns {
+			name := fmt.Sprintf("turn-%02d", i+1)
+			if err := row(fmt.Sprint(i+1), layout.Blocks, t, name); err != nil {
+				fmt.Fprintf(c.stderr, "kvpersist demo: %v\n", err)
+				return exitProblems
+			}
+			names = append(names, name)
+		}
+		if err := row(fmt.Sprint(len(turns)), layout.Single, last, "final-single"); err != nil {
 			fmt.Fprintf(c.stderr, "kvpersist demo: %v\n", err)
 			return exitProblems
 		}
-		names = append(names, name)
-	}
-	if err := row(fmt.Sprint(len(turns)), layout.Single, last, "final-single"); err != nil {
-		fmt.Fprintf(c.stderr, "kvpersist demo: %v\n", err)
-		return exitProblems
-	}
-	tw.Flush()
+		tw.Flush()
 
-	// The scheduler keeps only the newest turn: older manifests go, collect
-	// frees the blocks no remaining manifest names.
-	if !*keep {
-		for _, n := range names[:len(names)-1] {
-			if r := e.Do(ctx, &engine.DeleteRequest{Ref: engine.Ref{Namespace: ns, Name: n}}); r.Err != nil {
-				return c.fail("delete %s: %v", n, r.Err)
+		// The scheduler keeps only the newest turn: older manifests go, collect
+		// frees the blocks no remaining manifest names.
+		if !*keep {
+			for _, n := range names[:len(names)-1] {
+				if r := e.Do(ctx, &engine.DeleteRequest{Ref: engine.Ref{Namespace: ns, Name: n}}); r.Err != nil {
+					return c.fail("delete %s: %v", n, r.Err)
+				}
 			}
 		}
-	}
-	col := e.Do(ctx, &engine.CollectRequest{Namespaces: []string{ns}}) // the demo's namespace only
-	if col.Err != nil {
-		return c.fail("collect: %v", col.Err)
-	}
-	cm := col.Metrics.Collect
-	fmt.Fprintf(c.stdout, "collect of namespace %s: %d manifests scanned, %d blocks kept, %d deleted, %s freed in %v\n",
-		ns, cm.ManifestsScanned, cm.BlocksKept, cm.BlocksDeleted, humanBytes(cm.BytesFreed), col.Metrics.Elapsed.Round(time.Millisecond))
-	final := names[len(names)-1]
-	if _, _, err := restoreAndCompare(ctx, c, e, engine.Ref{Namespace: ns, Name: final}, cache.ViewsAt(last)); err != nil {
-		fmt.Fprintf(c.stderr, "kvpersist demo: after collect: %v\n", err)
-		return exitProblems
-	}
-	fmt.Fprintf(c.stdout, "after collect, %s restores bit-exact and verified. Every byte of every restore matched.\n", final)
-	if *root != "" || *keep {
-		fmt.Fprintf(c.stdout, "the store is kept in %s (kvpersist ls / du / verify %s)\n", dir, dir)
-	}
-	return exitOK
+		col := e.Do(ctx, &engine.CollectRequest{Namespaces: []string{ns}}) // the demo's namespace only
+		if col.Err != nil {
+			return c.fail("collect: %v", col.Err)
+		}
+		cm := col.Metrics.Collect
+		fmt.Fprintf(c.stdout, "collect of namespace %s: %d manifests scanned, %d blocks kept, %d deleted, %s freed in %v\n",
+			ns, cm.ManifestsScanned, cm.BlocksKept, cm.BlocksDeleted, humanBytes(cm.BytesFreed), col.Metrics.Elapsed.Round(time.Millisecond))
+		final := names[len(names)-1]
+		if _, _, err := restoreAndCompare(ctx, c, e, engine.Ref{Namespace: ns, Name: final}, cache.ViewsAt(last)); err != nil {
+			fmt.Fprintf(c.stderr, "kvpersist demo: after collect: %v\n", err)
+			return exitProblems
+		}
+		fmt.Fprintf(c.stdout, "after collect, %s restores bit-exact and verified. Every byte of every restore matched.\n", final)
+		if *root != "" || *keep {
+			fmt.Fprintf(c.stdout, "the store is kept in %s (kvpersist ls / du / verify %s)\n", dir, dir)
+		}
+		return exitOK
+	})
+	return cmd
 }
 
 // restoreAndCompare reads ref back through the engine with verification into

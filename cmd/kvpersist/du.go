@@ -6,16 +6,8 @@ import (
 	"text/tabwriter"
 
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "du", args: "ROOT",
-		summary: "disk usage per namespace: snapshots, logical and physical bytes, dedup ratio, what gc would free",
-		example: "kvpersist du /var/lib/kvcache\n  kvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'",
-		run:     runDu,
-	})
-}
 
 // duRow is one namespace's usage. Bytes are bytes.
 type duRow struct {
@@ -107,9 +99,8 @@ func duNamespace(ns *store.Listing) duRow {
 	return r
 }
 
-func runDu(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["du"]
-	fs := c.docFlags(cmd, `Per namespace of ROOT (sizes are file sizes, st_size, as 'du -b' counts them,
+func (c *cli) duCommand() *cobra.Command {
+	cmd := c.command("du ROOT", "disk usage per namespace: snapshots, logical and physical bytes, dedup ratio, what gc would free", `Per namespace of ROOT (sizes are file sizes, st_size, as 'du -b' counts them,
 not allocated disk blocks):
 
   SNAPSHOTS    readable snapshot files and manifests (unreadable ones are
@@ -130,57 +121,60 @@ not allocated disk blocks):
   TEMP         bytes of temp files (writes in progress or interrupted)
   UNREADABLE   snapshot files and manifests that did not decode
 
-Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`)
+Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
+		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'",
+		cobra.ExactArgs(1))
+	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, namespaces: [row], total: row, skipped}, byte counts exact")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
-	root, code := c.parseOne(fs, args)
-	if code >= 0 {
-		return code
-	}
-	st, names, skipped, err := openStore(root)
-	if err != nil {
-		return c.fail("du: %s", quote(err.Error()))
-	}
-	rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
-	for _, n := range names {
-		if err := ctx.Err(); err != nil {
-			return c.fail("du: %v", err)
-		}
-		ns, err := listNamespace(st, n)
+	runs(cmd, func(ctx context.Context, args []string) int {
+		root := args[0]
+		st, names, skipped, err := openStore(root)
 		if err != nil {
 			return c.fail("du: %s", quote(err.Error()))
 		}
-		rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
-		row := duNamespace(ns)
-		rep.Namespaces = append(rep.Namespaces, row)
-		rep.Total.add(row)
-	}
-	rep.Total.ratio()
-	if rep.Skipped == nil {
-		rep.Skipped = []string{}
-	}
-	if *asJSON {
-		if code := c.writeJSON(rep); code >= 0 {
-			return code
+		rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
+		for _, n := range names {
+			if err := ctx.Err(); err != nil {
+				return c.fail("du: %v", err)
+			}
+			ns, err := listNamespace(st, n)
+			if err != nil {
+				return c.fail("du: %s", quote(err.Error()))
+			}
+			rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
+			row := duNamespace(ns)
+			rep.Namespaces = append(rep.Namespaces, row)
+			rep.Total.add(row)
 		}
-	} else {
-		size := humanBytes
-		if *exact {
-			size = func(n int64) string { return fmt.Sprint(n) }
+		rep.Total.ratio()
+		if rep.Skipped == nil {
+			rep.Skipped = []string{}
 		}
-		tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-		fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t")
-		for _, r := range append(rep.Namespaces, rep.Total) {
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t\n", r.Namespace, r.Snapshots, size(r.LogicalBytes),
-				size(r.PhysicalBytes), r.DedupRatio, r.BlockFiles, size(r.ReclaimableBytes), size(r.TempBytes), r.Unreadable)
+		if *asJSON {
+			if err := c.writeJSON(rep); err != nil {
+				return c.fail("writing JSON: %v", err)
+			}
+		} else {
+			size := humanBytes
+			if *exact {
+				size = func(n int64) string { return fmt.Sprint(n) }
+			}
+			tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
+			fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t")
+			for _, r := range append(rep.Namespaces, rep.Total) {
+				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t\n", r.Namespace, r.Snapshots, size(r.LogicalBytes),
+					size(r.PhysicalBytes), r.DedupRatio, r.BlockFiles, size(r.ReclaimableBytes), size(r.TempBytes), r.Unreadable)
+			}
+			tw.Flush()
+			for _, s := range rep.Skipped {
+				fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
+			}
 		}
-		tw.Flush()
-		for _, s := range rep.Skipped {
-			fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
+		if rep.Total.Unreadable > 0 {
+			return exitProblems
 		}
-	}
-	if rep.Total.Unreadable > 0 {
-		return exitProblems
-	}
-	return exitOK
+		return exitOK
+	})
+	return cmd
 }

@@ -8,16 +8,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "gc", args: "ROOT",
-		summary: "delete blocks no manifest names and stale temp files (collect); --dry-run lists them only",
-		example: "kvpersist gc --dry-run /var/lib/kvcache\n  kvpersist gc --block-grace 1h /var/lib/kvcache",
-		run:     runGC,
-	})
-}
 
 // gcReport is what gc --json prints. Paths are absolute or relative as ROOT was given.
 type gcReport struct {
@@ -41,9 +33,9 @@ type gcReport struct {
 	Skipped []string `json:"skipped"`
 }
 
-func runGC(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["gc"]
-	fs := c.docFlags(cmd, `Runs the engine's collect on every namespace of ROOT: it marks every block a
+func (c *cli) gcCommand() *cobra.Command {
+	cmd := c.command("gc ROOT",
+		"delete blocks no manifest names and stale temp files (collect); --dry-run lists them only", `Runs the engine's collect on every namespace of ROOT: it marks every block a
 readable manifest names and deletes the block files no manifest names, and
 temp files (of interrupted writes) older than --temp-grace. It holds each
 namespace's lock exclusively while it works, so writes and reads of this or
@@ -56,33 +48,37 @@ are listed as skipped and never deleted. BYTES FREED counts block files;
 temp files are listed and counted apart.
 
 Exit status: 0, 1 when a namespace was not swept because of an unreadable
-file, 2 on usage or I/O errors.`)
+file, 2 on usage or I/O errors.`,
+		"kvpersist gc --dry-run /var/lib/kvcache\nkvpersist gc --block-grace 1h /var/lib/kvcache",
+		cobra.ExactArgs(1))
+	fs := cmd.Flags()
 	dryRun := fs.Bool("dry-run", false, "delete nothing; list what would be deleted")
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, dryRun, deleted, blocksDeleted, bytesFreed, tempRemoved, blocksKept, manifestsScanned, namespaces, unreadable, unsweptNamespaces, skipped}")
 	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "keep temp files younger than this (they may belong to a running write); 0 removes every temp file")
 	blockGrace := fs.Duration("block-grace", 0, "keep unreferenced blocks younger than this (for writers that do not take the namespace lock)")
-	pos, code := c.parse(fs, args)
-	if code >= 0 {
-		return code
+	runs(cmd, func(ctx context.Context, args []string) int {
+		return c.runGC(ctx, cmd, args[0], *dryRun, *asJSON, *tempGrace, *blockGrace)
+	})
+	return cmd
+}
+
+func (c *cli) runGC(ctx context.Context, cmd *cobra.Command, root string, dryRun, asJSON bool, tempGrace, blockGrace time.Duration) int {
+	if tempGrace < 0 || blockGrace < 0 {
+		return c.usageError(cmd, "--temp-grace and --block-grace must not be negative")
 	}
-	if len(pos) != 1 || *tempGrace < 0 || *blockGrace < 0 {
-		fs.Usage()
-		return exitUsage
-	}
-	root := pos[0]
 	// engine.New creates a missing root: check first that it is one.
 	if _, err := store.Open(root, store.Options{}); err != nil {
 		return c.fail("gc: %s", quote(err.Error()))
 	}
-	tg := *tempGrace
+	tg := tempGrace
 	if tg == 0 {
 		tg = -1 // jobs: negative removes every temp file; 0 would mean the default
 	}
-	e, err := engine.New(engine.Config{Root: root, TempGrace: tg, BlockGrace: *blockGrace, Logger: c.log})
+	e, err := engine.New(engine.Config{Root: root, TempGrace: tg, BlockGrace: blockGrace, Logger: c.log, FS: c.lockNoticeFS()})
 	if err != nil {
 		return c.fail("gc: %v", err)
 	}
-	res := e.Do(ctx, &engine.CollectRequest{DryRun: *dryRun})
+	res := e.Do(ctx, &engine.CollectRequest{DryRun: dryRun})
 	if err := e.Close(context.Background()); err != nil {
 		c.log.Warn("closing the engine", "err", err)
 	}
@@ -90,18 +86,18 @@ file, 2 on usage or I/O errors.`)
 		return c.fail("gc %s: %v", root, res.Err)
 	}
 	cm := res.Metrics.Collect
-	rep := gcReport{Root: root, DryRun: *dryRun, Deleted: gcList(cm.Deleted),
+	rep := gcReport{Root: root, DryRun: dryRun, Deleted: gcList(cm.Deleted),
 		BlocksDeleted: cm.BlocksDeleted, BytesFreed: cm.BytesFreed, TempRemoved: cm.TempRemoved,
 		BlocksKept: cm.BlocksKept, ManifestsScanned: cm.ManifestsScanned, Namespaces: cm.Namespaces,
 		Unreadable: gcList(cm.Unreadable), UnsweptNamespaces: gcList(cm.UnsweptNamespaces), Skipped: gcList(cm.Skipped)}
-	if *asJSON {
-		if code := c.writeJSON(rep); code >= 0 {
-			return code
+	if asJSON {
+		if err := c.writeJSON(rep); err != nil {
+			return c.fail("writing JSON: %v", err)
 		}
 	} else {
 		w := c.stdout
 		verb, freed := "deleted", "freed"
-		if *dryRun {
+		if dryRun {
 			verb, freed = "would delete", "would free"
 		}
 		for _, p := range rep.Deleted {
@@ -110,7 +106,7 @@ file, 2 on usage or I/O errors.`)
 		fmt.Fprintf(w, "gc %s: %d namespaces, %d manifests scanned, %d blocks kept; %s %d blocks and %d temp files, %s %s (%d bytes) in %v\n",
 			root, rep.Namespaces, rep.ManifestsScanned, rep.BlocksKept, verb, rep.BlocksDeleted, rep.TempRemoved,
 			freed, humanBytes(rep.BytesFreed), rep.BytesFreed, res.Metrics.Elapsed.Round(time.Millisecond))
-		if *dryRun {
+		if dryRun {
 			fmt.Fprintln(w, "dry run: nothing was deleted")
 		}
 		for _, u := range rep.Unreadable {

@@ -12,16 +12,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "inspect", args: "PATH",
-		summary: "decode one snapshot file or manifest: prefix, header hash, metadata, one row per tensor",
-		example: "kvpersist inspect /var/lib/kvcache/conv-42/turn-7\n  kvpersist inspect --json /var/lib/kvcache/conv-42/turn-7 | jq '.tensors[0]'",
-		run:     runInspect,
-	})
-}
 
 // Names of the magics, as inspect prints them.
 const (
@@ -149,9 +141,8 @@ func formatMeta(m layout.Meta, max int) string {
 	return strings.Join(parts, " ")
 }
 
-func runInspect(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["inspect"]
-	fs := c.docFlags(cmd, `Reads the prefix and header only (no tensor data; 'kvpersist verify PATH'
+func (c *cli) inspectCommand() *cobra.Command {
+	cmd := c.command("inspect PATH", "decode one snapshot file or manifest: prefix, header hash, metadata, one row per tensor", `Reads the prefix and header only (no tensor data; 'kvpersist verify PATH'
 re-hashes the data). Prints the magic (kvpersist, or "Bun worker (legacy)"
 for files of the original worker), the format version, the header length and
 data start (bytes), the stored header hash and whether it matches the header,
@@ -162,28 +153,31 @@ entry, dtype, shape (elements), bytes, and the offset from the data start
 If a check fails (magic, lengths, header hash, format version, validation),
 inspect still prints what it could read, says which check failed, marks any
 tensor rows as unverified, and exits 1. Exit status: 0 when every check
-passed, 1 when one failed, 2 on usage or I/O errors.`)
+passed, 1 when one failed, 2 on usage or I/O errors.`,
+		"kvpersist inspect /var/lib/kvcache/conv-42/turn-7\nkvpersist inspect --json /var/lib/kvcache/conv-42/turn-7 | jq '.tensors[0]'",
+		cobra.ExactArgs(1))
+	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print the prefix fields, the header as stored (\"header\"), the caller metadata and the tensor rows as JSON")
 	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256 and bytes) of every tensor of a manifest")
-	path, code := c.parseOne(fs, args)
-	if code >= 0 {
-		return code
-	}
-	rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
-	if ioErr != nil {
-		return c.fail("inspect %s", quote(fmt.Sprintf("%s: %v", path, ioErr)))
-	}
-	if *asJSON {
-		if code := c.writeJSON(rep); code >= 0 {
-			return code
+	runs(cmd, func(ctx context.Context, args []string) int {
+		path := args[0]
+		rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
+		if ioErr != nil {
+			return c.fail("inspect %s", quote(fmt.Sprintf("%s: %v", path, ioErr)))
 		}
-	} else {
-		printInspect(c, rep)
-	}
-	if !rep.Verified {
-		return exitProblems
-	}
-	return exitOK
+		if *asJSON {
+			if err := c.writeJSON(rep); err != nil {
+				return c.fail("writing JSON: %v", err)
+			}
+		} else {
+			printInspect(c, rep)
+		}
+		if !rep.Verified {
+			return exitProblems
+		}
+		return exitOK
+	})
+	return cmd
 }
 
 // inspectFile decodes path as far as it can (layout.Inspect). A non-nil

@@ -3,23 +3,14 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"flag"
 	"fmt"
 	"text/tabwriter"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "ls", args: "ROOT",
-		summary: "list every snapshot of a store: namespace, name, layout, tensors, logical bytes, modified time",
-		example: "kvpersist ls /var/lib/kvcache\n  kvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'",
-		run:     runLs,
-	})
-}
 
 // openStore opens a store root for ls, du and gc: what a root and a
 // namespace are is the store package's (a namespace directory given as the
@@ -52,18 +43,6 @@ func logicalBytes(h *layout.Header) int64 {
 	return n
 }
 
-// docFlags is c.flags with a longer description printed by --help between
-// the summary and the flags.
-func (c *cli) docFlags(cmd *command, doc string) *flag.FlagSet {
-	fs := c.flags(cmd)
-	fs.Usage = func() {
-		fmt.Fprintf(c.stderr, "Usage: kvpersist %s [flags] %s\n\n%s\n\n%s\n\nFlags:\n", cmd.name, cmd.args, cmd.summary, doc)
-		fs.PrintDefaults()
-		fmt.Fprintf(c.stderr, "\nExample:\n  %s\n", cmd.example)
-	}
-	return fs
-}
-
 // nounCount is "1 block", "2 blocks".
 func nounCount(n int, noun string) string {
 	if n == 1 {
@@ -73,13 +52,10 @@ func nounCount(n int, noun string) string {
 }
 
 // writeJSON prints v as indented JSON.
-func (c *cli) writeJSON(v any) int {
+func (c *cli) writeJSON(v any) error {
 	enc := json.NewEncoder(c.stdout)
 	enc.SetIndent("", "  ")
-	if err := enc.Encode(v); err != nil {
-		return c.fail("writing JSON: %v", err)
-	}
-	return -1
+	return enc.Encode(v)
 }
 
 type lsRow struct {
@@ -101,19 +77,20 @@ type lsReport struct {
 	Skipped   []string `json:"skipped"`
 }
 
-func runLs(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["ls"]
-	fs := c.docFlags(cmd, `One row per snapshot file or manifest directly under ROOT/<namespace>/.
+func (c *cli) lsCommand() *cobra.Command {
+	cmd := c.command("ls ROOT", "list every snapshot of a store: namespace, name, layout, tensors, logical bytes, modified time", `One row per snapshot file or manifest directly under ROOT/<namespace>/.
 LOGICAL is the sum of the snapshot's tensor bytes (what a restore fills);
 MODIFIED is the file's modification time. A file that does not decode is
 listed with its error. Entries kvpersist does not recognise are listed as
 skipped. Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O
-errors.`)
+errors.`, "kvpersist ls /var/lib/kvcache\nkvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'", cobra.ExactArgs(1))
+	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, snapshots: [{namespace, name, path, layout, legacy, tensors, logicalBytes, fileBytes, modified, error}], skipped}")
-	root, code := c.parseOne(fs, args)
-	if code >= 0 {
-		return code
-	}
+	runs(cmd, func(ctx context.Context, args []string) int { return c.runLs(ctx, args[0], *asJSON) })
+	return cmd
+}
+
+func (c *cli) runLs(ctx context.Context, root string, asJSON bool) int {
 	st, names, skipped, err := openStore(root)
 	if err != nil {
 		return c.fail("ls: %s", quote(err.Error()))
@@ -144,9 +121,9 @@ errors.`)
 			rep.Snapshots = append(rep.Snapshots, row)
 		}
 	}
-	if *asJSON {
-		if code := c.writeJSON(rep); code >= 0 {
-			return code
+	if asJSON {
+		if err := c.writeJSON(rep); err != nil {
+			return c.fail("writing JSON: %v", err)
 		}
 	} else {
 		tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)

@@ -4,107 +4,94 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"log/slog"
 	"strings"
 	"text/tabwriter"
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/spf13/cobra"
 )
 
-func init() {
-	register(&command{
-		name: "migrate", args: "SRC_ROOT DST_ROOT",
-		summary: "rewrite the snapshots of the original Bun worker's store in kvpersist's format (source untouched)",
-		example: "kvpersist migrate /var/lib/mlx-kv /var/lib/kvpersist",
-		run:     runMigrate,
-	})
-}
-
-// runMigrate migrates every legacy snapshot SRC_ROOT/<ns>/<name> to
+// migrateCommand migrates every legacy snapshot SRC_ROOT/<ns>/<name> to
 // DST_ROOT/<ns>/<name> through an engine on DST_ROOT (a MigrateRequest).
 // Exit codes: 0 when every snapshot was migrated or already was, 1 when
 // some failed (the others are migrated), 2 for usage errors and errors that
 // stopped the whole migration.
-func runMigrate(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["migrate"]
-	fs := c.flags(cmd)
+func (c *cli) migrateCommand() *cobra.Command {
+	cmd := c.command("migrate SRC_ROOT DST_ROOT",
+		"rewrite the snapshots of the original Bun worker's store in kvpersist's format (source untouched)", "",
+		"kvpersist migrate /var/lib/mlx-kv /var/lib/kvpersist", cobra.ExactArgs(2))
+	fs := cmd.Flags()
 	nsList := fs.String("ns", "", "comma-separated namespaces to migrate (default: every directory of SRC_ROOT)")
 	blockBytes := fs.Int("block-bytes", 0, "0 keeps each manifest's block boundaries (the same blocks as the source); else re-cut manifests at this size (power of two, 4 KiB to 64 MiB)")
 	force := fs.Bool("force", false, "re-migrate snapshots already migrated, and overwrite destinations holding something else")
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tests and tmpfs only)")
 	quiet := fs.Bool("quiet", false, "print only failures and the summary")
-	pos, code := c.parse(fs, args)
-	if code >= 0 {
-		return code
-	}
-	if len(pos) != 2 {
-		fs.Usage()
-		return exitUsage
-	}
-	src, dst := pos[0], pos[1]
-	if err := jobs.CheckMigrateRoots(src, dst); err != nil {
-		return c.fail("migrate: %v", err)
-	}
-	if st, err := vfs.Default.Lstat(src); err != nil || !st.IsDir() {
-		return c.fail("migrate: source root %s is not a directory", src)
-	}
-	if *blockBytes != 0 {
-		if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
-			return c.fail("--block-bytes: %v", err)
+	runs(cmd, func(ctx context.Context, args []string) int {
+		src, dst := args[0], args[1]
+		if err := jobs.CheckMigrateRoots(src, dst); err != nil {
+			return c.fail("migrate: %v", err)
 		}
-	}
-	var namespaces []string
-	if *nsList != "" {
-		for _, n := range strings.Split(*nsList, ",") {
-			namespaces = append(namespaces, strings.TrimSpace(n))
+		if st, err := vfs.Default.Lstat(src); err != nil || !st.IsDir() {
+			return c.fail("migrate: source root %s is not a directory", src)
 		}
-	}
-	// Failures are reported below, per snapshot: the engine's own warning
-	// for the failed job would repeat them.
-	quietLog := slog.New(slog.NewTextHandler(c.stderr, &slog.HandlerOptions{Level: slog.LevelError}))
-	e, err := engine.New(engine.Config{Root: dst, Workers: *workers, NoSync: *noSync, Logger: quietLog})
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	defer e.Close(context.Background())
-
-	// The callbacks run on the job's goroutine while this one waits in Do.
-	bar := &progress{}
-	res := e.Do(ctx, &engine.MigrateRequest{
-		SrcRoot: src, Namespaces: namespaces, BlockBytes: *blockBytes, Force: *force,
-		OnPlan: func(n int, bytes int64) {
-			fmt.Fprintf(c.stdout, "migrate %s -> %s: %d legacy snapshot(s), %s of tensors\n", src, dst, n, humanBytes(bytes))
-			if bytes > 0 {
-				bar = c.progress(bytes, "migrating")
+		if *blockBytes != 0 {
+			if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
+				return c.fail("--block-bytes: %v", err)
 			}
-		},
-		OnItem: func(it jobs.MigrateItem) { bar.Add(it.LogicalBytes) },
-	})
-	bar.Done()
-	rep := res.Metrics.Migrate
-	if rep == nil { // the job did not start
-		rep = &jobs.MigrateReport{}
-	}
-	var merr *jobs.MigrateError
-	if res.Err != nil && !errors.As(res.Err, &merr) {
-		if len(rep.Items) > 0 {
-			printMigrateReport(c, rep, *quiet)
 		}
-		return c.fail("migrate: %v", res.Err)
-	}
-	printMigrateReport(c, rep, *quiet)
-	m := res.Metrics
-	fmt.Fprintf(c.stdout, "%d snapshot(s): %d migrated, %d skipped, %d failed; %s of tensors migrated, %s written, %s reused (dedup); %d other entries left alone\n",
-		len(rep.Items), rep.Migrated, rep.Skipped, rep.Failed,
-		humanBytes(m.LogicalBytes), humanBytes(m.WrittenBytes), humanBytes(m.ReusedBytes), len(rep.Ignored))
-	if rep.Failed > 0 {
-		fmt.Fprintf(c.stderr, "kvpersist: migrate: %d snapshot(s) failed (listed above); their sources are unchanged\n", rep.Failed)
-		return exitProblems
-	}
-	return exitOK
+		var namespaces []string
+		if *nsList != "" {
+			for _, n := range strings.Split(*nsList, ",") {
+				namespaces = append(namespaces, strings.TrimSpace(n))
+			}
+		}
+		// Failures are reported below, per snapshot (c.log drops the engine's
+		// own warning for the failed job).
+		e, err := engine.New(engine.Config{Root: dst, Workers: *workers, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
+		if err != nil {
+			return c.fail("%v", err)
+		}
+		defer e.Close(context.Background())
+
+		// The callbacks run on the job's goroutine while this one waits in Do.
+		bar := &progress{}
+		res := e.Do(ctx, &engine.MigrateRequest{
+			SrcRoot: src, Namespaces: namespaces, BlockBytes: *blockBytes, Force: *force,
+			OnPlan: func(n int, bytes int64) {
+				fmt.Fprintf(c.stdout, "migrate %s -> %s: %d legacy snapshot(s), %s of tensors\n", src, dst, n, humanBytes(bytes))
+				if bytes > 0 {
+					bar = c.progress(bytes, "migrating")
+				}
+			},
+			OnItem: func(it jobs.MigrateItem) { bar.Add(it.LogicalBytes) },
+		})
+		bar.Done()
+		rep := res.Metrics.Migrate
+		if rep == nil { // the job did not start
+			rep = &jobs.MigrateReport{}
+		}
+		var merr *jobs.MigrateError
+		if res.Err != nil && !errors.As(res.Err, &merr) {
+			if len(rep.Items) > 0 {
+				printMigrateReport(c, rep, *quiet)
+			}
+			return c.fail("migrate: %v", res.Err)
+		}
+		printMigrateReport(c, rep, *quiet)
+		m := res.Metrics
+		fmt.Fprintf(c.stdout, "%d snapshot(s): %d migrated, %d skipped, %d failed; %s of tensors migrated, %s written, %s reused (dedup); %d other entries left alone\n",
+			len(rep.Items), rep.Migrated, rep.Skipped, rep.Failed,
+			humanBytes(m.LogicalBytes), humanBytes(m.WrittenBytes), humanBytes(m.ReusedBytes), len(rep.Ignored))
+		if rep.Failed > 0 {
+			fmt.Fprintf(c.stderr, "kvpersist: migrate: %d snapshot(s) failed (listed above); their sources are unchanged\n", rep.Failed)
+			return exitProblems
+		}
+		return exitOK
+	})
+	return cmd
 }
 
 // printMigrateReport lists every snapshot (failures only when quiet, on

@@ -213,8 +213,8 @@ func TestMigrateCommandUsage(t *testing.T) {
 			t.Errorf("%v: exit %d, want %d\n%s\n%s", args, code, exitUsage, out, errs)
 		}
 	}
-	if code, _, errs := migCLI(t, false, "migrate", "--help"); code != exitOK || !strings.Contains(errs, "kvpersist migrate /var/lib/mlx-kv /var/lib/kvpersist") {
-		t.Fatalf("--help: exit %d\n%s", code, errs)
+	if code, out, _ := migCLI(t, false, "migrate", "--help"); code != exitOK || !strings.Contains(out, "kvpersist migrate /var/lib/mlx-kv /var/lib/kvpersist") {
+		t.Fatalf("--help: exit %d\n%s", code, out)
 	}
 	if _, err := os.Lstat(filepath.Join(src, "kv")); !os.IsNotExist(err) {
 		t.Fatalf("a refused migration created its destination: %v", err)

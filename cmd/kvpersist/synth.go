@@ -8,16 +8,8 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "synth", args: "",
-		summary: "write one synthetic KV-cache snapshot (the demo's generator) into a store",
-		example: "kvpersist synth --root /tmp/kvstore --ns conv --name turn-1 --model tiny --tokens 300 --layout blocks",
-		run:     runSynth,
-	})
-}
 
 // cacheRequest is the write request of a conversation's cache as mlx-lm
 // saves it (kvgen.CacheRequest).
@@ -25,9 +17,16 @@ func cacheRequest(c *kvgen.Cache, tokens int) (caches, attachments []jobs.EntryS
 	return kvgen.CacheRequest(c, tokens)
 }
 
-func runSynth(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["synth"]
-	fs := c.flags(cmd)
+func (c *cli) synthCommand() *cobra.Command {
+	cmd := c.command("synth", "write one synthetic KV-cache snapshot (the demo's generator) into a store",
+		`It builds the cache in memory first (capacity-padded, as mlx-lm keeps it)
+and refuses, before allocating, when that needs more memory than the
+machine has available (MemAvailable of /proc/meminfo). It waits for the
+namespace's lock if another process holds it exclusively (a collect), and
+says so.`,
+		"kvpersist synth --root /tmp/kvstore --ns conv --name turn-1 --model tiny --tokens 300 --layout blocks",
+		cobra.NoArgs)
+	fs := cmd.Flags()
 	root := fs.String("root", "", "store root directory (required)")
 	ns := fs.String("ns", "default", "namespace")
 	name := fs.String("name", "", "snapshot name (required)")
@@ -36,37 +35,38 @@ func runSynth(ctx context.Context, c *cli, args []string) int {
 	lay := fs.String("layout", "blocks", "layout: blocks or single")
 	blockBytes := fs.Int("block-bytes", jobs.DefaultBlockBytes, "block size in bytes (blocks layout)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tests and tmpfs only)")
-	if _, code := c.parse(fs, args); code >= 0 {
-		return code
-	}
-	if *root == "" || *name == "" {
-		fs.Usage()
-		return exitUsage
-	}
-	m, err := kvgen.ModelByName(*model)
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	l, err := layout.ParseLayout(*lay)
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	if *tokens <= 0 {
-		return c.fail("--tokens must be positive")
-	}
-	e, err := engine.New(engine.Config{Root: *root, NoSync: *noSync, Logger: c.log})
-	if err != nil {
-		return c.fail("%v", err)
-	}
-	defer e.Close(context.Background())
-	cache := kvgen.NewCache(m, *tokens, true, nil)
-	caches, atts, meta := cacheRequest(cache, *tokens)
-	res := e.Do(ctx, &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: *name}, Layout: l,
-		Meta: meta, Caches: caches, Attachments: atts, BlockBytes: *blockBytes})
-	if res.Err != nil {
-		return c.fail("synth: %v", res.Err)
-	}
-	fmt.Fprintf(c.stdout, "wrote %s/%s: %s layout, %d tokens, %s logical, %s written, %s reused\n",
-		*ns, *name, l, *tokens, humanBytes(res.Metrics.LogicalBytes), humanBytes(res.Metrics.WrittenBytes), humanBytes(res.Metrics.ReusedBytes))
-	return exitOK
+	_ = cmd.MarkFlagRequired("root")
+	_ = cmd.MarkFlagRequired("name")
+	runs(cmd, func(ctx context.Context, args []string) int {
+		m, err := kvgen.ModelByName(*model)
+		if err != nil {
+			return c.fail("%v", err)
+		}
+		l, err := layout.ParseLayout(*lay)
+		if err != nil {
+			return c.fail("%v", err)
+		}
+		if *tokens <= 0 {
+			return c.usageError(cmd, "--tokens must be positive, not %d", *tokens)
+		}
+		if code := c.checkMemory("synth", cacheAllocBytes(m, *tokens)); code != exitOK {
+			return code
+		}
+		e, err := engine.New(engine.Config{Root: *root, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
+		if err != nil {
+			return c.fail("%v", err)
+		}
+		defer e.Close(context.Background())
+		cache := kvgen.NewCache(m, *tokens, true, nil)
+		caches, atts, meta := cacheRequest(cache, *tokens)
+		res := e.Do(ctx, &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: *name}, Layout: l,
+			Meta: meta, Caches: caches, Attachments: atts, BlockBytes: *blockBytes})
+		if res.Err != nil {
+			return c.fail("synth: %v", res.Err)
+		}
+		fmt.Fprintf(c.stdout, "wrote %s/%s: %s layout, %d tokens, %s logical, %s written, %s reused\n",
+			*ns, *name, l, *tokens, humanBytes(res.Metrics.LogicalBytes), humanBytes(res.Metrics.WrittenBytes), humanBytes(res.Metrics.ReusedBytes))
+		return exitOK
+	})
+	return cmd
 }

@@ -6,16 +6,8 @@ import (
 	"runtime"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/spf13/cobra"
 )
-
-func init() {
-	register(&command{
-		name: "verify", args: "ROOT|PATH",
-		summary: "re-read and re-hash a whole store (or one snapshot): headers, tensors, blocks, orphans, stale temp files",
-		example: "kvpersist verify /var/lib/kvcache\n  kvpersist verify --json /var/lib/kvcache/conv-42/turn-7",
-		run:     runVerify,
-	})
-}
 
 // verifyReport is what verify --json prints: jobs.VerifyReport with its
 // verdict.
@@ -34,9 +26,8 @@ type verifyReport struct {
 	Skipped []string `json:"skipped"`
 }
 
-func runVerify(ctx context.Context, c *cli, args []string) int {
-	cmd := commands["verify"]
-	fs := c.docFlags(cmd, `Given a store ROOT (the directory above the namespaces), verify checks every
+func (c *cli) verifyCommand() *cobra.Command {
+	cmd := c.command("verify ROOT|PATH", "re-read and re-hash a whole store (or one snapshot): headers, tensors, blocks, orphans, stale temp files", `Given a store ROOT (the directory above the namespaces), verify checks every
 namespace; given a namespace directory (one holding blocks/, a .lock or a
 snapshot file, with or without blocks/), that namespace; given a snapshot
 file or manifest PATH, that snapshot only.
@@ -64,75 +55,76 @@ as KIND PATH DETAIL; kinds: unreadable, corrupt-tensor, corrupt-block,
 missing-block, block-size, orphan-block, stale-temp, io-error.
 
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
-errors (io-error problems included).`)
+errors (io-error problems included).`,
+		"kvpersist verify /var/lib/kvcache\nkvpersist verify --json /var/lib/kvcache/conv-42/turn-7",
+		cobra.ExactArgs(1))
+	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print a JSON report: {target, clean, problems: [{kind, path, detail}], checked, notes, skipped}")
 	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "report temp files older than this as stale (0: every temp file)")
 	noLock := fs.Bool("no-lock", false, "do not wait for the namespace lock (writes in progress may then show as orphan blocks)")
 	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines re-hashing in parallel")
-	pos, code := c.parse(fs, args)
-	if code >= 0 {
-		return code
-	}
-	if len(pos) != 1 || *workers < 1 || *tempGrace < 0 {
-		fs.Usage()
-		return exitUsage
-	}
-	target := pos[0]
-	tg := *tempGrace
-	if tg == 0 {
-		tg = -1 // jobs: negative reports every temp file; 0 would mean the default
-	}
-	var bar *progress
-	defer func() {
-		if bar != nil {
-			bar.Done()
+	runs(cmd, func(ctx context.Context, args []string) int {
+		if *workers < 1 || *tempGrace < 0 {
+			return c.usageError(cmd, "--workers must be at least 1 and --temp-grace not negative")
 		}
-	}()
-	cfg := &jobs.Config{NoLock: *noLock, Helpers: *workers - 1, Spawn: func(fn func()) bool { go fn(); return true }}
-	if *workers == 1 {
-		cfg.Spawn = nil
-	}
-	res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
-		OnPlan:     func(total int64) { bar = c.progress(total, "verify") },
-		OnProgress: func(n int64) { bar.Add(n) },
-		OnLockWait: func(nsDir string) {
-			c.log.Warn("waiting for the namespace lock (a write or collect is running)", "namespace", nsDir)
-		},
+		target := args[0]
+		tg := *tempGrace
+		if tg == 0 {
+			tg = -1 // jobs: negative reports every temp file; 0 would mean the default
+		}
+		var bar *progress
+		defer func() {
+			if bar != nil {
+				bar.Done()
+			}
+		}()
+		cfg := &jobs.Config{NoLock: *noLock, Helpers: *workers - 1, Spawn: func(fn func()) bool { go fn(); return true }}
+		if *workers == 1 {
+			cfg.Spawn = nil
+		}
+		res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
+			OnPlan:     func(total int64) { bar = c.progress(total, "verify") },
+			OnProgress: func(n int64) { bar.Add(n) },
+			OnLockWait: func(nsDir string) {
+				c.log.Warn("waiting for the namespace lock (a write or collect is running)", "namespace", nsDir)
+			},
+		})
+		if err != nil {
+			return c.fail("verify: %s", quote(err.Error()))
+		}
+		r := &verifyReport{Target: target, Problems: res.Problems, Checked: res.Checked, Notes: res.Notes, Skipped: res.Skipped}
+		for _, p := range r.Problems {
+			if p.Kind == jobs.ProblemIO {
+				c.log.Warn("verify: I/O error", "path", p.Path, "err", p.Detail)
+			}
+		}
+		if r.Problems == nil {
+			r.Problems = []jobs.VerifyProblem{}
+		}
+		if r.Notes == nil {
+			r.Notes = []string{}
+		}
+		if r.Skipped == nil {
+			r.Skipped = []string{}
+		}
+		r.Clean = len(r.Problems) == 0
+		if *asJSON {
+			if err := c.writeJSON(r); err != nil {
+				return c.fail("writing JSON: %v", err)
+			}
+		} else {
+			printVerify(c, r)
+		}
+		exit := exitOK
+		for _, p := range r.Problems {
+			if p.Kind == jobs.ProblemIO {
+				return exitUsage
+			}
+			exit = exitProblems
+		}
+		return exit
 	})
-	if err != nil {
-		return c.fail("verify: %s", quote(err.Error()))
-	}
-	r := &verifyReport{Target: target, Problems: res.Problems, Checked: res.Checked, Notes: res.Notes, Skipped: res.Skipped}
-	for _, p := range r.Problems {
-		if p.Kind == jobs.ProblemIO {
-			c.log.Warn("verify: I/O error", "path", p.Path, "err", p.Detail)
-		}
-	}
-	if r.Problems == nil {
-		r.Problems = []jobs.VerifyProblem{}
-	}
-	if r.Notes == nil {
-		r.Notes = []string{}
-	}
-	if r.Skipped == nil {
-		r.Skipped = []string{}
-	}
-	r.Clean = len(r.Problems) == 0
-	if *asJSON {
-		if code := c.writeJSON(r); code >= 0 {
-			return code
-		}
-	} else {
-		printVerify(c, r)
-	}
-	exit := exitOK
-	for _, p := range r.Problems {
-		if p.Kind == jobs.ProblemIO {
-			return exitUsage
-		}
-		exit = exitProblems
-	}
-	return exit
+	return cmd
 }
 
 func printVerify(c *cli, r *verifyReport) {
