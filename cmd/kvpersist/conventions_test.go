@@ -29,7 +29,7 @@ func TestUsageErrorFirstLine(t *testing.T) {
 		{[]string{"ls", root, root}, "kvpersist ls: accepts 1 arg(s), received 2"},
 		{[]string{"verify"}, "kvpersist verify: accepts 1 arg(s), received 0"},
 		{[]string{"gc", "--temp-grace", "-1s", root}, "kvpersist gc: --temp-grace and --block-grace must not be negative"},
-		{[]string{"demo", "--tokens", "2048,4096x"}, `kvpersist: --tokens: "4096x" is not a positive integer`},
+		{[]string{"demo", "snapshots", "--tokens", "2048,4096x"}, `kvpersist: --tokens: "4096x" is not a positive integer`},
 		{[]string{"bogus"}, `kvpersist: unknown command "bogus" for "kvpersist"`},
 		{[]string{}, "kvpersist: no command given"},
 	} {

@@ -22,14 +22,16 @@ import (
 // defaultDemoNamespace is the namespace the demo writes when --ns is not given.
 const defaultDemoNamespace = "kvpersist-demo"
 
-func (c *cli) demoCommand() *cobra.Command {
-	cmd := c.command("demo", "simulate a multi-turn conversation: save its KV cache each turn, restore, verify, collect",
+// demoSnapshotsCommand is `demo snapshots`: the named-snapshot layouts
+// (blocks, then single) of one conversation, turn by turn, and collect.
+func (c *cli) demoSnapshotsCommand() *cobra.Command {
+	cmd := c.command("snapshots", "simulate a multi-turn conversation saved as named snapshots: save its KV cache each turn (blocks, then single), restore, verify, collect",
 		`It builds the conversation's cache in memory (capacity-padded, as mlx-lm
 keeps it) and restores each turn into fresh buffers, and refuses, before
 allocating, when the two need more memory than the machine has available
 (MemAvailable of /proc/meminfo). Exit status: 0 when every restore matched,
 1 on a mismatch or a failed save or restore, 2 on usage or I/O errors.`,
-		"kvpersist demo --model llama-3.1-8b --tokens 2048,4096,6144,8192",
+		"kvpersist demo snapshots --model llama-3.1-8b --tokens 2048,4096,6144,8192",
 		cobra.NoArgs)
 	fs := cmd.Flags()
 	model := fs.String("model", "llama-3.1-8b", "model geometry: tiny, llama-3.1-8b, qwen2.5-7b, gemma-2-9b")

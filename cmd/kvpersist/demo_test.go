@@ -10,7 +10,7 @@ import (
 )
 
 // demoArgs runs a small, quick demo (tiny model, two turns, 4 KiB blocks).
-var demoArgs = []string{"demo", "--model", "tiny", "--tokens", "300,600", "--block-bytes", "4096", "--no-sync"}
+var demoArgs = []string{"demo", "snapshots", "--model", "tiny", "--tokens", "300,600", "--block-bytes", "4096", "--no-sync"}
 
 // The demo pointed at an operator's store (--root) writes, deletes and
 // collects only in a namespace of its own: the user's snapshots, even ones
@@ -72,5 +72,44 @@ func TestDemoTouchesOnlyItsNamespace(t *testing.T) {
 		if got, ok := final[p]; !ok || got != st {
 			t.Errorf("%s: the demo run with --reuse-ns changed or removed it", p)
 		}
+	}
+}
+
+// servingArgs runs a small serving demo on the prefix cache.
+var servingArgs = []string{"demo", "--model", "tiny", "--conversations", "3", "--system-tokens", "40",
+	"--turns", "2", "--turn-tokens", "20", "--page-tokens", "16", "--no-sync", "--bytes"}
+
+// `demo` is the serving scenario (internal/demo): it exits 0 when every
+// loaded byte matched, prints one row per turn, writes only in its own
+// namespace of a given root (page files under it), and refuses that
+// namespace once it exists.
+func TestDemoServesFromThePrefixCache(t *testing.T) {
+	root := t.TempDir()
+	out := mustRun(t, exitOK, append(servingArgs, "--root", root)...)
+	if !strings.Contains(out, "every loaded byte matched what was saved") {
+		t.Fatalf("demo output lacks its verdict:\n%s", out)
+	}
+	// 3 conversations x 2 turns: six rows whose first two fields are conv and turn.
+	rows := 0
+	for _, line := range strings.Split(out, "\n") {
+		f := strings.Fields(line)
+		if len(f) == 10 && f[0] >= "1" && f[0] <= "3" && (f[1] == "1" || f[1] == "2") {
+			rows++
+		}
+	}
+	if rows != 6 {
+		t.Errorf("%d turn rows, want 6:\n%s", rows, out)
+	}
+	entries, err := os.ReadDir(root)
+	if err != nil || len(entries) != 1 || entries[0].Name() != defaultDemoNamespace {
+		t.Fatalf("root holds %v (%v), want only %s", entries, err, defaultDemoNamespace)
+	}
+	pages, _ := filepath.Glob(filepath.Join(root, defaultDemoNamespace, "pages", "*", "*"))
+	if len(pages) == 0 {
+		t.Fatalf("no page files under %s", root)
+	}
+	code, _, errs := cliRun(t, append(servingArgs, "--root", root)...)
+	if code != exitUsage || !strings.Contains(errs, "namespace "+defaultDemoNamespace) {
+		t.Fatalf("second run: exit %d, want %d naming the namespace:\n%s", code, exitUsage, errs)
 	}
 }
