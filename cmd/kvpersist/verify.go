@@ -273,10 +273,11 @@ func (v *verifier) planSnapshot(ctx context.Context, path string) ([]verifyTask,
 func (v *verifier) planSnap(snap *layout.Snapshot, name string, uses map[string]*blockUse) []verifyTask {
 	var tasks []verifyTask
 	nsDir := filepath.Dir(snap.Path)
+	names := snap.Header.SlotIndex() // O(1) per slot
 	for i, t := range snap.Header.Slots() {
 		if snap.Layout == layout.Single || (snap.Layout == layout.Pages && t.Hash != "") { // a page manifest's attachments
 			tasks = append(tasks, verifyTask{path: snap.Path, off: int64(snap.DataStart) + t.Off, size: t.Bytes,
-				want: t.Hash, bun: snap.Legacy, slot: snap.Header.SlotName(i)})
+				want: t.Hash, bun: snap.Legacy, slot: names.Name(i)})
 			continue
 		}
 		for b, ref := range t.Blocks {

@@ -502,12 +502,13 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 // the original's cut (legacyPlan); Write has no per-tensor metadata, so a
 // snapshot going through it (single file, re-cut manifest) must have none.
 func migratable(snap *layout.Snapshot, keep bool) error {
+	names := snap.Header.SlotIndex() // O(1) per slot: named for every slot when keep
 	for i, t := range snap.Header.Slots() {
 		if _, err := layout.ItemSize(t.DType); err != nil {
 			return fmt.Errorf("%w: %s %s: %w", ErrUnsupported, snap.Path, snap.Header.SlotName(i), err)
 		}
 		if keep {
-			if _, _, err := legacyPlan(t, snap.Path+" "+snap.Header.SlotName(i)); err != nil {
+			if _, _, err := legacyPlan(t, snap.Path+" "+names.Name(i)); err != nil {
 				return err
 			}
 		} else if len(t.Meta) > 0 {
@@ -641,8 +642,9 @@ func writeKeptBlocks(ctx context.Context, cfg *Config, dst string, src *layout.H
 	bs := make([]blockSlot, len(slots))
 	var off int64
 	total := 0
+	names := h.SlotIndex() // O(1) per slot
 	for i, t := range slots {
-		p, shape, err := legacyPlan(t, fmt.Sprintf("%s %s", dst, h.SlotName(i)))
+		p, shape, err := legacyPlan(t, fmt.Sprintf("%s %s", dst, names.Name(i)))
 		if err != nil {
 			return m, err
 		}
