@@ -14,11 +14,24 @@ import (
 // for line (between its README:begin and README:end markers), under the one
 // import it needs; and the Example imports no kvpersist package but engine.
 func TestREADMEEmbeddingIsTheExample(t *testing.T) {
-	src, err := os.ReadFile("example_test.go")
+	checkREADMEBlock(t, "example_test.go", "Embedding")
+}
+
+// The README's prefix-cache sketch is example_prefix_test.go's Example.
+func TestREADMEPrefixCacheIsTheExample(t *testing.T) {
+	checkREADMEBlock(t, "example_prefix_test.go", "Prefix cache")
+}
+
+// checkREADMEBlock checks that the first ```go block of the README's
+// "## section" is file's lines between README:begin and README:end, under
+// the one kvpersist import the file may have (engine).
+func checkREADMEBlock(t *testing.T, file, section string) {
+	t.Helper()
+	src, err := os.ReadFile(file)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f, err := parser.ParseFile(token.NewFileSet(), "example_test.go", src, parser.ImportsOnly)
+	f, err := parser.ParseFile(token.NewFileSet(), file, src, parser.ImportsOnly)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -30,16 +43,16 @@ func TestREADMEEmbeddingIsTheExample(t *testing.T) {
 		}
 	}
 	if len(ours) != 1 || ours[0] != "github.com/kvpersist/kvpersist/engine" {
-		t.Fatalf("the example imports %v, want the engine package alone", ours)
+		t.Fatalf("%s imports %v, want the engine package alone", file, ours)
 	}
 	_, rest, ok := bytes.Cut(src, []byte("// README:begin"))
 	if !ok {
-		t.Fatal("example_test.go has no README:begin marker")
+		t.Fatalf("%s has no README:begin marker", file)
 	}
 	_, rest, _ = bytes.Cut(rest, []byte("\n"))
 	body, _, ok := bytes.Cut(rest, []byte("\t// README:end"))
 	if !ok {
-		t.Fatal("example_test.go has no README:end marker")
+		t.Fatalf("%s has no README:end marker", file)
 	}
 	var want strings.Builder
 	want.WriteString("import \"github.com/kvpersist/kvpersist/engine\"\n\n")
@@ -51,16 +64,16 @@ func TestREADMEEmbeddingIsTheExample(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, sec, ok := strings.Cut(string(readme), "\n## Embedding\n")
+	_, sec, ok := strings.Cut(string(readme), "\n## "+section+"\n")
 	if !ok {
-		t.Fatal(`README.md has no "## Embedding" section`)
+		t.Fatalf("README.md has no %q section", "## "+section)
 	}
 	_, block, ok := strings.Cut(sec, "```go\n")
 	if !ok {
-		t.Fatal("README.md's Embedding section has no ```go block")
+		t.Fatalf("README.md's %s section has no ```go block", section)
 	}
 	block, _, _ = strings.Cut(block, "```\n")
 	if block != want.String() {
-		t.Errorf("README.md's embedding sketch differs from the example; want exactly:\n%s", want.String())
+		t.Errorf("README.md's %s sketch differs from %s; want exactly:\n%s", section, file, want.String())
 	}
 }
