@@ -96,7 +96,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 	case *SavePrefixRequest:
 		dir := filepath.Join(e.cfg.Root, r.Namespace)
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens,
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
@@ -104,7 +104,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 	case *LoadPrefixRequest:
 		dir := filepath.Join(e.cfg.Root, r.Namespace)
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify,
+			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)

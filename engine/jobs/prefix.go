@@ -39,6 +39,15 @@ type SavePrefixSpec struct {
 	Tensors []TensorSpec
 	// PageTokens is P, tokens per page; 0 means layout.DefaultPageTokens.
 	PageTokens int
+	// Progress, when non-nil, is called with n > 0 each time n more bytes
+	// of the save are done: a page's tensor bytes (its tokens' share of
+	// every tensor; headers and alignment not counted) once the page was
+	// found stored or written to its temp file (its fdatasync and rename
+	// come later, batched). The calls of one save add up to len(Tokens)
+	// tokens' bytes of every tensor when it succeeds. It is called on the
+	// save's goroutine only, never after SavePrefix returns (for the
+	// engine: never after the ack), and must be quick.
+	Progress func(bytes int64)
 }
 
 // PrefixResult reports a prefix save or load. Counts are pages, sizes
@@ -79,6 +88,14 @@ type LoadPrefixSpec struct {
 	// Verify checks every tensor of every page against its xxh3-64; a page
 	// that fails ends the prefix there (PrefixResult.Stop).
 	Verify bool
+	// Progress, when non-nil, is called with n > 0 each time one page
+	// tensor of n bytes has been read into its destination (and verified,
+	// with Verify); a tensor that fails is not counted. When every page
+	// found loads, the calls add up to the loaded tokens' bytes of every
+	// tensor. It may be called from several of the load's goroutines at
+	// once (it must be safe for concurrent use and quick), never after
+	// LoadPrefix returns (for the engine: never after the ack).
+	Progress func(bytes int64)
 }
 
 func pageTokens(p int) int {
@@ -176,7 +193,7 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, tensors, keys, res, &m)
+	err = savePages(ctx, cfg, nsDir, spec.Identity, p, spec.Tokens, tensors, keys, res, &m, spec.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
@@ -185,8 +202,9 @@ func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*Prefix
 // nsDir/pages, the namespace already created and locked: existing pages
 // are reused by name and size, new ones written and committed by the
 // fsync waiters, then the fan-out directories and pages/ are fsynced. It
-// fills res's counts and m's write metrics.
-func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics) error {
+// fills res's counts and m's write metrics, and tells progress (when
+// non-nil) each page's tensor bytes once it is reused or staged.
+func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics, progress func(int64)) error {
 	fsys := cfg.fs()
 	n := len(tokens)
 	pagesDir := layout.PagesDir(nsDir)
@@ -238,6 +256,7 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 		if serr == nil && fi.Mode().IsRegular() && fi.Size() == size {
 			res.PagesReused++
 			res.BytesReused += size
+			reportPage(progress, h)
 			continue
 		}
 		if serr != nil && !vfs.IsNotExist(serr) {
@@ -251,6 +270,7 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 		if err = stagePage(ctx, cfg, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
 			break
 		}
+		reportPage(progress, h)
 	}
 	syncErr := c.stop(err != nil)
 	if err == nil {
@@ -274,6 +294,21 @@ func savePages(ctx context.Context, cfg *Config, nsDir, identity string, p int, 
 	m.BlocksWritten, m.BlocksReused = int64(res.PagesWritten), int64(res.PagesReused)
 	m.CopiedBytes, m.ScratchPeak = copied.Load(), peak.Load()
 	return err
+}
+
+// reportPage tells progress (when non-nil) the tensor bytes of the page
+// whose header is h.
+func reportPage(progress func(int64), h *layout.Header) {
+	if progress == nil {
+		return
+	}
+	var n int64
+	for _, t := range h.Caches[0].Tensors {
+		n += t.Bytes
+	}
+	if n > 0 {
+		progress(n)
+	}
 }
 
 // planPage builds a page's header (layout.FormatPage) and file layout from
@@ -457,6 +492,9 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 		sub, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
 		if err == nil {
 			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, spec.Verify, t.Hash, &read)
+		}
+		if err == nil && spec.Progress != nil && t.Bytes > 0 {
+			spec.Progress(t.Bytes)
 		}
 		if err != nil {
 			if ctx.Err() != nil {
@@ -683,7 +721,7 @@ func writePages(ctx context.Context, cfg *Config, spec *writeSpec, h *layout.Hea
 	}
 	res := &PrefixResult{Keys: keys}
 	var pm Metrics
-	if err := savePages(ctx, cfg, filepath.Dir(spec.Path), spec.Identity, p, spec.Tokens, tensors, keys, res, &pm); err != nil {
+	if err := savePages(ctx, cfg, filepath.Dir(spec.Path), spec.Identity, p, spec.Tokens, tensors, keys, res, &pm, nil); err != nil {
 		return err
 	}
 	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}

@@ -11,6 +11,9 @@ type SavePrefixRequest struct {
 	Tokens     []uint32
 	Tensors    []TensorSpec
 	PageTokens int // 0 means layout.DefaultPageTokens (256)
+	// Progress, when non-nil, is told how many more bytes are done (see
+	// SavePrefixSpec.Progress).
+	Progress func(bytes int64)
 }
 
 // LoadPrefixRequest loads the longest stored prefix of Tokens from the
@@ -25,6 +28,9 @@ type LoadPrefixRequest struct {
 	Dest       []TensorSpec
 	PageTokens int // 0 means layout.DefaultPageTokens (256)
 	Verify     bool
+	// Progress, when non-nil, is told how many more bytes are done (see
+	// LoadPrefixSpec.Progress).
+	Progress func(bytes int64)
 }
 
 func (*SavePrefixRequest) request() {}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -565,5 +566,52 @@ func TestPrefixLoadFaults(t *testing.T) {
 	}
 	if fired < 10 {
 		t.Fatalf("only %d faults fired", fired)
+	}
+}
+
+// TestPrefixProgress: the progress calls of a save add up to the saved
+// tokens' bytes of every tensor (pages written and pages reused alike), and
+// those of a load to the loaded tokens' bytes; every call is positive.
+func TestPrefixProgress(t *testing.T) {
+	for _, cfg := range []*jobs.Config{noSync(), withHelpers(2)} {
+		ns := filepath.Join(t.TempDir(), "ns")
+		c := newConv(seqTokens(600, 3), pTensors, pHeads, pDim, 768)
+		perToken := int64(pTensors * pHeads * pDim * 2) // bytes of one token in every tensor
+		var mu sync.Mutex
+		var sum int64
+		calls := 0
+		progress := func(n int64) {
+			mu.Lock()
+			defer mu.Unlock()
+			if n <= 0 {
+				t.Errorf("progress(%d)", n)
+			}
+			sum += n
+			calls++
+		}
+		for _, n := range []int{300, 600} { // the second save reuses the first page
+			sum, calls = 0, 0
+			res, _, err := jobs.SavePrefix(context.Background(), cfg, &jobs.SavePrefixSpec{
+				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:n], Tensors: c.views(n), PageTokens: 256, Progress: progress,
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := int64(n) * perToken; sum != want || calls != len(res.Keys) {
+				t.Fatalf("save of %d tokens: progress %d bytes in %d calls, want %d in %d", n, sum, calls, want, len(res.Keys))
+			}
+		}
+		sum, calls = 0, 0
+		bufs, dest := c.dests(768)
+		res, _, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixSpec{
+			NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.checkDest(t, bufs, 768, res.Tokens)
+		if want := int64(600) * perToken; res.Tokens != 600 || sum != want || calls != 3*pTensors {
+			t.Fatalf("load: %d tokens, progress %d bytes in %d calls, want %d in %d", res.Tokens, sum, calls, want, 3*pTensors)
+		}
 	}
 }

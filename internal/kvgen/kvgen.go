@@ -132,7 +132,6 @@ func NewCache(m Model, tokens int, padded bool, alloc func(n int) []byte) *Cache
 	}
 	capTok := c.capTokens()
 	n := m.TensorBytes(capTok)
-	consts := rowConsts(m.HeadDim)
 	for l := 0; l < m.Layers; l++ { // alloc is called from this goroutine only
 		c.K[l] = get(n)
 		c.V[l] = get(n)
@@ -148,7 +147,7 @@ func NewCache(m Model, tokens int, padded bool, alloc func(n int) []byte) *Cache
 			if s%2 == 1 {
 				buf = c.V[s/2]
 			}
-			fillTensor(buf, m, s/2, s%2, tokens, capTok, consts)
+			fillTensor(buf, m, s/2, s%2, tokens, capTok)
 		}
 	}
 	var wg sync.WaitGroup
@@ -341,39 +340,15 @@ func TokenID(i int) int32 {
 	return int32(splitmix64(uint64(i)^0x5EED_70C3_1D5E_ED00) % 128256)
 }
 
-// rowConsts returns the per-word XOR constants of a row of headDim elements:
-// word w (elements 4w..4w+3) is rowHash ^ consts[w].
-func rowConsts(headDim int) []uint64 {
-	cs := make([]uint64, (headDim+3)/4)
-	for w := range cs {
-		cs[w] = uint64(w) * golden
-	}
-	return cs
-}
-
 // fillTensor writes a [1, KVHeads, capTok, HeadDim] buffer: tokens
-// 0..tokens-1 of each head get Value content, tokens..capTok-1 get Padding.
-// It writes the same bytes as Value, one 64-bit word (4 elements) at a time.
-//
-//go:norace
-func fillTensor(buf []byte, m Model, layer, kv, tokens, capTok int, consts []uint64) {
-	rowBytes := m.HeadDim * 2
-	full := m.HeadDim / 4 // whole words per row
+// 0..tokens-1 of each head get Value content (Rows), tokens..capTok-1 get
+// Padding.
+func fillTensor(buf []byte, m Model, layer, kv, tokens, capTok int) {
+	rowBytes := m.HeadDim * m.ItemSize
 	for h := 0; h < m.KVHeads; h++ {
 		base := h * capTok * rowBytes
-		for t := 0; t < tokens; t++ {
-			row := buf[base+t*rowBytes : base+(t+1)*rowBytes]
-			r := rowHash(layer, kv, h, t)
-			for w := 0; w < full; w++ {
-				binary.LittleEndian.PutUint64(row[w*8:w*8+8], r^consts[w])
-			}
-			for d := full * 4; d < m.HeadDim; d++ {
-				x := r ^ consts[d/4]
-				binary.LittleEndian.PutUint16(row[d*2:], uint16(x>>(16*uint(d%4))))
-			}
-		}
-		pad := buf[base+tokens*rowBytes : base+capTok*rowBytes]
-		fillPadding(pad)
+		m.Rows(buf[base:base+tokens*rowBytes], layer, kv, h, 0)
+		fillPadding(buf[base+tokens*rowBytes : base+capTok*rowBytes])
 	}
 }
 
@@ -395,3 +370,36 @@ func fillIDs(b []byte) {
 		binary.LittleEndian.PutUint32(b[i:i+IDSize], uint32(TokenID(i/IDSize)))
 	}
 }
+
+// Rows writes into out the content of n consecutive rows of one head,
+// (layer, kv, head, token) for token = first, first+1, ..., first+n-1,
+// row-major [n, HeadDim] bf16 little endian, where n = len(out) /
+// (HeadDim*ItemSize): the same bytes as Value, computed a 64-bit word at a
+// time. A conversation whose token position p should hold the content of
+// another token index (a scenario mapping positions to distinct content)
+// passes that index as first. It panics if len(out) is not a whole number
+// of rows, if first < 0, or if the model's ItemSize is not 2.
+//
+//go:norace
+func (m Model) Rows(out []byte, layer, kv, head, first int) {
+	rowBytes := m.HeadDim * m.ItemSize
+	if m.ItemSize != 2 || len(out)%rowBytes != 0 || first < 0 {
+		panic(fmt.Sprintf("kvgen: Rows: %d bytes, first token %d, model %s (rows of %d bytes, 2-byte elements)", len(out), first, m.Name, rowBytes))
+	}
+	full := m.HeadDim / 4
+	for t := 0; t*rowBytes < len(out); t++ {
+		row := out[t*rowBytes : (t+1)*rowBytes]
+		r := rowHash(layer, kv, head, first+t)
+		for w := 0; w < full; w++ {
+			binary.LittleEndian.PutUint64(row[w*8:w*8+8], r^uint64(w)*golden)
+		}
+		for d := full * 4; d < m.HeadDim; d++ {
+			x := r ^ uint64(d/4)*golden
+			binary.LittleEndian.PutUint16(row[d*2:], uint16(x>>(16*uint(d%4))))
+		}
+	}
+}
+
+// FillPadding fills b with the Padding bit pattern (every whole 2-byte
+// element; an odd last byte is left as is).
+func FillPadding(b []byte) { fillPadding(b) }

@@ -486,3 +486,21 @@ func TestViewsAt(t *testing.T) {
 		}
 	}
 }
+
+// TestRowsMatchesValue: Rows writes exactly Value's elements, for a head
+// dim that is a multiple of 4 and one that is not, at any first token.
+func TestRowsMatchesValue(t *testing.T) {
+	for _, m := range []Model{Tiny, {Name: "odd", Layers: 2, KVHeads: 2, HeadDim: 6, DType: "bfloat16", ItemSize: 2}} {
+		for _, first := range []int{0, 7, 1 << 20} {
+			out := make([]byte, 5*m.HeadDim*2)
+			m.Rows(out, 1, 1, 1, first)
+			for tok := range 5 {
+				for d := range m.HeadDim {
+					if got, want := binary.LittleEndian.Uint16(out[(tok*m.HeadDim+d)*2:]), Value(1, 1, 1, first+tok, d); got != want {
+						t.Fatalf("%s first %d token %d d %d: %#x, want %#x", m.Name, first, tok, d, got, want)
+					}
+				}
+			}
+		}
+	}
+}
