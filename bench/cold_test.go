@@ -105,15 +105,27 @@ func residentPages(files []string) (int, error) {
 		if err != nil {
 			return 0, err
 		}
-		vec := make([]byte, (len(m)+pageBytes-1)/pageBytes)
-		_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0])))
+		r, err := residentIn(m)
 		unix.Munmap(m)
-		if errno != 0 {
-			return 0, fmt.Errorf("mincore %s: %w", p, errno)
+		if err != nil {
+			return 0, fmt.Errorf("%s: %w", p, err)
 		}
-		for _, v := range vec {
-			n += int(v & 1)
-		}
+		n += r
+	}
+	return n, nil
+}
+
+// residentIn counts the resident pages of m, a page-aligned mapping
+// (mincore).
+func residentIn(m []byte) (int, error) {
+	vec := make([]byte, (len(m)+pageBytes-1)/pageBytes)
+	_, _, errno := unix.Syscall(unix.SYS_MINCORE, uintptr(unsafe.Pointer(&m[0])), uintptr(len(m)), uintptr(unsafe.Pointer(&vec[0])))
+	if errno != 0 {
+		return 0, fmt.Errorf("mincore: %w", errno)
+	}
+	n := 0
+	for _, v := range vec {
+		n += int(v & 1)
 	}
 	return n, nil
 }
