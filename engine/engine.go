@@ -31,7 +31,6 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
-	"github.com/kvpersist/kvpersist/engine/metrics"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -78,8 +77,9 @@ type Config struct {
 	// nil means slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
-	// bytes); register it in the scheduler's Prometheus registry. nil: none.
-	Metrics *metrics.Recorder
+	// bytes): usually a *metrics.Recorder, registered in the scheduler's
+	// Prometheus registry. nil: none.
+	Metrics MetricsSink
 	// ReadDepth is how many read requests one restore keeps in flight;
 	// default jobs.DefaultReadDepth (see jobs.ReadExtents). NoDirect turns
 	// O_DIRECT reads off (by default they are used where the file system

@@ -4,26 +4,50 @@ import (
 	"errors"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/metrics"
+	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 )
 
+// MetricsSink is what the engine feeds with its operational signal:
+// *metrics.Recorder satisfies it (a nil *metrics.Recorder does nothing).
+// It is an interface so that importing package engine does not link
+// prometheus and protobuf into every embedder: only an embedder that
+// creates a metrics.Recorder does (TestEngineLinksNoPrometheus checks it).
+// Methods must be safe for concurrent use and cheap: the engine calls them
+// from its workers as jobs finish.
+type MetricsSink interface {
+	// Job records a finished job of kind k with outcome o; d, its wall time
+	// from the moment it started on a worker, counts only when ran.
+	Job(k labels.Kind, o labels.Outcome, d time.Duration, ran bool)
+	// Bytes adds bytes written to disk, reused (dedup) and read from disk.
+	Bytes(written, reused, read int64)
+	// DirectRead adds bytes read with O_DIRECT (a part of the read bytes).
+	DirectRead(n int64)
+	// Lookup records one prefix lookup: tokens hit and missed.
+	Lookup(hitTokens, missTokens int64)
+	// Evicted records pages unlinked by eviction and their allocated bytes.
+	Evicted(reason evict.Reason, pages, bytes int64)
+	// Refused records a save refused for want of space, by limit.
+	Refused(limit evict.Reason)
+}
+
 // metricsKind maps a job kind to its metrics label.
-func metricsKind(k Kind) (metrics.Kind, bool) {
+func metricsKind(k Kind) (labels.Kind, bool) {
 	switch k {
 	case KindWrite:
-		return metrics.KindWrite, true
+		return labels.KindWrite, true
 	case KindRead:
-		return metrics.KindRead, true
+		return labels.KindRead, true
 	case KindCollect:
-		return metrics.KindCollect, true
+		return labels.KindCollect, true
 	case KindDelete:
-		return metrics.KindDelete, true
+		return labels.KindDelete, true
 	case KindMigrate:
-		return metrics.KindMigrate, true
+		return labels.KindMigrate, true
 	case KindSavePrefix:
-		return metrics.KindSave, true
+		return labels.KindSave, true
 	case KindLoadPrefix:
-		return metrics.KindLoad, true
+		return labels.KindLoad, true
 	}
 	return 0, false
 }
@@ -41,9 +65,9 @@ func (e *Engine) recordJob(j *job, res *Result, ran bool) {
 	if !ok {
 		return
 	}
-	outcome := metrics.OutcomeOf(res.Err)
-	if outcome == metrics.OutcomeError && errors.Is(res.Err, ErrClosed) {
-		outcome = metrics.OutcomeCanceled
+	outcome := labels.OutcomeOf(res.Err)
+	if outcome == labels.OutcomeError && errors.Is(res.Err, ErrClosed) {
+		outcome = labels.OutcomeCanceled
 	}
 	var elapsed time.Duration
 	if ran {

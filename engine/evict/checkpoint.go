@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io"
 	"slices"
 
 	"github.com/zeebo/xxh3"
@@ -20,7 +21,7 @@ import (
 // the header only of pages the checkpoint does not name (written since),
 // Adds them with Access = the file's mtime (when the page was written), and
 // then applies the checkpoint (ApplyCheckpoint: Access = max(mtime,
-// recorded)). A page written after the last checkpoint keeps its mtime,
+// min(recorded, now))). A page written after the last checkpoint keeps its mtime,
 // which is later than every access the checkpoint recorded; a page the
 // checkpoint names that is gone is ignored; a checkpoint that fails to
 // decode is ignored as a whole (every header is then read, and the mtimes
@@ -38,10 +39,15 @@ import (
 //	16 + 72·N   8     u64 XXH3-64 (seed 0) of bytes [0, 16 + 72·N)
 //
 // Records are sorted by key, strictly ascending (bytewise): no duplicates.
-// No record has a parent equal to its key. A reader checks, in this order,
-// before allocating: the length is at least 24; the magic; N ≤ (length −
-// 24) / 72 and length = 24 + 72·N exactly; the hash; then each record (keys
-// ascending, parent ≠ key, access ≥ 0).
+// No record has a parent equal to its key, and the parent links have no
+// cycle: following parents from any record through the records never
+// returns to it (a parent not among the records ends the walk). N ≤
+// MaxCheckpointRecords. A reader checks, in this order, before allocating:
+// the length is at most MaxCheckpointBytes (ReadCheckpoint checks the
+// file's size before it reads; CheckCheckpointSize for a reader of its
+// own) and at least 24; the magic; N ≤ (length − 24) / 72 and length = 24 +
+// 72·N exactly; the hash; then each record (keys ascending, parent ≠ key,
+// access ≥ 0); then the cycles.
 
 // CheckpointMagic starts every checkpoint file.
 const CheckpointMagic = "KVPLRU1\n"
@@ -55,8 +61,21 @@ const (
 	CheckpointMinBytes = checkpointHeaderBytes + checkpointTrailBytes
 )
 
+// MaxCheckpointRecords bounds a checkpoint's records (pages of one
+// namespace): 2^23 = 8,388,608, a 604 MB file (MaxCheckpointBytes) and
+// about 0.7 GB of decoded records. It bounds what a restart reads into
+// memory, whatever the file claims; a namespace with more tracked pages is
+// not checkpointed (AppendCheckpoint refuses it), and its restart orders
+// the pages by their mtimes alone.
+const MaxCheckpointRecords = 1 << 23
+
+// MaxCheckpointBytes is the size of a checkpoint of MaxCheckpointRecords
+// records, the largest a reader accepts: 603,979,800 bytes.
+const MaxCheckpointBytes = CheckpointMinBytes + MaxCheckpointRecords*checkpointRecordBytes
+
 // ErrCheckpoint: a checkpoint does not decode (wrong magic, length, hash,
-// order or value). The error names what is wrong.
+// order or value; too large; a parent cycle). The error names what is
+// wrong.
 var ErrCheckpoint = errors.New("evict: bad recency checkpoint")
 
 // Record is one page's recency (and chain link) in a checkpoint.
@@ -74,10 +93,52 @@ func CheckpointBytes(n int) int64 {
 	return CheckpointMinBytes + int64(n)*checkpointRecordBytes
 }
 
+// CheckCheckpointSize checks a checkpoint file's size in bytes (from fstat)
+// before a reader allocates for it: more than MaxCheckpointBytes, or less
+// than CheckpointMinBytes, is ErrCheckpoint.
+func CheckCheckpointSize(sizeBytes int64) error {
+	if sizeBytes > MaxCheckpointBytes {
+		return fmt.Errorf("%w: %d bytes, more than the %d of %d records (MaxCheckpointRecords)", ErrCheckpoint, sizeBytes, int64(MaxCheckpointBytes), MaxCheckpointRecords)
+	}
+	if sizeBytes < CheckpointMinBytes {
+		return fmt.Errorf("%w: %d bytes, shorter than the %d of an empty checkpoint", ErrCheckpoint, sizeBytes, CheckpointMinBytes)
+	}
+	return nil
+}
+
+// ReadCheckpoint reads and decodes a whole checkpoint of sizeBytes bytes
+// (the file's size from fstat) from r, which the caller opened (the
+// package itself opens no file). The size is checked (CheckCheckpointSize)
+// before anything is allocated or read; r must then hold exactly sizeBytes
+// bytes. Errors: ErrCheckpoint (too large, too short, a size that differs
+// from what r holds, or DecodeCheckpoint's), or r's read error.
+func ReadCheckpoint(r io.Reader, sizeBytes int64) ([]Record, error) {
+	if err := CheckCheckpointSize(sizeBytes); err != nil {
+		return nil, err
+	}
+	b := make([]byte, sizeBytes+1) // one more: a file longer than its size is refused
+	n, err := io.ReadFull(r, b)
+	switch {
+	case err == io.ErrUnexpectedEOF || err == io.EOF:
+		if int64(n) != sizeBytes {
+			return nil, fmt.Errorf("%w: %d bytes read, the file's size is %d", ErrCheckpoint, n, sizeBytes)
+		}
+	case err != nil:
+		return nil, fmt.Errorf("evict: reading the recency checkpoint: %w", err)
+	default:
+		return nil, fmt.Errorf("%w: more than the file's size of %d bytes to read", ErrCheckpoint, sizeBytes)
+	}
+	return DecodeCheckpoint(b[:n])
+}
+
 // AppendCheckpoint appends the checkpoint of recs to dst. recs must be
-// sorted by key, strictly ascending, with Access ≥ 0 (Cache.Checkpoint
-// returns them so); otherwise ErrInvalid and dst unchanged.
+// sorted by key, strictly ascending, with Access ≥ 0, no parent cycle, and
+// at most MaxCheckpointRecords of them (Cache.Checkpoint returns them so,
+// below that count); otherwise ErrInvalid and dst unchanged.
 func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
+	if len(recs) > MaxCheckpointRecords {
+		return dst, fmt.Errorf("%w: %d checkpoint records, more than MaxCheckpointRecords (%d)", ErrInvalid, len(recs), MaxCheckpointRecords)
+	}
 	for i, r := range recs {
 		if r.Access < 0 {
 			return dst, fmt.Errorf("%w: checkpoint record %d (%s) has access %d < 0", ErrInvalid, i, r.Key, r.Access)
@@ -88,6 +149,9 @@ func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
 		if r.HasParent && (r.Parent == r.Key || r.Parent == (Key{})) {
 			return dst, fmt.Errorf("%w: checkpoint record %d (%s) has parent %s (its own key, or all zero)", ErrInvalid, i, r.Key, r.Parent)
 		}
+	}
+	if i, ok := parentCycle(recs); ok {
+		return dst, fmt.Errorf("%w: checkpoint record %d (%s) is its own ancestor (a parent cycle)", ErrInvalid, i, recs[i].Key)
 	}
 	start := len(dst)
 	dst = slices.Grow(dst, int(CheckpointBytes(len(recs))))
@@ -108,8 +172,8 @@ func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
 // DecodeCheckpoint decodes and validates a whole checkpoint file (see the
 // format above). Errors wrap ErrCheckpoint and name the first problem.
 func DecodeCheckpoint(b []byte) ([]Record, error) {
-	if len(b) < CheckpointMinBytes {
-		return nil, fmt.Errorf("%w: %d bytes, shorter than the %d of an empty checkpoint", ErrCheckpoint, len(b), CheckpointMinBytes)
+	if err := CheckCheckpointSize(int64(len(b))); err != nil {
+		return nil, err
 	}
 	if !bytes.Equal(b[:8], []byte(CheckpointMagic)) {
 		return nil, fmt.Errorf("%w: magic %q, want %q", ErrCheckpoint, b[:8], CheckpointMagic)
@@ -143,7 +207,61 @@ func DecodeCheckpoint(b []byte) ([]Record, error) {
 			return nil, fmt.Errorf("%w: record %d (%s) is its own parent", ErrCheckpoint, i, r.Key)
 		}
 	}
+	if i, ok := parentCycle(recs); ok {
+		return nil, fmt.Errorf("%w: record %d (%s) is its own ancestor (a parent cycle): its pages could never be evicted", ErrCheckpoint, i, recs[i].Key)
+	}
 	return recs, nil
+}
+
+// parentCycle reports a record on a cycle of parent links among recs
+// (sorted by key, strictly ascending). Parents are found by binary search
+// over the keys' first 8 bytes (a dense array, 8·N bytes, that stays in
+// cache where the 80-byte records would not), then the full key: O(N log N)
+// time, 9·N bytes of state, no map.
+func parentCycle(recs []Record) (int, bool) {
+	const (
+		unseen = iota
+		onPath
+		done
+	)
+	prefix := make([]uint64, len(recs))
+	for i := range recs {
+		prefix[i] = binary.BigEndian.Uint64(recs[i].Key[:8])
+	}
+	find := func(k *Key) int {
+		p := binary.BigEndian.Uint64(k[:8])
+		i, _ := slices.BinarySearch(prefix, p)
+		for ; i < len(recs) && prefix[i] == p; i++ {
+			if recs[i].Key == *k {
+				return i
+			}
+		}
+		return -1
+	}
+	state := make([]uint8, len(recs))
+	var path []int
+	for i := range recs {
+		path = path[:0]
+		for j := i; state[j] == unseen; {
+			state[j] = onPath
+			path = append(path, j)
+			if !recs[j].HasParent {
+				break
+			}
+			p := find(&recs[j].Parent)
+			if p < 0 {
+				break
+			}
+			if state[p] == onPath {
+				return p, true
+			}
+			j = p
+		}
+		for _, j := range path {
+			state[j] = done
+		}
+	}
+	return 0, false
 }
 
 // Checkpoint appends the recency and parent of every tracked page of
@@ -168,9 +286,17 @@ func (c *Cache) Checkpoint(ns string, dst []Record) []Record {
 }
 
 // ApplyCheckpoint moves the recency of namespace ns's tracked pages forward
-// to the checkpoint's (Access = max(current, recorded)); records of pages
-// not tracked are ignored. It returns how many pages it matched.
-func (c *Cache) ApplyCheckpoint(ns string, recs []Record) int {
+// to the checkpoint's, clamped to nowNanos, the caller's clock at the
+// restart (unix nanoseconds): Access = max(current, min(recorded,
+// nowNanos)). The clamp is for a checkpoint written while the clock ran
+// ahead: its accesses, in the future of the restarted process, would
+// otherwise keep their pages newer than every later touch for as long as
+// the clock takes to catch up; clamped, they count as touched at the
+// restart and later touches pass them. Records of pages not tracked are
+// ignored; the records' parents are not used (a page's parent is set by
+// Add, which refuses cycles; DecodeCheckpoint refuses a file with one). It
+// returns how many pages it matched.
+func (c *Cache) ApplyCheckpoint(ns string, recs []Record, nowNanos int64) int {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	s := c.ns(ns, false)
@@ -184,8 +310,8 @@ func (c *Cache) ApplyCheckpoint(ns string, recs []Record) int {
 			continue
 		}
 		matched++
-		if r.Access > n.access {
-			n.access = r.Access
+		if at := min(r.Access, nowNanos); at > n.access {
+			n.access = at
 			c.fix(s, n)
 		}
 	}

@@ -215,7 +215,7 @@ func TestRestartPreservesEvictionOrder(t *testing.T) {
 			}
 		}
 		for ns, r := range recs {
-			if n := c.ApplyCheckpoint(ns, r); n != len(r) {
+			if n := c.ApplyCheckpoint(ns, r, now); n != len(r) {
 				t.Fatalf("applied %d of %d records", n, len(r))
 			}
 		}

@@ -1,5 +1,6 @@
 // Package evict is the eviction policy of kvpersist's page cache: a pure,
-// in-memory data structure (no I/O, no goroutines, no clock) that tracks the
+// in-memory data structure (no file access, no goroutines, no clock; only
+// ReadCheckpoint reads, from a reader the caller opened) that tracks the
 // cache's pages and decides which to evict, so that the cache stays within a
 // capacity in bytes, each namespace within its optional quota, and the file
 // system above a headroom of free bytes.
@@ -341,7 +342,8 @@ func (c *Cache) adjustChildren(s *nsState, n *node, d int32) {
 
 // Add tracks a stored page outside any reservation: the index rebuilt from
 // disk at start, or a page written by another process. Errors: ErrInvalid
-// (negative bytes, a page that is its own parent), ErrExists.
+// (negative bytes, a page that is its own parent or its own ancestor: its
+// parent chain among the tracked pages leads back to it), ErrExists.
 func (c *Cache) Add(p Page) error {
 	if err := checkPage(p); err != nil {
 		return err
@@ -352,8 +354,38 @@ func (c *Cache) Add(p Page) error {
 	if n := s.nodes[p.Key]; n != nil && n.present {
 		return fmt.Errorf("%w: %s/%s", ErrExists, p.Namespace, p.Key)
 	}
+	if err := s.checkAncestry(p); err != nil {
+		c.gc(s)
+		return err
+	}
 	c.insert(s, p)
 	return nil
+}
+
+// checkAncestry refuses (ErrInvalid) a new page p that would be its own
+// ancestor: a cycle in the parent links (records A→B and B→A) would make
+// every page on it, and every ancestor of those, keep a stored descendant
+// forever (rule 1), so never evictable, and every save would end in
+// ErrNoSpace. It walks p's tracked ancestors, present pages only (only
+// they count as children); the walk is skipped when no node of p's key
+// exists and no victim is pending (then no page names p as its parent), so
+// adding a chain root first costs O(1) per page.
+func (s *nsState) checkAncestry(p Page) error {
+	if !p.HasParent || (s.nodes[p.Key] == nil && s.evicting == 0) {
+		return nil
+	}
+	k := p.Parent
+	for steps := 0; steps <= s.pages; steps++ {
+		if k == p.Key {
+			return fmt.Errorf("%w: page %s/%s would be its own ancestor (its parent %s descends from it)", ErrInvalid, p.Namespace, p.Key, p.Parent)
+		}
+		n := s.nodes[k]
+		if n == nil || !n.present || !n.hasParent {
+			return nil
+		}
+		k = n.parent
+	}
+	return fmt.Errorf("%w: page %s/%s: the chain above its parent %s is longer than the namespace's %d pages (a cycle)", ErrInvalid, p.Namespace, p.Key, p.Parent, s.pages)
 }
 
 // MaxBytes bounds every byte count given to the policy (a page, a
@@ -719,7 +751,8 @@ func (c *Cache) oldest(s *nsState) (*nsState, *node) {
 // takes the new allocated bytes and the later access. Errors: ErrInvalid for
 // a page of another namespace, a finished reservation, a bad page, or a page
 // that is a victim not yet Removed (the save must not rewrite it: Pin
-// refuses victims, so the save knows it is going).
+// refuses victims, so the save knows it is going), or a new page that
+// would be its own ancestor (see Add).
 func (r *Reservation) Commit(p Page) error {
 	if err := checkPage(p); err != nil {
 		return err
@@ -737,6 +770,11 @@ func (r *Reservation) Commit(p Page) error {
 	n := s.nodes[p.Key]
 	if n != nil && n.evicting {
 		return fmt.Errorf("%w: page %s/%s is a victim being unlinked: wait for Removed before writing it again", ErrInvalid, p.Namespace, p.Key)
+	}
+	if n == nil || !n.present {
+		if err := s.checkAncestry(p); err != nil {
+			return err
+		}
 	}
 	take := min(p.Bytes, r.left)
 	r.left -= take

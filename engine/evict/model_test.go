@@ -93,6 +93,26 @@ func (m *model) evictable(k mKey) bool {
 	return true
 }
 
+// ownAncestor: adding p would close a cycle of parent links (walking up
+// from p's parent through tracked pages, victims included, reaches p).
+func (m *model) ownAncestor(p Page) bool {
+	if !p.HasParent {
+		return false
+	}
+	k := p.Parent
+	for range len(m.pages) + 1 {
+		if k == p.Key {
+			return true
+		}
+		q := m.pages[mKey{p.Namespace, k}]
+		if q == nil || !q.hasParent {
+			return false
+		}
+		k = q.parent
+	}
+	return true
+}
+
 // shared: other namespaces may evict ns's pages.
 func (m *model) shared(ns string) bool {
 	q := m.quotas[ns]
@@ -318,6 +338,10 @@ func runModel(t *testing.T, seed uint64, steps int) {
 				if !errors.Is(err, ErrExists) {
 					t.Fatalf("step %d: Add of a tracked page: %v", step, err)
 				}
+			case m.ownAncestor(p):
+				if !errors.Is(err, ErrInvalid) {
+					t.Fatalf("step %d: Add of its own ancestor: %v", step, err)
+				}
 			default:
 				if err != nil {
 					t.Fatalf("step %d: Add: %v", step, err)
@@ -423,7 +447,7 @@ func runModel(t *testing.T, seed uint64, steps int) {
 			err := res.Commit(p)
 			mp := m.pages[mKey{mr.ns, p.Key}]
 			switch {
-			case p.HasParent && p.Parent == p.Key, mr.done, mp != nil && mp.evicting:
+			case p.HasParent && p.Parent == p.Key, mr.done, mp != nil && mp.evicting, mp == nil && m.ownAncestor(p):
 				if !errors.Is(err, ErrInvalid) {
 					t.Fatalf("step %d: Commit: %v, want ErrInvalid", step, err)
 				}

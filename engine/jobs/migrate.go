@@ -481,12 +481,13 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 // the boundaries (a re-cut or a single file would have to decide where a
 // tensor's keys go when its blocks change, and the format has no rule).
 func migratable(snap *layout.Snapshot, keep bool) error {
+	names := snap.Header.SlotIndex() // O(1) per slot: named for every slot when keep
 	for i, t := range snap.Header.Slots() {
 		if _, err := layout.ItemSize(t.DType); err != nil {
 			return fmt.Errorf("%w: %s %s: %w", ErrUnsupported, snap.Path, snap.Header.SlotName(i), err)
 		}
 		if keep {
-			if _, err := legacyPlan(t, snap.Path+" "+snap.Header.SlotName(i)); err != nil {
+			if _, err := legacyPlan(t, snap.Path+" "+names.Name(i)); err != nil {
 				return err
 			}
 		} else if len(t.Meta) > 0 {

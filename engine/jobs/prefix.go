@@ -926,9 +926,13 @@ func readPagesSnapshot(ctx context.Context, cfg *Config, f vfs.File, snap *layou
 	var read atomic.Int64
 	var mu sync.Mutex
 	var failures []SlotError
+	var names *layout.SlotIndex // built at the first failure: O(1) per failed slot
 	fail := func(slot int, err error) {
 		mu.Lock()
-		failures = append(failures, SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: err})
+		if names == nil {
+			names = snap.Header.SlotIndex()
+		}
+		failures = append(failures, SlotError{Slot: slot, Name: names.Name(slot), Err: err})
 		mu.Unlock()
 	}
 	err := readPaged(ctx, cfg, f, snap, spec.Dest, spec.Verify, &read, fail)

@@ -182,6 +182,7 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 		return snap, m, err
 	}
 	failures := map[int]SlotError{}
+	var names *layout.SlotIndex // built at the first failure: O(1) per failed slot
 	for k, e := range errs {
 		if e == nil || errors.Is(e, ErrSkipped) {
 			continue
@@ -191,7 +192,10 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 			if snap.Layout == layout.Blocks {
 				e = fmt.Errorf("block %d: %w", blockIndex(snap, exts, k), e)
 			}
-			failures[slot] = SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: e}
+			if names == nil {
+				names = snap.Header.SlotIndex()
+			}
+			failures[slot] = SlotError{Slot: slot, Name: names.Name(slot), Err: e}
 		}
 	}
 	if len(failures) > 0 {
@@ -345,10 +349,11 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 		return b, nil
 	}
 	failures := map[int]SlotError{}
+	names := snap.Header.SlotIndex() // O(1) per failed slot
 	for slot, t := range snap.Header.Slots() {
 		for k, ref := range t.Blocks {
 			if e := bad[ref.Hash]; e != nil {
-				failures[slot] = SlotError{Slot: slot, Name: snap.Header.SlotName(slot), Err: fmt.Errorf("block %d: %w", k, e)}
+				failures[slot] = SlotError{Slot: slot, Name: names.Name(slot), Err: fmt.Errorf("block %d: %w", k, e)}
 				break
 			}
 		}

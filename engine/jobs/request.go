@@ -125,7 +125,12 @@ type DeleteRequest struct {
 // CollectRequest garbage-collects the store's unreferenced blocks and stale
 // temp files (see Collect). Its report is Metrics.Collect.
 type CollectRequest struct {
-	// Namespaces to collect; nil means every namespace of the root.
+	// Namespaces to collect. nil means every namespace of the root; an
+	// empty non-nil list (a filter that matched nothing) collects nothing:
+	// no namespace is locked, scanned or swept, and Collect reports 0
+	// namespaces. Beware that appending matches to a nil slice yields nil
+	// when nothing matched: start a filter from []string{} to keep it
+	// non-nil.
 	Namespaces []string
 	// DryRun deletes nothing; CollectMetrics.Deleted then lists what would
 	// be deleted.

@@ -364,10 +364,11 @@ func (v *verifier) planSnap(ns *store.Namespace, snap *layout.Snapshot, name str
 	if snap.Pages != nil {
 		v.planPageList(ns, snap, name)
 	}
+	names := snap.Header.SlotIndex() // O(1) per slot name
 	for i, t := range snap.Header.Slots() {
 		if snap.Layout == layout.Single || (snap.Layout == layout.Pages && t.Hash != "") {
 			tasks = append(tasks, verifyTask{path: snap.Path, off: int64(snap.DataStart) + t.Off, size: t.Bytes,
-				want: t.Hash, bun: snap.Legacy, slot: snap.Header.SlotName(i)})
+				want: t.Hash, bun: snap.Legacy, slot: names.Name(i)})
 			continue
 		}
 		for b, ref := range t.Blocks {
@@ -709,8 +710,9 @@ func (v *verifier) checkPage(ctx context.Context, t *verifyTask, buf []byte) (in
 	}
 	var done int64
 	nt := 0
+	names := snap.Header.SlotIndex()
 	for i, ts := range snap.Header.Slots() {
-		tt := verifyTask{path: t.path, off: int64(snap.DataStart) + ts.Off, size: ts.Bytes, want: ts.Hash, slot: snap.Header.SlotName(i)}
+		tt := verifyTask{path: t.path, off: int64(snap.DataStart) + ts.Off, size: ts.Bytes, want: ts.Hash, slot: names.Name(i)}
 		n, err := v.hash(ctx, &tt, f, buf)
 		done += n
 		nt++

@@ -66,9 +66,10 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 	if len(slots) == 0 {
 		return nil, nil, fmt.Errorf("%w: %s: no tensors", ErrInvalidRequest, spec.Path)
 	}
+	names := h.SlotIndex() // O(1) per slot: SlotName walks the entries
 	for i := range slots {
 		s := &slots[i]
-		s.name = h.SlotName(i)
+		s.name = names.Name(i)
 		size, err := layout.ItemSize(s.t.DType)
 		if err != nil {
 			return nil, nil, fmt.Errorf("%w: %s %s: %w", ErrInvalidRequest, spec.Path, s.name, err)

@@ -106,6 +106,8 @@ func (h *Header) TotalBytes() (int64, error) {
 }
 
 // SlotName describes slot i for error messages: "cache 3 tensor 1 (slot 7)".
+// It walks the entries: O(entries) per call. To name many slots (every
+// slot of a write, every failed slot of a read), build a SlotIndex once.
 func (h *Header) SlotName(i int) string {
 	n := i
 	for ci, e := range h.Caches {
@@ -121,6 +123,50 @@ func (h *Header) SlotName(i int) string {
 		n -= len(e.Tensors)
 	}
 	return fmt.Sprintf("slot %d", i)
+}
+
+// SlotIndex names the slots of one header in O(1) each, as
+// Header.SlotName does; building it costs O(slots + entries) time and 8
+// bytes per slot plus 8 per entry. It is a snapshot of the header's shape
+// when built: it does not follow later changes to the entries.
+type SlotIndex struct {
+	entry        []int // slot → its entry: Caches first, then Attachments
+	first        []int // entry → its first slot
+	cacheEntries int   // entries of Caches (the first ones of first)
+}
+
+// SlotIndex returns the index of h's slots (see SlotIndex).
+func (h *Header) SlotIndex() *SlotIndex {
+	x := &SlotIndex{cacheEntries: len(h.Caches), first: make([]int, 0, len(h.Caches)+len(h.Attachments))}
+	n := 0
+	for _, group := range [][]Entry{h.Caches, h.Attachments} {
+		for _, e := range group {
+			n += len(e.Tensors)
+		}
+	}
+	x.entry = make([]int, 0, n)
+	for _, group := range [][]Entry{h.Caches, h.Attachments} {
+		for _, e := range group {
+			x.first = append(x.first, len(x.entry))
+			for range e.Tensors {
+				x.entry = append(x.entry, len(x.first)-1)
+			}
+		}
+	}
+	return x
+}
+
+// Name is h.SlotName(i) in O(1): "cache 3 tensor 1 (slot 7)", "attachment
+// 0 tensor 0 (slot 64)", or "slot i" for an i out of range.
+func (x *SlotIndex) Name(i int) string {
+	if i < 0 || i >= len(x.entry) {
+		return fmt.Sprintf("slot %d", i)
+	}
+	e := x.entry[i]
+	if e < x.cacheEntries {
+		return fmt.Sprintf("cache %d tensor %d (slot %d)", e, i-x.first[e], i)
+	}
+	return fmt.Sprintf("attachment %d tensor %d (slot %d)", e-x.cacheEntries, i-x.first[e], i)
 }
 
 // Clone returns a deep copy of h (Meta values are shared: they are immutable).

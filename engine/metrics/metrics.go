@@ -10,7 +10,6 @@
 package metrics
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -19,78 +18,46 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// Kind is a job's kind, the `kind` label.
-type Kind uint8
+// Kind is a job's kind, the `kind` label (defined in package labels, which
+// does not link prometheus: see engine.MetricsSink).
+type Kind = labels.Kind
 
 // Job kinds: the engine's (write, read, collect, delete, migrate) and the
 // page cache's (save, load, lookup, evict).
 const (
-	KindWrite Kind = iota
-	KindRead
-	KindCollect
-	KindDelete
-	KindMigrate
-	KindSave
-	KindLoad
-	KindLookup
-	KindEvict
-	numKinds
+	KindWrite   = labels.KindWrite
+	KindRead    = labels.KindRead
+	KindCollect = labels.KindCollect
+	KindDelete  = labels.KindDelete
+	KindMigrate = labels.KindMigrate
+	KindSave    = labels.KindSave
+	KindLoad    = labels.KindLoad
+	KindLookup  = labels.KindLookup
+	KindEvict   = labels.KindEvict
+	numKinds    = labels.NumKinds
 )
 
-var kindNames = [numKinds]string{"write", "read", "collect", "delete", "migrate", "save", "load", "lookup", "evict"}
+// Outcome is how a job ended, the `outcome` label (defined in package
+// labels).
+type Outcome = labels.Outcome
 
-// String is the label value: "write", "read", ..., "evict".
-func (k Kind) String() string {
-	if k < numKinds {
-		return kindNames[k]
-	}
-	return fmt.Sprintf("Kind(%d)", int(k))
-}
-
-// Outcome is how a job ended, the `outcome` label.
-type Outcome uint8
-
-// Outcomes.
+// Outcomes (see package labels).
 const (
-	// OutcomeOK: no error.
-	OutcomeOK Outcome = iota
-	// OutcomeError: any other error.
-	OutcomeError
-	// OutcomeCanceled: the job's context ended or the engine closed.
-	OutcomeCanceled
-	// OutcomeNoSpace: a save refused for want of space (evict.ErrNoSpace).
-	OutcomeNoSpace
-	numOutcomes
+	OutcomeOK       = labels.OutcomeOK
+	OutcomeError    = labels.OutcomeError
+	OutcomeCanceled = labels.OutcomeCanceled
+	OutcomeNoSpace  = labels.OutcomeNoSpace
+	numOutcomes     = labels.NumOutcomes
 )
-
-var outcomeNames = [numOutcomes]string{"ok", "error", "canceled", "nospace"}
-
-// String is the label value: "ok", "error", "canceled" or "nospace".
-func (o Outcome) String() string {
-	if o < numOutcomes {
-		return outcomeNames[o]
-	}
-	return fmt.Sprintf("Outcome(%d)", int(o))
-}
 
 // OutcomeOf classifies a job's error: nil is OutcomeOK; context.Canceled
 // and context.DeadlineExceeded are OutcomeCanceled; evict.ErrNoSpace is
-// OutcomeNoSpace; anything else OutcomeError. (The engine also counts its
-// own ErrClosed as canceled.)
-func OutcomeOf(err error) Outcome {
-	switch {
-	case err == nil:
-		return OutcomeOK
-	case errors.Is(err, evict.ErrNoSpace):
-		return OutcomeNoSpace
-	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
-		return OutcomeCanceled
-	}
-	return OutcomeError
-}
+// OutcomeNoSpace; anything else OutcomeError (labels.OutcomeOf).
+func OutcomeOf(err error) Outcome { return labels.OutcomeOf(err) }
 
 // Eviction reasons and refusal limits are evict.Reason values; these are
 // the ones the metrics label.
