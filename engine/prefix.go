@@ -6,6 +6,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
 // The prefix cache's request types and report, as aliases (see api.go).
@@ -88,7 +89,8 @@ func (e *Engine) nsDir(ns string) (string, error) {
 
 // executePrefix runs a prefix job and keeps the index current: a save's
 // keys are added once durable; a load adds the pages it found and removes
-// the first one it found missing (removed behind the index's back).
+// the first one it found missing (removed behind the index's back) if it
+// is still absent (pageindex.Index.RemoveIfGone).
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
@@ -112,8 +114,16 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
-			if res.Prefix.Missing != nil {
-				e.pages.Remove(r.Namespace, *res.Prefix.Missing)
+			if k := res.Prefix.Missing; k != nil {
+				// Only if still absent: a save beside this load may have
+				// published and indexed the page since the load missed it.
+				if n, nerr := e.store.Namespace(r.Namespace); nerr == nil {
+					path, fsys := n.PagePath(*k), e.store.FS()
+					e.pages.RemoveIfGone(r.Namespace, *k, func() bool {
+						_, err := fsys.Lstat(path)
+						return vfs.IsNotExist(err)
+					})
+				}
 			}
 		}
 	default:

@@ -17,7 +17,7 @@ type duRow struct {
 	// LogicalBytes: the sum over readable snapshots of their tensor bytes
 	// (what restoring every snapshot would fill).
 	LogicalBytes int64 `json:"logicalBytes"`
-	// PhysicalBytes = SnapshotFileBytes + BlockFileBytes.
+	// PhysicalBytes = SnapshotFileBytes + BlockFileBytes + PageFileBytes.
 	PhysicalBytes int64 `json:"physicalBytes"`
 	// SnapshotFileBytes: sizes of every snapshot file and manifest
 	// (readable or not), headers and alignment padding included.
@@ -26,6 +26,16 @@ type duRow struct {
 	// once however many manifests name it, referenced or not.
 	BlockFiles     int   `json:"blockFiles"`
 	BlockFileBytes int64 `json:"blockFileBytes"`
+	// Pages / PageFileBytes: every page file of the prefix page cache
+	// (pages/), readable or not (unreadable ones also count in
+	// Unreadable), and the sum of their sizes.
+	Pages         int   `json:"pages"`
+	PageFileBytes int64 `json:"pageFileBytes"`
+	// SharedPages / SharedPageBytes: the pages shared between
+	// conversations (see du --help: a page that stored prefixes continue
+	// in two or more different ways) and the sum of their file sizes.
+	SharedPages     int   `json:"sharedPages"`
+	SharedPageBytes int64 `json:"sharedPageBytes"`
 	// ReclaimableBytes: block files gc would delete now (no readable
 	// manifest names them; 0 when the namespace holds an unreadable file,
 	// which gc does not sweep), with --block-grace 0.
@@ -53,6 +63,10 @@ func (r *duRow) add(o duRow) {
 	r.SnapshotFileBytes += o.SnapshotFileBytes
 	r.BlockFiles += o.BlockFiles
 	r.BlockFileBytes += o.BlockFileBytes
+	r.Pages += o.Pages
+	r.PageFileBytes += o.PageFileBytes
+	r.SharedPages += o.SharedPages
+	r.SharedPageBytes += o.SharedPageBytes
 	r.ReclaimableBytes += o.ReclaimableBytes
 	r.TempFiles += o.TempFiles
 	r.TempBytes += o.TempBytes
@@ -94,7 +108,11 @@ func duNamespace(ns *store.Listing) duRow {
 		r.TempFiles++
 		r.TempBytes += t.Size
 	}
-	r.PhysicalBytes = r.SnapshotFileBytes + r.BlockFileBytes
+	u := ns.PageUsage()
+	r.Pages, r.PageFileBytes = u.Pages, u.FileBytes
+	r.SharedPages, r.SharedPageBytes = u.SharedPages, u.SharedBytes
+	r.Unreadable += u.Unreadable
+	r.PhysicalBytes = r.SnapshotFileBytes + r.BlockFileBytes + r.PageFileBytes
 	r.ratio()
 	return r
 }
@@ -106,20 +124,40 @@ not allocated disk blocks):
   SNAPSHOTS    readable snapshot files and manifests (unreadable ones are
                counted apart and add no logical bytes)
   LOGICAL      sum over readable snapshots of their tensors' bytes: what
-               restoring every snapshot would fill
+               restoring every snapshot would fill (a page manifest's
+               included; pages alone are not: 'kvpersist ls' shows their
+               tensor bytes)
   PHYSICAL     the bytes the namespace's data takes on disk: the sizes of
                every snapshot file and manifest (headers and alignment
                padding included) plus every block file under blocks/,
                each counted once however many manifests name it, named or
-               not. The .lock file, temp files (listed apart) and
-               unrecognised entries are not counted.
+               not, plus every page file under pages/. The .lock file,
+               temp files (listed apart) and unrecognised entries are not
+               counted.
   DEDUP        LOGICAL / PHYSICAL (above 1 when manifests share blocks)
   BLOCK FILES  block files under blocks/
   RECLAIMABLE  block bytes 'gc' would free now: blocks no readable manifest
                names (0 when the namespace holds an unreadable file: gc does
                not sweep it)
   TEMP         bytes of temp files (writes in progress or interrupted)
-  UNREADABLE   snapshot files and manifests that did not decode
+  UNREADABLE   snapshot files, manifests and page files that did not decode
+
+When some namespace holds a prefix page cache (pages/), three columns follow:
+
+  PAGES        page files under pages/
+  PAGE BYTES   their file sizes (part of PHYSICAL)
+  SHARED       file sizes of the pages shared between conversations. A page
+               is shared when stored prefixes continue it in two or more
+               different ways: it is, or is an ancestor of (by the parent
+               keys in the page headers), a stored page with two children
+               whose token ids diverge (neither is a prefix of the other).
+               A partial last page that a later turn extended (a sibling
+               whose token ids start with its own) is not a branch, so a
+               single growing conversation shares nothing. Equivalently:
+               two or more of the pages descending from it, itself
+               included, are ends (no stored child, no sibling extending
+               it). The system prompt's pages of conversations that share
+               it are shared; each conversation's own pages are not.
 
 Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
 		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'",
@@ -133,6 +171,7 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
 		if err != nil {
 			return c.fail("du: %s", quote(err.Error()))
 		}
+		hasPages := false
 		rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
 		for _, n := range names {
 			if err := ctx.Err(); err != nil {
@@ -143,6 +182,7 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
 				return c.fail("du: %s", quote(err.Error()))
 			}
 			rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
+			hasPages = hasPages || ns.HasPagesDir
 			row := duNamespace(ns)
 			rep.Namespaces = append(rep.Namespaces, row)
 			rep.Total.add(row)
@@ -161,10 +201,18 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
 				size = func(n int64) string { return fmt.Sprint(n) }
 			}
 			tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
-			fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t")
+			pages := ""
+			if hasPages {
+				pages = "PAGES\tPAGE BYTES\tSHARED\t"
+			}
+			fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t"+pages)
 			for _, r := range append(rep.Namespaces, rep.Total) {
-				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t\n", r.Namespace, r.Snapshots, size(r.LogicalBytes),
+				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t", r.Namespace, r.Snapshots, size(r.LogicalBytes),
 					size(r.PhysicalBytes), r.DedupRatio, r.BlockFiles, size(r.ReclaimableBytes), size(r.TempBytes), r.Unreadable)
+				if hasPages {
+					fmt.Fprintf(tw, "%d\t%s\t%s\t", r.Pages, size(r.PageFileBytes), size(r.SharedPageBytes))
+				}
+				fmt.Fprintln(tw)
 			}
 			tw.Flush()
 			for _, s := range rep.Skipped {

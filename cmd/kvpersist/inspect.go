@@ -5,7 +5,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"path/filepath"
 	"sort"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 
@@ -72,6 +74,41 @@ type inspectReport struct {
 	HeaderText      string          `json:"headerText,omitempty"`
 	HeaderJSONError string          `json:"headerJSONError,omitempty"`
 	Tensors         []inspectTensor `json:"tensors"`
+	// Page is the page object of a page file of the prefix page cache
+	// (format 6), nil for any other file or when a check failed.
+	Page *inspectPage `json:"page,omitempty"`
+}
+
+// inspectPage is a page file's page object as inspect reports it.
+type inspectPage struct {
+	Key string `json:"key"`
+	// Parent is the parent page's key; for a first page, the chain's root
+	// key (SHA-256 of the identity and page size), and FirstPage is true.
+	Parent     string `json:"parent"`
+	FirstPage  bool   `json:"firstPage"`
+	Identity   string `json:"identity"`
+	PageTokens int    `json:"pageTokens"` // the chain's page size, tokens
+	TokenCount int    `json:"tokenCount"` // token ids in this page
+	FirstToken uint32 `json:"firstToken"`
+	LastToken  uint32 `json:"lastToken"`
+	// KeyMatchesChain: the key is SHA-256 of the parent and the token ids
+	// (layout checks it at decode: always true in a verified report).
+	KeyMatchesChain bool `json:"keyMatchesChain"`
+	// NameMatchesKey: the file's name is the key (false for a page file
+	// copied or renamed elsewhere; verify reports it as corrupt-page
+	// inside pages/).
+	NameMatchesKey bool `json:"nameMatchesKey"`
+}
+
+// pageReport renders a decoded page object for inspect.
+func pageReport(p *layout.Page, path string) *inspectPage {
+	r := &inspectPage{Key: p.Key.String(), Parent: p.Parent.String(), FirstPage: p.FirstPage(), Identity: p.Identity,
+		PageTokens: p.PageTokens, TokenCount: len(p.Tokens), KeyMatchesChain: p.Check() == nil,
+		NameMatchesKey: filepath.Base(path) == p.Key.String()}
+	if len(p.Tokens) > 0 {
+		r.FirstToken, r.LastToken = p.Tokens[0], p.Tokens[len(p.Tokens)-1]
+	}
+	return r
 }
 
 // tensorRows lists a header's slots for inspect.
@@ -150,6 +187,13 @@ the caller metadata, and one row per tensor slot (caches, then attachments):
 entry, dtype, shape (elements), bytes, and the offset from the data start
 (single file) or the number of blocks (manifest), and the tensor hash.
 
+A page file of the prefix page cache (ROOT/<namespace>/pages/<2>/<key>) also
+shows its page: key (and that it matches the chain: SHA-256 of the parent key
+and the token ids, checked at decode; and whether the file's name is the
+key), parent key (or "none: first page" when the parent is the chain's root
+key), identity (quoted), page tokens (the chain's page size), token count
+(fewer for a partial last page) and the first and last token ids.
+
 If a check fails (magic, lengths, header hash, format version, validation),
 inspect still prints what it could read, says which check failed, marks any
 tensor rows as unverified, and exits 1. Exit status: 0 when every check
@@ -222,6 +266,9 @@ func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, err
 		}
 		rep.LogicalBytes = logicalBytes(snap.Header)
 		rep.Tensors = tensorRows(snap.Header, snap.Layout, withBlocks)
+		if snap.Page != nil {
+			rep.Page = pageReport(snap.Page, path)
+		}
 		return rep, nil
 	}
 	rep.FailedCheck = jobs.FailedCheck(in.Err)
@@ -272,6 +319,30 @@ func printInspect(c *cli, r *inspectReport) {
 	}
 	if len(r.Meta) > 0 {
 		fmt.Fprintf(kv, "metadata\t%s\n", formatMeta(r.Meta, 80))
+	}
+	if p := r.Page; p != nil {
+		key := p.Key
+		if p.KeyMatchesChain {
+			key += " (key matches chain)"
+		} else {
+			key += " (key DOES NOT match the chain of its parent and tokens)"
+		}
+		if !p.NameMatchesKey {
+			key += "; the file's name is not the key"
+		}
+		fmt.Fprintf(kv, "page key\t%s\n", key)
+		if p.FirstPage {
+			fmt.Fprintf(kv, "parent\tnone: first page (root key %s)\n", p.Parent)
+		} else {
+			fmt.Fprintf(kv, "parent\t%s\n", p.Parent)
+		}
+		fmt.Fprintf(kv, "identity\t%s\n", strconv.Quote(p.Identity))
+		fmt.Fprintf(kv, "page tokens\t%d\n", p.PageTokens)
+		partial := ""
+		if p.TokenCount < p.PageTokens {
+			partial = " (a partial last page)"
+		}
+		fmt.Fprintf(kv, "token count\t%d%s; token ids %d ... %d\n", p.TokenCount, partial, p.FirstToken, p.LastToken)
 	}
 	if len(r.Tensors) > 0 {
 		nb := 0

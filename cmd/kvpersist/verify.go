@@ -15,8 +15,8 @@ type verifyReport struct {
 	Target string `json:"target"`
 	Clean  bool   `json:"clean"`
 	// Problems, by kind (io-error, unreadable, corrupt-tensor,
-	// corrupt-block, missing-block, block-size, stale-temp, orphan-block),
-	// then path.
+	// corrupt-block, corrupt-page, missing-block, missing-page, block-size,
+	// stale-temp, orphan-block), then path.
 	Problems []jobs.VerifyProblem `json:"problems"`
 	Checked  jobs.VerifyChecked   `json:"checked"`
 	// Notes say what was not checked and why (e.g. orphans of a namespace
@@ -44,6 +44,10 @@ file or manifest PATH, that snapshot only.
     the blocks that manifest names cannot be known, so gc does not sweep
     that namespace either; its unnamed blocks are still re-hashed against
     their names, and a note says so;
+  - every page file of the prefix page cache (pages/<2>/<key>): its header,
+    that its key is the chain step from its parent key over its token ids
+    and equals its file name, and every tensor re-hashed (xxh3-64); every
+    page a page manifest names: present;
   - stale temp files (ROOT or namespace): leftovers of interrupted writes older than
     --temp-grace (younger ones may belong to a running write).
 
@@ -51,8 +55,12 @@ While it lists a namespace, verify holds the namespace lock exclusively
 (as gc does), so a write in progress finishes first and its blocks are not
 taken for orphans; it then re-hashes without the lock. Names and paths that
 hold non-printable characters are printed quoted. Problems are listed
-as KIND PATH DETAIL; kinds: unreadable, corrupt-tensor, corrupt-block,
-missing-block, block-size, orphan-block, stale-temp, io-error.
+as KIND PATH DETAIL; kinds: unreadable (a header, or a page's key against
+its chain, fails), corrupt-tensor (of a single file or a page),
+corrupt-block, corrupt-page (a file under pages/ that decodes but is not
+the page its name says), missing-block, missing-page (a page a page
+manifest names is not stored), block-size, orphan-block, stale-temp,
+io-error.
 
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
 errors (io-error problems included).`,
@@ -129,9 +137,12 @@ errors (io-error problems included).`,
 
 func printVerify(c *cli, r *verifyReport) {
 	w := c.stdout
-	fmt.Fprintf(w, "verify %s: %s, %s; %s and %s re-hashed (%s)\n", quote(r.Target),
-		nounCount(r.Checked.Namespaces, "namespace"), nounCount(r.Checked.Snapshots, "snapshot"),
-		nounCount(r.Checked.Tensors, "tensor"), nounCount(r.Checked.Blocks, "block"), humanBytes(r.Checked.Bytes))
+	hashed := nounCount(r.Checked.Tensors, "tensor") + " and " + nounCount(r.Checked.Blocks, "block")
+	if r.Checked.Pages > 0 {
+		hashed = nounCount(r.Checked.Tensors, "tensor") + ", " + nounCount(r.Checked.Blocks, "block") + " and " + nounCount(r.Checked.Pages, "page")
+	}
+	fmt.Fprintf(w, "verify %s: %s, %s; %s re-hashed (%s)\n", quote(r.Target),
+		nounCount(r.Checked.Namespaces, "namespace"), nounCount(r.Checked.Snapshots, "snapshot"), hashed, humanBytes(r.Checked.Bytes))
 	for _, n := range r.Notes {
 		fmt.Fprintf(w, "note: %s\n", quote(n))
 	}

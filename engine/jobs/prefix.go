@@ -68,8 +68,10 @@ type PrefixResult struct {
 	// load stopped for another reason). The engine drops it from its index.
 	Missing *layout.PageKey
 	// Stop, for a load, is why the prefix ended before a missing page or
-	// the end of the tokens: a page that failed verification (ErrCorrupt),
-	// did not decode, or could not be read. The pages before it are
+	// the end of the tokens: a page that failed verification or is not
+	// what its file name says (ErrCorrupt: another key, identity, page
+	// size or token ids, or tensors unlike the pages before it), did not
+	// decode, or could not be opened or read. The pages before it are
 	// loaded and counted in Tokens. nil otherwise.
 	Stop error
 }
@@ -371,10 +373,13 @@ type foundPage struct {
 // one token, every destination's dtype, itemsize, rank, validity, no
 // overlapping elements, and room for len(Tokens) tokens on axis -2; (2) the
 // page files of the prefix are opened in chain order until one is missing
-// (a miss, never an error: PrefixResult.Missing) or fails to decode (the
-// prefix ends there: PrefixResult.Stop); each opened page is checked
-// against the request: its key, identity, page size and token ids, and
-// each tensor's dtype and shape (the destination's, axis -2 aside); (3)
+// (a miss, never an error: PrefixResult.Missing) or fails to open or
+// decode (the prefix ends there: PrefixResult.Stop); each opened page is
+// checked against the request: its key, identity, page size and token ids
+// (a page that differs is corrupt: Stop wraps ErrCorrupt), and each
+// tensor's dtype and shape (the destination's, axis -2 aside: ErrMismatch
+// for the first page; for a later one, whose tensors then disagree with
+// the pages before it, Stop wraps ErrCorrupt); (3)
 // only then are the destinations written: every tensor of every page is
 // read straight into the destination's token range (pread into each
 // contiguous piece of the view when pieces are at least 64 KiB, else
@@ -466,10 +471,24 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 			break
 		}
 		lo := i * p
-		found = append(found, foundPage{f: f, snap: snap, lo: lo})
 		if err := checkPage(snap, key, spec, lo, min(n, lo+p)); err != nil {
-			return nil, m, err
+			f.Close()
+			// A page that is not what its file name says (key, identity,
+			// P, token ids) is corrupt, and so is one whose tensors
+			// disagree with the pages before it (which matched the
+			// destinations): the prefix ends there. Only the first page's
+			// tensors meet the destinations alone, so a mismatch there is
+			// the request's (ErrMismatch), and nothing is written.
+			if !errors.Is(err, ErrCorrupt) {
+				if i == 0 {
+					return nil, m, err
+				}
+				err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+			}
+			res.Stop = err
+			break
 		}
+		found = append(found, foundPage{f: f, snap: snap, lo: lo})
 	}
 	// Step 3: read every tensor of every page found into its destination.
 	nt := len(spec.Dest)
@@ -533,20 +552,21 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 }
 
 // checkPage checks an opened page against the load's request before any
-// destination is touched: the key it is stored under, identity, page size,
-// token ids [lo, hi) of the prompt, and each tensor's dtype and shape (the
-// destination's, axis -2 aside). Errors wrap ErrMismatch.
+// destination is touched: the key it is stored under, identity, page size
+// and token ids [lo, hi) of the prompt (a page that differs is not what
+// its file name says: ErrCorrupt), then each tensor's dtype and shape (the
+// destination's, axis -2 aside: ErrMismatch).
 func checkPage(snap *layout.Snapshot, key layout.PageKey, spec *LoadPrefixSpec, lo, hi int) error {
 	pg := snap.Page
 	switch {
 	case pg.Key != key:
-		return fmt.Errorf("%w: page %s holds key %s", ErrMismatch, snap.Path, pg.Key)
+		return fmt.Errorf("%w: page %s holds key %s", ErrCorrupt, snap.Path, pg.Key)
 	case pg.Identity != spec.Identity:
-		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrMismatch, snap.Path, pg.Identity, spec.Identity)
+		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrCorrupt, snap.Path, pg.Identity, spec.Identity)
 	case pg.PageTokens != pageTokens(spec.PageTokens):
-		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrMismatch, snap.Path, pg.PageTokens, pageTokens(spec.PageTokens))
+		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrCorrupt, snap.Path, pg.PageTokens, pageTokens(spec.PageTokens))
 	case !slices.Equal(pg.Tokens, spec.Tokens[lo:hi]):
-		return fmt.Errorf("%w: page %s holds other token ids than the prompt's [%d, %d)", ErrMismatch, snap.Path, lo, hi)
+		return fmt.Errorf("%w: page %s holds other token ids than the prompt's [%d, %d)", ErrCorrupt, snap.Path, lo, hi)
 	}
 	ts := snap.Header.Caches[0].Tensors
 	if len(ts) != len(spec.Dest) {

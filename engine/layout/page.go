@@ -385,3 +385,7 @@ func parsePageList(h *Header) (*PageList, error) {
 	delete(h.Meta, "pages")
 	return l, nil
 }
+
+// FirstPage reports whether the page starts its chain: its parent is
+// PageRoot(Identity, PageTokens), not another page.
+func (p *Page) FirstPage() bool { return p.Parent == PageRoot(p.Identity, p.PageTokens) }

@@ -62,6 +62,25 @@ func (x *Index) Remove(ns string, keys ...layout.PageKey) {
 	}
 }
 
+// RemoveIfGone forgets key of namespace ns when gone() reports its file
+// absent. gone runs under the index's write lock, so a save that publishes
+// the page and then Adds its key cannot be overtaken: either gone sees the
+// file, or the Add comes after the removal. This is how a load's miss is
+// applied (a plain Remove could forget a page a concurrent save has just
+// stored and indexed). gone must be quick (one lstat).
+func (x *Index) RemoveIfGone(ns string, key layout.PageKey, gone func() bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	set := x.ns[ns]
+	if _, ok := set[key]; !ok || !gone() {
+		return
+	}
+	delete(set, key)
+	if len(set) == 0 {
+		delete(x.ns, ns)
+	}
+}
+
 // Has reports whether key is recorded in namespace ns.
 func (x *Index) Has(ns string, key layout.PageKey) bool {
 	x.mu.RLock()

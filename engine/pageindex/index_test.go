@@ -142,3 +142,28 @@ func TestBuildMissingRoot(t *testing.T) {
 		t.Fatalf("%+v %v", st, err)
 	}
 }
+
+// RemoveIfGone forgets a key only when gone reports its file absent, and
+// does not ask about a key it does not hold.
+func TestRemoveIfGone(t *testing.T) {
+	x := pageindex.New()
+	keys, _, err := layout.PageChain("id", 16, make([]uint32, 32))
+	if err != nil {
+		t.Fatal(err)
+	}
+	x.Add("ns", keys...)
+	asked := 0
+	x.RemoveIfGone("ns", keys[0], func() bool { asked++; return false })
+	if !x.Has("ns", keys[0]) || asked != 1 {
+		t.Fatalf("present file: key dropped (%v) or gone asked %d times", !x.Has("ns", keys[0]), asked)
+	}
+	x.RemoveIfGone("ns", keys[0], func() bool { asked++; return true })
+	if x.Has("ns", keys[0]) || !x.Has("ns", keys[1]) || asked != 2 {
+		t.Fatalf("absent file: has %v %v, asked %d", x.Has("ns", keys[0]), x.Has("ns", keys[1]), asked)
+	}
+	x.RemoveIfGone("ns", keys[0], func() bool { asked++; return true })
+	x.RemoveIfGone("other", keys[1], func() bool { asked++; return true })
+	if asked != 2 {
+		t.Fatalf("gone asked about keys not held: %d", asked)
+	}
+}

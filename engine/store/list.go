@@ -44,8 +44,14 @@ type Block struct {
 // Page is a page file of the prefix page cache, pages/<k[0:2]>/<k>.
 type Page struct {
 	Key, Path string
-	Size      int64 // bytes; 0 from ListPages (names only)
+	Size      int64 // bytes; 0 from ListPages (names only) until DecodePages
 	ModTime   time.Time
+	// Snap is the decoded page file (Listing.DecodePages; Snap.Page holds
+	// key, parent, identity, page size and token ids); nil when Err != nil
+	// or not decoded.
+	Snap *layout.Snapshot
+	// Err is the page's decoding or I/O error (Listing.DecodePages).
+	Err error
 }
 
 // Temp is a kvpersist temp file (layout.IsTemp) in the namespace, in
