@@ -19,7 +19,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -128,17 +127,7 @@ func build(ctx context.Context, dir, bin string, logw io.Writer) error {
 	if err != nil {
 		return err
 	}
-	defer func() {
-		// The copied module source is read-only where it came from; make it
-		// removable first.
-		filepath.WalkDir(work, func(p string, d fs.DirEntry, err error) error {
-			if err == nil && d.IsDir() {
-				os.Chmod(p, 0o755)
-			}
-			return nil
-		})
-		os.RemoveAll(work)
-	}()
+	defer os.RemoveAll(work) // the copy under it is writable (os.CopyFS modes)
 	// go mod download outside any module: GOFLAGS=-mod=mod so that a
 	// -mod=vendor or readonly setting of the caller does not interfere, and
 	// a working directory with no go.mod so no project's go.mod is touched.
@@ -160,7 +149,9 @@ func build(ctx context.Context, dir, bin string, logw io.Writer) error {
 		return fmt.Errorf("go mod download %s@%s: %s", Module, Version, info.Error)
 	}
 	src := filepath.Join(work, "src")
-	if err := copyTree(info.Dir, src); err != nil {
+	// The module cache is read-only; os.CopyFS makes writable copies (files
+	// 0o666, directories 0o777, before umask). A module zip holds no links.
+	if err := os.CopyFS(src, os.DirFS(info.Dir)); err != nil {
 		return fmt.Errorf("copying the module source: %v", err)
 	}
 	tmp := bin + ".tmp"
@@ -178,42 +169,3 @@ func build(ctx context.Context, dir, bin string, logw io.Writer) error {
 	return os.Rename(tmp, bin)
 }
 
-// copyTree copies the regular files and directories under src to dst with
-// writable modes (the module cache is read-only).
-func copyTree(src, dst string) error {
-	return filepath.WalkDir(src, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		rel, err := filepath.Rel(src, p)
-		if err != nil {
-			return err
-		}
-		target := filepath.Join(dst, rel)
-		switch {
-		case d.IsDir():
-			return os.MkdirAll(target, 0o755)
-		case d.Type().IsRegular():
-			return copyFile(p, target)
-		default:
-			return nil // the module zip holds no links or devices
-		}
-	})
-}
-
-func copyFile(src, dst string) error {
-	in, err := os.Open(src)
-	if err != nil {
-		return err
-	}
-	defer in.Close()
-	out, err := os.OpenFile(dst, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
-	if err != nil {
-		return err
-	}
-	if _, err := io.Copy(out, in); err != nil {
-		out.Close()
-		return err
-	}
-	return out.Close()
-}
