@@ -168,4 +168,3 @@ func build(ctx context.Context, dir, bin string, logw io.Writer) error {
 	}
 	return os.Rename(tmp, bin)
 }
-
