@@ -423,40 +423,14 @@ func (c *Cache) insert(s *nsState, p Page) {
 // Touch records an access to a page at time at (unix nanoseconds); the
 // recency only moves forward. A page not tracked is ignored (false).
 func (c *Cache) Touch(ns string, key Key, at int64) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	s := c.ns(ns, false)
-	if s == nil {
-		return false
-	}
-	n := s.nodes[key]
-	if n == nil || !n.present {
-		return false
-	}
-	if at > n.access {
-		n.access = at
-		c.fix(s, n)
-	}
-	return true
+	return c.TouchAll(ns, []Key{key}, at) == 1
 }
 
 // Pin adds a pin to a tracked page so that it is never evicted until as
 // many Unpins. It returns false (pinning nothing) when the page is not
 // tracked or is already a victim being unlinked: for a load, a miss.
 func (c *Cache) Pin(ns string, key Key) bool {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	s := c.ns(ns, false)
-	if s == nil {
-		return false
-	}
-	n := s.nodes[key]
-	if n == nil || !n.present || n.evicting {
-		return false
-	}
-	n.pins++
-	c.fix(s, n)
-	return true
+	return c.PinPrefix(ns, []Key{key}) == 1
 }
 
 // PinPrefix pins keys in order (a chain, as a load or a save walks it) and
