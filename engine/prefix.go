@@ -168,8 +168,8 @@ func (e *Engine) indexPagesWrite(r *jobs.WriteRequest) {
 	}
 	if keys, _, err := layout.PageChain(r.Identity, p, r.Tokens); err == nil {
 		e.pages.Add(r.Namespace, keys...)
-		if e.tier != nil {
-			e.tier.saved(r.Namespace, keys)
+		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
+			e.tier.manifestWritten(r.Ref, keys)
 		}
 	}
 }

@@ -70,6 +70,12 @@ type RemoteTier struct {
 	// attempts of one upload (full jitter, doubling); defaults 100 ms and
 	// 5 s (remote.UploaderConfig).
 	UploadBackoffMin, UploadBackoffMax time.Duration
+	// RefreshAge: before a page manifest is uploaded, every page it names
+	// whose mtime (the store's clock) is older than this is refreshed
+	// (Store.Refresh), so that remote GC keeps it. It must be at most half
+	// the grace period of every remote gc run on the bucket. Default 30
+	// minutes (remote GC's default grace is 1 hour).
+	RefreshAge time.Duration
 }
 
 // RemoteReport says what the object-store tier did for one load (Result.
@@ -110,6 +116,7 @@ type tier struct {
 	up         *remote.Uploader
 	window     int // keys asked per Exists round trip (Store.Concurrency)
 	fetchPages int
+	refreshAge time.Duration
 
 	mu      sync.Mutex
 	known   map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
@@ -117,9 +124,12 @@ type tier struct {
 }
 
 type pendingUpload struct {
-	ns    string
-	key   layout.PageKey
-	start time.Time // first attempt (zero before it)
+	ns       string
+	key      layout.PageKey // a page's; zero for a manifest
+	manifest bool
+	start    time.Time     // first attempt (zero before it)
+	done     chan struct{} // closed when the upload ended; err is then set
+	err      error
 }
 
 // newTier opens the store and starts the uploader (cfg.Remote set).
@@ -136,9 +146,13 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	if t.fetchPages == 0 {
 		t.fetchPages = 4
 	}
-	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 {
+	t.refreshAge = rc.RefreshAge
+	if t.refreshAge == 0 {
+		t.refreshAge = 30 * time.Minute
+	}
+	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 {
 		st.Close()
-		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256)", ErrConfig, rc.FetchPages)
+		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0)", ErrConfig, rc.FetchPages, rc.RefreshAge)
 	}
 	t.up, err = remote.NewUploader(st, remote.UploaderConfig{
 		Workers: rc.UploadWorkers, QueueLen: rc.UploadQueue,
@@ -197,11 +211,19 @@ func (t *tier) markKnown(ns string, k layout.PageKey) {
 // before its descendants unless a retry reorders them (harmless: a lookup
 // walks the chain and stops at the first page the store lacks).
 func (t *tier) saved(ns string, keys []layout.PageKey) {
+	t.enqueuePages(ns, keys)
+	t.queueDepth()
+}
+
+// enqueuePages queues the pages keys of ns not known stored and returns
+// the uploads of those it queued or found queued (a manifest waits for
+// them).
+func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
-		return
+		return nil
 	}
-	fsys := t.e.store.FS()
+	var out []*pendingUpload
 	for _, k := range keys {
 		if t.isKnown(ns, k) {
 			continue
@@ -210,42 +232,124 @@ func (t *tier) saved(ns string, keys []layout.PageKey) {
 		if err != nil {
 			continue
 		}
-		path := n.PagePath(k)
-		fi, err := fsys.Lstat(path)
-		if err != nil || !fi.Mode().IsRegular() {
-			t.e.logSafe(slog.LevelWarn, "kvpersist: page not uploaded: its local file is gone", "page", path, "err", err)
-			continue
-		}
-		t.mu.Lock()
-		_, queued := t.pending[name]
-		var p *pendingUpload
-		if !queued {
-			p = &pendingUpload{ns: ns, key: k}
-			t.pending[name] = p
-		}
-		t.mu.Unlock()
-		if queued {
-			continue
-		}
-		err = t.up.Enqueue(remote.Upload{Name: name, Size: fi.Size(), Open: func() (remote.ReadAtCloser, error) {
-			t.mu.Lock()
-			if p.start.IsZero() {
-				p.start = time.Now()
-			}
-			t.mu.Unlock()
-			return fsys.Open(path)
-		}})
-		if err != nil {
-			t.mu.Lock()
-			delete(t.pending, name)
-			t.mu.Unlock()
-			if m := t.metrics(); m != nil {
-				m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
-			}
-			t.e.logSafe(slog.LevelWarn, "kvpersist: page not queued for upload", "page", path, "err", err)
+		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k}, nil); p != nil {
+			out = append(out, p)
 		}
 	}
-	t.queueDepth()
+	return out
+}
+
+// enqueueFile queues the upload of the local file path as object name
+// (p describes it), unless name is queued already (that upload is
+// returned). It returns nil when nothing is queued: the file is gone or
+// the queue is full (logged, counted as an upload error). The source is
+// re-opened for each attempt and must still be the file lstat'd now (same
+// size and mtime): a manifest rewritten under its name meanwhile is not
+// uploaded with the wrong bytes.
+func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
+	fsys := t.e.store.FS()
+	fi, err := fsys.Lstat(path)
+	if err != nil || !fi.Mode().IsRegular() {
+		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
+		return nil
+	}
+	t.mu.Lock()
+	if q := t.pending[name]; q != nil {
+		t.mu.Unlock()
+		return q
+	}
+	p.done = make(chan struct{})
+	t.pending[name] = p
+	t.mu.Unlock()
+	size, mtime := fi.Size(), fi.ModTime()
+	err = t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Open: func() (remote.ReadAtCloser, error) {
+		t.mu.Lock()
+		if p.start.IsZero() {
+			p.start = time.Now()
+		}
+		t.mu.Unlock()
+		f, err := fsys.Open(path)
+		if err != nil {
+			return nil, err
+		}
+		if st, err := f.Stat(); err != nil || st.Size() != size || !st.ModTime().Equal(mtime) {
+			f.Close()
+			return nil, fmt.Errorf("engine: %s changed since it was queued for upload", path)
+		}
+		return f, nil
+	}})
+	if err != nil {
+		t.mu.Lock()
+		delete(t.pending, name)
+		t.mu.Unlock()
+		p.err = err
+		close(p.done)
+		if m := t.metrics(); m != nil {
+			m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
+		}
+		t.e.logSafe(slog.LevelWarn, "kvpersist: not queued for upload", "file", path, "err", err)
+		return nil
+	}
+	return p
+}
+
+// manifestWritten queues the upload of a page manifest (a named snapshot
+// in the Pages layout) after the pages it names: the pages are queued
+// first, and the manifest's Wait (run by an uploader worker before its
+// first attempt) waits for their uploads, then makes sure every page is
+// stored and young enough for remote GC (manifestReady). So a listable
+// manifest never names a page the store lacks, nor one that a collector
+// may delete before the manifest protects it.
+func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
+	defer t.queueDepth()
+	pages := t.enqueuePages(ref.Namespace, keys)
+	path, err := t.e.Path(ref)
+	if err != nil {
+		return
+	}
+	name, err := t.st.ManifestName(ref.Namespace, ref.Name)
+	if err != nil {
+		return
+	}
+	t.enqueueFile(name, path, &pendingUpload{ns: ref.Namespace, manifest: true}, func(ctx context.Context) error {
+		for _, p := range pages {
+			select {
+			case <-p.done:
+				if p.err != nil {
+					return fmt.Errorf("engine: a page of manifest %s was not uploaded: %w", name, p.err)
+				}
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return t.manifestReady(ctx, ref.Namespace, keys)
+	})
+}
+
+// manifestReady checks that every page keys names is stored (one HEAD
+// each, Concurrency in flight) and refreshes each whose mtime is older
+// than the store's clock minus RemoteTier.RefreshAge (Store.Refresh: a
+// server-side copy onto itself, the bytes unchanged), so that remote GC,
+// whose grace must be at least twice RefreshAge, keeps it until the
+// manifest is listable (ARCHITECTURE.md, "Remote garbage collection and
+// its clocks").
+func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageKey) error {
+	for _, k := range keys {
+		name, err := t.st.PageName(ns, k.String())
+		if err != nil {
+			return err
+		}
+		o, err := t.st.Stat(ctx, name)
+		if err != nil {
+			return err
+		}
+		if o.ModTime.Before(t.st.ServerTime().Add(-t.refreshAge)) {
+			if _, err := t.st.Refresh(ctx, name, o.ETag); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
 }
 
 // uploaded is the uploader's OnDone: it marks a stored page known and
@@ -255,6 +359,9 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	p := t.pending[r.Name]
 	delete(t.pending, r.Name)
 	t.mu.Unlock()
+	if p != nil {
+		defer func() { p.err = r.Err; close(p.done) }()
+	}
 	var d time.Duration
 	if p != nil && !p.start.IsZero() {
 		d = time.Since(p.start)
@@ -269,7 +376,7 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	case !r.Created:
 		res = labels.RemoteExisted
 	}
-	if r.Err == nil && p != nil {
+	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)
 	}
 	if m := t.metrics(); m != nil {

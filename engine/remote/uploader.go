@@ -24,6 +24,13 @@ type Upload struct {
 	Name string                       // object name (Store.PageName, Store.ManifestName)
 	Size int64                        // bytes
 	Open func() (ReadAtCloser, error) // the source; an error is permanent (the local file is gone)
+	// Wait, if set, is called once by the worker before the first attempt,
+	// with a context cancelled when Close gives up; an error ends the
+	// upload (reported to OnDone; ErrAbandoned when that context ended).
+	// A manifest waits here for the pages it names: queue them before it,
+	// so that they leave the queue first (FIFO) and Wait never waits for
+	// an upload queued behind it.
+	Wait func(ctx context.Context) error
 }
 
 // UploadResult reports one finished (or given up) upload to OnDone.
@@ -209,6 +216,15 @@ func (u *Uploader) work() {
 // uploader's context is cancelled.
 func (u *Uploader) upload(up Upload) UploadResult {
 	res := UploadResult{Name: up.Name}
+	if up.Wait != nil {
+		if err := up.Wait(u.ctx); err != nil {
+			if u.ctx.Err() != nil {
+				err = fmt.Errorf("%w: %s before its first attempt: %w", ErrAbandoned, up.Name, err)
+			}
+			res.Err = err
+			return res
+		}
+	}
 	wait := u.cfg.BackoffMin
 	for {
 		if u.ctx.Err() != nil {

@@ -400,3 +400,76 @@ func equalDigests(a, b map[string]string) bool {
 	}
 	return true
 }
+
+// TestPageManifestUploadedAfterItsPages: a named snapshot in the Pages
+// layout is uploaded after its pages: the bucket then holds the manifest,
+// byte-identical to the local file, and every page it names. An engine
+// that writes a second manifest over the same pages later, when they are
+// older than its RefreshAge, refreshes them (their mtimes move, their
+// bytes stay) before uploading the manifest.
+func TestPageManifestUploadedAfterItsPages(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootA, rootB := t.TempDir(), t.TempDir()
+	conv := seq(11000, 3*ptoks+7)
+	keys := keysOf(t, conv)
+	write := func(e *engine.Engine, name string) {
+		c := newKV(len(conv))
+		c.fill(conv)
+		res := e.Do(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: ns, Name: name}, Layout: engine.Pages,
+			Identity: ident, Tokens: conv, PageTokens: ptoks, Caches: []engine.EntrySpec{{Tensors: c.specs(len(conv))}}})
+		if res.Err != nil {
+			t.Fatalf("write %s: %v", name, res.Err)
+		}
+	}
+	recA := newRecorder(t)
+	a := newEngine(t, rootA, prefix, recA, nil)
+	write(a, "conv-1")
+	closeEngine(t, a)
+	st := openStore(t, prefix)
+	got := objects(t, st)
+	mname, _ := st.ManifestName(ns, "conv-1")
+	if !bytes.Equal(got[mname], readFile(t, filepath.Join(rootA, ns, "conv-1"))) {
+		t.Fatalf("manifest object (%d bytes) differs from the local manifest", len(got[mname]))
+	}
+	if len(got) != len(keys)+1 {
+		t.Fatalf("bucket holds %d objects, want %d pages and the manifest", len(got), len(keys))
+	}
+	for _, k := range keys {
+		name, _ := st.PageName(ns, k.String())
+		if !bytes.Equal(got[name], readFile(t, pagePath(rootA, k))) {
+			t.Fatalf("page %s: object differs from the local file", k)
+		}
+	}
+	if ops := snapshotOps(recA); ops["upload/ok"] != uint64(len(keys)+1) {
+		t.Fatalf("A's uploads %v, want %d created", ops, len(keys)+1)
+	}
+
+	ctx := context.Background()
+	before := map[string]time.Time{}
+	for _, k := range keys {
+		name, _ := st.PageName(ns, k.String())
+		o, err := st.Stat(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		before[name] = o.ModTime
+	}
+	time.Sleep(2100 * time.Millisecond) // mtimes have 1 s resolution
+	b := newEngine(t, rootB, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.RefreshAge = time.Second })
+	write(b, "conv-2")
+	closeEngine(t, b)
+	got2 := objects(t, st)
+	m2, _ := st.ManifestName(ns, "conv-2")
+	if !bytes.Equal(got2[m2], readFile(t, filepath.Join(rootB, ns, "conv-2"))) {
+		t.Fatal("second manifest not uploaded as written")
+	}
+	for name, mt := range before {
+		o, err := st.Stat(ctx, name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !o.ModTime.After(mt) || !bytes.Equal(got2[name], got[name]) {
+			t.Fatalf("page %s: mtime %v -> %v (want later), bytes same: %v", name, mt, o.ModTime, bytes.Equal(got2[name], got[name]))
+		}
+	}
+}
