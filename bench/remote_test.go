@@ -20,17 +20,17 @@ import (
 )
 
 // remoteFetchInFlight is how many GETs the limit keeps in flight: the
-// engine's default read-through keeps FetchPages (4) pages in flight with
-// Concurrency (16) ranged GETs each, bounded by 16 per page; a 32 MiB page
-// of 8 MiB ranges is 4 GETs, so 16 in all.
+// engine's default read-through keeps FetchPages (16) pages in flight,
+// each one GET when it fits in FetchChunkBytes (64 MiB by the engine's
+// default; a page here is 32 MiB and 16 KiB), so 16 in all.
 const remoteFetchInFlight = 16
 
 // BenchmarkRemoteFetch: the object-store tier's read-through row (issue
 // 15). A 1 GiB prefix (Llama-3.1-8B geometry, 8,192 tokens, 32 pages of
 // 256 tokens) is saved on engine A and uploaded to a real SeaweedFS on
 // loopback (untimed). Each iteration, a fresh engine B with an empty local
-// root loads the prompt: it asks the store which pages it holds (HEADs),
-// fetches them (ranged GETs, several pages in flight), verifies each
+// root and the tier's defaults loads the prompt: it asks the store which
+// pages it holds (HEADs), fetches them (16 pages in flight), verifies each
 // against the key chain and its tensor hashes, publishes it durably to
 // its local tier (temp, fdatasync, rename) and loads it, verified, into
 // capacity-padded destinations. The limit, measured in the same run, is

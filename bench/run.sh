@@ -68,6 +68,9 @@ run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
+# The object-store tier (starts a SeaweedFS on loopback; builds it first if
+# it is not cached: make weed).
+run '^BenchmarkRemoteFetch$' "$BIG_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
 
@@ -92,6 +95,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
+	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
 	return ""
 }
 /^Benchmark/ {
@@ -109,6 +113,7 @@ END {
 		if (has[n, "p99-ns"]) other = sprintf("%.0f ns/op, p99 %.0f ns, direct call %.0f ns", median(n SUBSEP "ns/op"), median(n SUBSEP "p99-ns"), median(n SUBSEP "direct-ns"))
 		if (has[n, "minio-GB/s"]) other = sprintf("sha256-simd %.2f GB/s, crypto/sha256 %.2f GB/s", median(n SUBSEP "minio-GB/s"), median(n SUBSEP "crypto-GB/s"))
 		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
+		if (has[n, "limit-GB/s"]) other = other sprintf(", limit %.2f GB/s", median(n SUBSEP "limit-GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
