@@ -92,12 +92,15 @@ type CollectOptions struct {
 
 // CollectReport says what a Collect did. Byte counts are object sizes.
 type CollectReport struct {
-	Pages, Manifests     int
-	Live, Young          int // pages kept: named by a manifest; unreferenced but within Grace
-	Deleted              int
-	DeletedBytes         int64
-	Unknown              []string // names not recognised: skipped, never deleted
-	ServerNow, Threshold time.Time
+	Pages, Manifests         int
+	PageBytes, ManifestBytes int64
+	Live, Young              int // pages kept: named by a manifest; unreferenced but within Grace
+	LiveBytes, YoungBytes    int64
+	Deleted                  int
+	DeletedBytes             int64
+	DeletedNames             []string // the pages deleted (DryRun: that would be), in listing order
+	Unknown                  []string // names not recognised: skipped, never deleted
+	ServerNow, Threshold     time.Time
 }
 
 // Collect deletes the pages of a namespace that no manifest names and
@@ -131,9 +134,11 @@ func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, e
 		switch l.Kind {
 		case Manifest:
 			rep.Manifests++
+			rep.ManifestBytes += l.Size
 			manifests = append(manifests, l)
 		case Page:
 			rep.Pages++
+			rep.PageBytes += l.Size
 		default:
 			rep.Unknown = append(rep.Unknown, l.Name)
 		}
@@ -149,8 +154,10 @@ func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, e
 		switch {
 		case live[l.Key]:
 			rep.Live++
+			rep.LiveBytes += l.Size
 		case !l.ModTime.Before(rep.Threshold):
 			rep.Young++
+			rep.YoungBytes += l.Size
 		default:
 			if !o.DryRun {
 				if err := s.Delete(ctx, l.Name); err != nil {
@@ -159,6 +166,7 @@ func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, e
 			}
 			rep.Deleted++
 			rep.DeletedBytes += l.Size
+			rep.DeletedNames = append(rep.DeletedNames, l.Name)
 		}
 	}
 	return rep, nil

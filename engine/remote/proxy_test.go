@@ -13,6 +13,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/internal/faultproxy"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // viaProxy returns two stores on the same prefix: direct talks to the
@@ -35,19 +36,6 @@ func viaProxy(t *testing.T, mod func(*remote.Config)) (direct, faulty *remote.St
 // forObject matches the requests of one object (its path ends with name).
 func forObject(name string) func(*http.Request) bool {
 	return func(r *http.Request) bool { return strings.HasSuffix(r.URL.Path, "/"+name) }
-}
-
-func listNames(t *testing.T, s *remote.Store, ns string) []string {
-	t.Helper()
-	l, err := s.List(context.Background(), ns)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var out []string
-	for _, o := range l {
-		out = append(out, o.Name)
-	}
-	return out
 }
 
 // TestProxyUploadsLandOnce: uploads through a network that loses PUT
@@ -105,7 +93,7 @@ func TestProxyUploadsLandOnce(t *testing.T) {
 	if got := p.Seen(faultproxy.Put); got != 12+11 {
 		t.Fatalf("%d PUTs reached the proxy, want 23 (12 + one per injected fault)", got)
 	}
-	got := listNames(t, direct, "ns")
+	got := testutil.ObjectNames(t, direct, "ns")
 	slices.Sort(names)
 	if !slices.Equal(got, names) {
 		t.Fatalf("listed %v, want exactly %v", got, names)
@@ -169,7 +157,7 @@ func TestProxyFetchFaults(t *testing.T) {
 	if ex, err := s.Exists(ctx, []string{name, pageName(t, s, "ns", key("absent"))}); err != nil || !ex[0] || ex[1] {
 		t.Fatalf("Exists with delays = %v, %v", ex, err)
 	}
-	if got := listNames(t, s, "ns"); len(got) != 1 || got[0] != name {
+	if got := testutil.ObjectNames(t, s, "ns"); len(got) != 1 || got[0] != name {
 		t.Fatalf("List with delays = %v", got)
 	}
 	// A deadline shorter than the delay fails the request, naming it.
@@ -220,7 +208,7 @@ func TestProxyCollectFaults(t *testing.T) {
 	time.Sleep(3500 * time.Millisecond) // older than a 2 s grace at 1 s mtime resolution
 	young := pageName(t, direct, "ns", key("young"))
 	put(young, []byte("young"))
-	all := listNames(t, direct, "ns")
+	all := testutil.ObjectNames(t, direct, "ns")
 
 	opts := remote.CollectOptions{Namespace: "ns", Grace: 2 * time.Second,
 		Live: func(ctx context.Context, ms []remote.Listed) (map[string]bool, error) {
@@ -251,7 +239,7 @@ func TestProxyCollectFaults(t *testing.T) {
 		if err == nil || rep.Deleted != 0 {
 			t.Fatalf("%s: Collect = %+v, %v; want an error and nothing deleted", c.what, rep, err)
 		}
-		if got := listNames(t, direct, "ns"); !slices.Equal(got, all) {
+		if got := testutil.ObjectNames(t, direct, "ns"); !slices.Equal(got, all) {
 			t.Fatalf("%s: objects now %v, want all of %v", c.what, got, all)
 		}
 	}
@@ -265,7 +253,7 @@ func TestProxyCollectFaults(t *testing.T) {
 	if _, err := s.Collect(ctx, opts); err == nil {
 		t.Fatal("Collect with a refused DELETE succeeded")
 	}
-	if got := len(listNames(t, direct, "ns")); got != len(all)-1 {
+	if got := len(testutil.ObjectNames(t, direct, "ns")); got != len(all)-1 {
 		t.Fatalf("%d objects after a lost and a refused DELETE, want %d (one deleted)", got, len(all)-1)
 	}
 	p.Clear()
@@ -278,7 +266,7 @@ func TestProxyCollectFaults(t *testing.T) {
 		want = append(want, pageName(t, direct, "ns", k))
 	}
 	slices.Sort(want)
-	if got := listNames(t, direct, "ns"); !slices.Equal(got, want) {
+	if got := testutil.ObjectNames(t, direct, "ns"); !slices.Equal(got, want) {
 		t.Fatalf("objects after GC %v, want exactly %v", got, want)
 	}
 }
