@@ -430,12 +430,16 @@ func (s *Store) Verify(ctx context.Context, ns string, o VerifyOptions) (*Verify
 	return rep, nil
 }
 
-// detail is err's message without the "remote: get NAME: " its OpError
-// puts first (the report names the object already).
+// detail is err's message without the "remote: get NAME: remote:
+// corrupt object: " its OpError puts first (the report names the object
+// and the kind already).
 func detail(err error, name string) string {
 	msg := err.Error()
 	if _, rest, ok := strings.Cut(msg, name+": "); ok {
-		return rest
+		msg = rest
+	}
+	for _, sentinel := range []error{ErrCorrupt, ErrTooLarge} {
+		msg = strings.TrimPrefix(msg, sentinel.Error()+": ")
 	}
 	return msg
 }

@@ -8,49 +8,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvpersist/kvpersist/engine/jobs"
-	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
-	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
-
-// pageManifests writes, in a fresh local store, namespace "ns" holding
-// two page manifests of the tiny model at 64 tokens per page: "turn-1"
-// (300 tokens: 4 full pages and a leaf of 44) and "turn-2" (200 tokens of
-// the same ids: its 3 full pages are turn-1's, then its own leaf of 8).
-// It returns the root and each manifest's page keys computed with
-// layout.PageChain from the token ids (independently of the write).
-func pageManifests(t *testing.T) (string, map[string][]string) {
-	t.Helper()
-	root := t.TempDir()
-	const identity, pageTokens = "tiny", 64
-	toks := make([]uint32, 300)
-	for i := range toks {
-		toks[i] = uint32(1000 + 7*i)
-	}
-	keys := map[string][]string{}
-	for _, m := range []struct {
-		name   string
-		tokens int
-	}{{"turn-1", 300}, {"turn-2", 200}} {
-		c := kvgen.NewCache(kvgen.Tiny, m.tokens, true, nil)
-		caches, atts, meta := kvgen.CacheRequest(c, m.tokens)
-		req := &jobs.WriteRequest{Ref: jobs.Ref{Namespace: "ns", Name: m.name}, Layout: layout.Pages, Meta: meta,
-			Caches: caches, Attachments: atts, Identity: identity, Tokens: toks[:m.tokens], PageTokens: pageTokens}
-		if _, _, err := jobs.Write(context.Background(), &jobs.Config{Root: root, NoSync: true}, req); err != nil {
-			t.Fatal(err)
-		}
-		ks, _, err := layout.PageChain(identity, pageTokens, toks[:m.tokens])
-		if err != nil {
-			t.Fatal(err)
-		}
-		for _, k := range ks {
-			keys[m.name] = append(keys[m.name], k.String())
-		}
-	}
-	return root, keys
-}
 
 func union(keys map[string][]string) map[string]bool {
 	out := map[string]bool{}
@@ -70,7 +30,8 @@ func union(keys map[string][]string) map[string]bool {
 // that does not decode) is reported once, naming its object, and an
 // unreadable manifest makes LivePages, and so Collect, fail.
 func TestVerifyAndLivePages(t *testing.T) {
-	root, keys := pageManifests(t)
+	root := t.TempDir()
+	keys := testutil.PageManifests(t, root, "ns")
 	s := newStore(t, nil)
 	ctx := context.Background()
 	objs := testutil.UploadNamespace(t, s, root, "ns")

@@ -114,9 +114,14 @@ const (
 	// Status answers Rule.Status (default 503) with an S3 XML error body
 	// without forwarding the request (a throttling or failing server).
 	Status
+	// ShiftDate forwards the request and moves the response's Date header
+	// by Rule.Delay (a store whose clock is ahead, or behind when
+	// negative): what a client that reads the store's clock, such as
+	// remote GC, then believes.
+	ShiftDate
 )
 
-var faultNames = map[Fault]string{Refuse: "refuse", Reset: "reset", Truncate: "truncate", Corrupt: "corrupt", Delay: "delay", Status: "status"}
+var faultNames = map[Fault]string{Refuse: "refuse", Reset: "reset", Truncate: "truncate", Corrupt: "corrupt", Delay: "delay", Status: "status", ShiftDate: "shift-date"}
 
 func (f Fault) String() string {
 	if n, ok := faultNames[f]; ok {
@@ -137,7 +142,7 @@ type Rule struct {
 	// Bytes: for Truncate the body bytes passed before the cut; for
 	// Corrupt the offset of the inverted byte.
 	Bytes int64
-	// Delay: for Delay, how long to wait.
+	// Delay: for Delay, how long to wait; for ShiftDate, the shift.
 	Delay time.Duration
 	// Status: for Status, the HTTP status (default 503 Service Unavailable).
 	Status int
@@ -390,6 +395,10 @@ func (p *Proxy) handle(c net.Conn, bw *bufio.Writer, req *http.Request) bool {
 		resp.Write(bw) // fails at the cut, with the bytes before it buffered
 		bw.Flush()
 		return false
+	case ShiftDate:
+		if t, err := http.ParseTime(resp.Header.Get("Date")); err == nil {
+			resp.Header.Set("Date", t.Add(ru.Delay).UTC().Format(http.TimeFormat))
+		}
 	case Corrupt:
 		resp.Body = struct {
 			io.Reader

@@ -194,15 +194,26 @@ func TestFaults(t *testing.T) {
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("delayed GET under a short deadline: %v", err)
 	}
+	// ShiftDate: the Date header moves by Delay.
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Head, Fault: faultproxy.ShiftDate, Delay: 2 * time.Hour})
+	req, _ = http.NewRequest("HEAD", url, nil)
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if d, err := http.ParseTime(resp.Header.Get("Date")); err != nil || d.Sub(time.Now()) < 2*time.Hour-time.Minute || d.Sub(time.Now()) > 2*time.Hour+time.Minute {
+		t.Fatalf("shifted Date %q (%v), want about 2 h ahead", resp.Header.Get("Date"), err)
+	}
 	p.Clear()
 	if _, got, err := do(t, c, "GET", url, nil); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("GET after Clear: %d bytes, %v", len(got), err)
 	}
-	if p.Injected(faultproxy.Any) != 1+1+1+2+1+1 {
-		t.Fatalf("Injected = %d, want 7", p.Injected(faultproxy.Any))
+	if p.Injected(faultproxy.Any) != 1+1+1+2+1+1+1 {
+		t.Fatalf("Injected = %d, want 8", p.Injected(faultproxy.Any))
 	}
-	if p.Seen(faultproxy.Get) != 5 || p.Seen(faultproxy.Head) != 4 {
-		t.Fatalf("Seen get %d head %d, want 5 and 4", p.Seen(faultproxy.Get), p.Seen(faultproxy.Head))
+	if p.Seen(faultproxy.Get) != 5 || p.Seen(faultproxy.Head) != 5 {
+		t.Fatalf("Seen get %d head %d, want 5 and 5", p.Seen(faultproxy.Get), p.Seen(faultproxy.Head))
 	}
 }
 

@@ -5,9 +5,48 @@ import (
 	"context"
 	"os"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
+
+// PageManifests writes into the store at root namespace ns holding two
+// page manifests of the tiny model at 64 tokens per page: "turn-1" (300
+// tokens: 4 full pages and a leaf of 44) and "turn-2" (200 tokens of the
+// same ids: its 3 full pages are turn-1's, then its own leaf of 8), so
+// 6 distinct page files. It returns each manifest's page keys computed
+// with layout.PageChain from the token ids (independently of the write).
+func PageManifests(tb TB, root, ns string) map[string][]string {
+	tb.Helper()
+	const identity, pageTokens = "tiny", 64
+	toks := make([]uint32, 300)
+	for i := range toks {
+		toks[i] = uint32(1000 + 7*i)
+	}
+	keys := map[string][]string{}
+	for _, m := range []struct {
+		name   string
+		tokens int
+	}{{"turn-1", 300}, {"turn-2", 200}} {
+		c := kvgen.NewCache(kvgen.Tiny, m.tokens, true, nil)
+		caches, atts, meta := kvgen.CacheRequest(c, m.tokens)
+		req := &jobs.WriteRequest{Ref: jobs.Ref{Namespace: ns, Name: m.name}, Layout: layout.Pages, Meta: meta,
+			Caches: caches, Attachments: atts, Identity: identity, Tokens: toks[:m.tokens], PageTokens: pageTokens}
+		if _, _, err := jobs.Write(context.Background(), &jobs.Config{Root: root, NoSync: true}, req); err != nil {
+			tb.Fatal(err)
+		}
+		ks, _, err := layout.PageChain(identity, pageTokens, toks[:m.tokens])
+		if err != nil {
+			tb.Fatal(err)
+		}
+		for _, k := range ks {
+			keys[m.name] = append(keys[m.name], k.String())
+		}
+	}
+	return keys
+}
 
 // UploadNamespace copies namespace ns of the local store at root to s as
 // the engine's write-behind lays it out (ARCHITECTURE.md, "Remote tier"):
