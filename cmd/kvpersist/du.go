@@ -170,7 +170,7 @@ an unreadable manifest is reported and counts no reclaimable bytes.
 
 Exit status: 0, 1 when some file (or remote manifest) is unreadable, 2 on
 usage or I/O errors.`,
-		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'\nkvpersist du --remote --endpoint s3.example.com --bucket kv --prefix fleet-a",
+		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'\nkvpersist du --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a",
 		nil)
 	fs := cmd.Flags()
 	rf := addRemoteFlags(fs)

@@ -63,7 +63,7 @@ store's own nodes; the machines' clocks do not matter.
 
 Exit status: 0, 1 when a namespace was not swept because of an unreadable
 file (or remote manifest), 2 on usage or I/O errors.`,
-		"kvpersist gc --dry-run /var/lib/kvcache\nkvpersist gc --block-grace 1h /var/lib/kvcache\nkvpersist gc --remote --endpoint s3.example.com --bucket kv --prefix fleet-a\nkvpersist gc --remote --endpoint s3.example.com --bucket kv --prefix fleet-a --grace 2h --delete",
+		"kvpersist gc --dry-run /var/lib/kvcache\nkvpersist gc --block-grace 1h /var/lib/kvcache\nkvpersist gc --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a\nkvpersist gc --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a --grace 2h --delete",
 		nil)
 	fs := cmd.Flags()
 	rf := addRemoteFlags(fs)

@@ -163,7 +163,7 @@ count and bytes (--pages: every page's key, bytes and modification time).
 The arguments are then namespaces; none means every namespace under
 --prefix. Credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY
 (AWS_SESSION_TOKEN, AWS_REGION) or the AWS shared credentials file
-(AWS_PROFILE).`, "kvpersist ls /var/lib/kvcache\nkvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'\nkvpersist ls --remote --endpoint s3.example.com --bucket kv --prefix fleet-a", nil)
+(AWS_PROFILE).`, "kvpersist ls /var/lib/kvcache\nkvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'\nkvpersist ls --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a", nil)
 	fs := cmd.Flags()
 	rf := addRemoteFlags(fs)
 	cmd.Args = rf.args(cobra.ExactArgs(1))

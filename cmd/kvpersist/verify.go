@@ -75,7 +75,7 @@ remote gc while verify runs are listed as vanished, not as problems.
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
 errors (io-error problems included; with --remote, a request that fails
 after the client's retries).`,
-		"kvpersist verify /var/lib/kvcache\nkvpersist verify --json /var/lib/kvcache/conv-42/turn-7\nkvpersist verify --remote --endpoint s3.example.com --bucket kv --prefix fleet-a conv-42",
+		"kvpersist verify /var/lib/kvcache\nkvpersist verify --json /var/lib/kvcache/conv-42/turn-7\nkvpersist verify --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a conv-42",
 		nil)
 	fs := cmd.Flags()
 	rf := addRemoteFlags(fs)

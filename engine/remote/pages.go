@@ -231,7 +231,7 @@ func (s *Store) Namespaces(ctx context.Context) (names, skipped []string, err er
 	}
 	for info := range s.client.ListObjectsIter(ctx, s.cfg.Bucket, minio.ListObjectsOptions{Prefix: p}) {
 		if info.Err != nil {
-			return nil, nil, opErr("list", p, info.Err)
+			return nil, nil, opErr("list", s.cfg.Bucket+"/"+p, info.Err)
 		}
 		el, isDir := strings.CutSuffix(strings.TrimPrefix(info.Key, p), "/")
 		if isDir && layout.ValidName("namespace", el) == nil {
