@@ -247,6 +247,9 @@ type remoteGCRow struct {
 	Reclaimable      int      `json:"reclaimable"`
 	ReclaimableBytes int64    `json:"reclaimableBytes"`
 	Deleted          []string `json:"deleted"` // object names, gc only
+	// Refreshed: pages old in the listing but younger than the grace when
+	// re-read just before their delete (an uploader renewed them): kept.
+	Refreshed int `json:"refreshed"`
 	// Error: why the namespace was not collected (an unreadable manifest:
 	// the pages it names cannot be known), "" when it was.
 	Error string `json:"error"`
@@ -271,7 +274,7 @@ func remoteCollect(ctx context.Context, s *remote.Store, names []string, grace t
 		cr, err := s.Collect(ctx, remote.CollectOptions{Namespace: ns, Grace: grace, Live: s.LivePages, DryRun: dryRun})
 		row := remoteGCRow{Namespace: ns, Manifests: cr.Manifests, ManifestBytes: cr.ManifestBytes, Pages: cr.Pages, PageBytes: cr.PageBytes,
 			Live: cr.Live, LiveBytes: cr.LiveBytes, Young: cr.Young, YoungBytes: cr.YoungBytes,
-			Reclaimable: cr.Deleted, ReclaimableBytes: cr.DeletedBytes, Deleted: nonNil(cr.DeletedNames)}
+			Reclaimable: cr.Deleted, ReclaimableBytes: cr.DeletedBytes, Deleted: nonNil(cr.DeletedNames), Refreshed: cr.Refreshed}
 		switch {
 		case err == nil:
 		case errors.Is(err, remote.ErrCorrupt) || errors.Is(err, remote.ErrTooLarge):
@@ -407,6 +410,7 @@ func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 		t.Young += row.Young
 		t.Reclaimable += row.Reclaimable
 		t.ReclaimableBytes += row.ReclaimableBytes
+		t.Refreshed += row.Refreshed
 	}
 	if !asJSON {
 		verb, freed := "deleted", "freed"
@@ -416,6 +420,9 @@ func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 		fmt.Fprintf(c.stdout, "gc %s: %d of %s collected, %d manifests, %d pages: %d live, %d younger than %v kept; %s %d pages, %s %s (%d bytes)\n",
 			quote(rep.Target), len(rep.Rows)-bad, nounCount(len(rep.Rows), "namespace"), t.Manifests, t.Pages, t.Live, t.Young, grace, verb,
 			t.Reclaimable, freed, humanBytes(t.ReclaimableBytes), t.ReclaimableBytes)
+		if t.Refreshed > 0 {
+			fmt.Fprintf(c.stdout, "kept %d pages an uploader renewed after the listing\n", t.Refreshed)
+		}
 		if !del {
 			fmt.Fprintln(c.stdout, "dry run: nothing was deleted (pass --delete to delete)")
 		}
