@@ -16,7 +16,6 @@ import (
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/xxh3s"
 )
 
 // The object-store tier behind the local page cache (issue 15), wired into
@@ -649,62 +648,28 @@ func (t *tier) publishFetched(sf *layout.Staged, size int64) error {
 	return sf.Commit(t.e.store.PublishOptions(true, 0))
 }
 
-// verifyPage checks a fetched page file before it may be published: it
-// decodes (prefix, header hash, every single-file rule, the page object,
-// whose key must equal SHA-256(parent ‖ tokens)), it is exactly the page
-// the prompt's chain expects (key, parent, identity, page size, token
-// ids), its size is exactly where its last tensor ends (so a long object
-// is refused too), and every tensor's xxh3-64 matches its header.
+// verifyPage checks a fetched page file before it may be published:
+// remote.VerifyPage (it decodes: every single-file rule, the header hash,
+// the page object, whose key must equal SHA-256(parent ‖ tokens); its key
+// is the one named; every tensor's xxh3-64 matches; it ends exactly where
+// its last tensor ends, so a short or long object fails), and it is
+// exactly the page the prompt's chain expects at its position: parent,
+// identity, page size and token ids.
 func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
-	snap, err := layout.Decode(f, name)
-	if err != nil {
-		return err
+	var pg *layout.Page
+	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
 	}
-	pg := snap.Page
 	switch {
-	case pg == nil:
-		return fmt.Errorf("%s is not a page file (formatVersion %d)", name, snap.Header.FormatVersion)
-	case pg.Key != want.Key || pg.Parent != want.Parent:
-		return fmt.Errorf("%s holds key %s parent %s, the chain wants %s parent %s", name, pg.Key, pg.Parent, want.Key, want.Parent)
+	case pg.Parent != want.Parent:
+		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)
 	case pg.Identity != want.Identity || pg.PageTokens != want.PageTokens:
 		return fmt.Errorf("%s has identity %q and %d tokens per page, the load %q and %d", name, pg.Identity, pg.PageTokens, want.Identity, want.PageTokens)
 	case !slices.Equal(pg.Tokens, want.Tokens):
 		return fmt.Errorf("%s holds other token ids than the prompt's", name)
-	case snap.Size != size:
-		return fmt.Errorf("%s: %d bytes written, %d fetched", name, snap.Size, size)
-	}
-	end := int64(snap.DataStart)
-	for _, tn := range snap.Header.Caches[0].Tensors {
-		if tn.Bytes > 0 {
-			end = max(end, int64(snap.DataStart)+tn.Off+tn.Bytes)
-		}
-	}
-	if end != size {
-		return fmt.Errorf("%s: %d bytes, its last tensor ends at %d", name, size, end)
-	}
-	bp := verifyBufs.Get().(*[]byte)
-	defer verifyBufs.Put(bp)
-	buf := *bp
-	for i, tn := range snap.Header.Caches[0].Tensors {
-		var hs xxh3s.Digest
-		off := int64(snap.DataStart) + tn.Off
-		for left := tn.Bytes; left > 0; {
-			c := buf[:min(int64(len(buf)), left)]
-			if err := layout.ReadFull(f, c, off); err != nil {
-				return fmt.Errorf("%s tensor %d: %w", name, i, err)
-			}
-			hs.Write(c)
-			off += int64(len(c))
-			left -= int64(len(c))
-		}
-		if got := layout.TensorHash(hs.Sum64()); got != tn.Hash {
-			return fmt.Errorf("%s tensor %d: xxh3 %s, header says %s", name, i, got, tn.Hash)
-		}
 	}
 	return nil
 }
-
-var verifyBufs = sync.Pool{New: func() any { b := make([]byte, 1<<20); return &b }}
 
 // LookupRemote is Lookup through both tiers: Local is Lookup's answer
 // (the engine's index, no I/O), Total the longest prefix stored in the
