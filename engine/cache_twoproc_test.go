@@ -79,13 +79,7 @@ func checkUsageEqualsDisk(t *testing.T, root string, round int) {
 // more than the bound (2 saves in flight × one page), and the accounting
 // an engine rebuilds equals the disk.
 func TestCrashEvictSIGKILL(t *testing.T) {
-	kills := 4
-	if soakLong() {
-		kills = 50
-	}
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("seed %d", seed)
-	rng := rand.New(rand.NewPCG(seed, 14))
+	kills, rng := crashRounds(t, 4, 50, 14)
 	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	pb := cpPageBytes(t, cache)
 	capacity := 24 * pb

@@ -177,13 +177,7 @@ func crashPrefixMain(args []string) int {
 // named by its key, verifies, and holds exactly the KV of the tokens its key
 // stands for; every acked save loads back whole, verified.
 func TestCrashPrefixSIGKILL(t *testing.T) {
-	kills := 6
-	if soakLong() {
-		kills = 100
-	}
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("seed %d", seed)
-	rng := rand.New(rand.NewPCG(seed, 4))
+	kills, rng := crashRounds(t, 6, 100, 4)
 	root := t.TempDir()
 	where := cpWhere()
 	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
@@ -316,4 +310,15 @@ func cpCheckPages(t *testing.T, root string, cache *kvgen.Cache, where map[layou
 		t.Fatal(err)
 	}
 	return pagesSeen
+}
+
+// crashRounds is a crash loop's number of kills (long under make soak)
+// and its random source, seeded from the clock (logged, to replay).
+func crashRounds(t *testing.T, kills, long int, stream uint64) (int, *rand.Rand) {
+	if soakLong() {
+		kills = long
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	return kills, rand.New(rand.NewPCG(seed, stream))
 }
