@@ -428,21 +428,31 @@ type storeFile struct {
 	data []byte
 }
 
-var (
-	collectOnce sync.Once
-	collectTpl  *collectTemplate
-	collectErr  error
-)
+// template is a value built once per process (a store laid out in
+// memory), shared by every run of a benchmark.
+type template[T any] struct {
+	once sync.Once
+	v    T
+	err  error
+}
+
+// get builds the value the first time, and fails b if that failed.
+func (t *template[T]) get(b *testing.B, build func() (T, error)) T {
+	b.Helper()
+	t.once.Do(func() { t.v, t.err = build() })
+	if t.err != nil {
+		b.Fatal(t.err)
+	}
+	return t.v
+}
+
+var collectTpl template[*collectTemplate]
 
 func getCollectTemplate(b *testing.B) *collectTemplate {
 	b.Helper()
-	collectOnce.Do(func() {
-		collectTpl, collectErr = buildCollectTemplate(filepath.Join(benchRoot, "collect-template"), collectBlocks)
+	return collectTpl.get(b, func() (*collectTemplate, error) {
+		return buildCollectTemplate(filepath.Join(benchRoot, "collect-template"), collectBlocks)
 	})
-	if collectErr != nil {
-		b.Fatal(collectErr)
-	}
-	return collectTpl
 }
 
 // buildCollectTemplate saves, in a store at root, two snapshots of blocks/2

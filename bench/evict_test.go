@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -35,21 +34,13 @@ type evictTemplate struct {
 	mem   *arena
 }
 
-var (
-	evictOnce sync.Once
-	evictTpl  *evictTemplate
-	evictErr  error
-)
+var evictTpl template[*evictTemplate]
 
 func getEvictTemplate(b *testing.B) *evictTemplate {
 	b.Helper()
-	evictOnce.Do(func() {
-		evictTpl, evictErr = buildEvictTemplate(filepath.Join(benchRoot, "evict-template"))
+	return evictTpl.get(b, func() (*evictTemplate, error) {
+		return buildEvictTemplate(filepath.Join(benchRoot, "evict-template"))
 	})
-	if evictErr != nil {
-		b.Fatal(evictErr)
-	}
-	return evictTpl
 }
 
 // buildEvictTemplate saves the conversations (NoSync: set-up; one bf16
