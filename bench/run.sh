@@ -7,7 +7,8 @@
 # Environment:
 #   COUNT=6                 runs of every benchmark (6 is enough for benchstat)
 #   BIG_BENCHTIME=1x        iterations per run of the 1 GiB saves (T=8192)
-#   SMALL_BENCHTIME=1x      iterations per run of the 256 MiB saves and collect
+#   SMALL_BENCHTIME=1x      iterations per run of the 256 MiB saves, collect
+#                           and evict
 #   RESTORE_BENCHTIME=10x   iterations per run of the restores (0.1-0.5 s each:
 #                           one alone is too short on a noisy machine)
 #                           (each benchmark also runs one untimed warm-up
@@ -71,6 +72,7 @@ run '^BenchmarkSave$//^T=2048$' "$SMALL_BENCHTIME"
 run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
+run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
 # The object-store tier (each starts a SeaweedFS on loopback).
 "$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
@@ -100,6 +102,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
+	if (name ~ /^BenchmarkEvict/) return 0.5
 	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
 	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
 	return ""
@@ -122,6 +125,7 @@ END {
 		if (has[n, "limit-GB/s"]) other = other sprintf(", limit %.3f GB/s", median(n SUBSEP "limit-GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
+		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
 		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],

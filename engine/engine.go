@@ -92,6 +92,46 @@ type Config struct {
 	// upload their pages in the background, and Close finishes or abandons
 	// the uploads within its context. See RemoteTier and remote_tier.go.
 	Remote *RemoteTier
+
+	// CapacityBytes bounds the prefix page cache: the allocated bytes
+	// (st_blocks × 512, vfs.AllocatedBytes) of every page file of every
+	// namespace under Root; 0 means unbounded. The accounting is rebuilt
+	// from the disk at New and kept exact by the engine's saves, evictions,
+	// deletes and collects. The bound: a save reserves an upper bound of
+	// its new pages' allocated bytes (each page file's length rounded up to
+	// the file system's block size) before it creates any file, and waits
+	// until the victims chosen for it are unlinked before it writes, so at
+	// every instant the allocated bytes D of the page tree (published and
+	// temp page files) satisfy
+	//
+	//	D ≤ CapacityBytes + S × P
+	//
+	// where S is the number of saves in flight at that instant and P the
+	// largest page file's allocated bytes: a save's victims may free up to
+	// one page more than it needs, and another save may use that room
+	// while the victim is still being unlinked. Pages found on disk beyond
+	// the capacity at New (or written by another process) are evicted in
+	// the background (ReasonShrink). A save that cannot make room (every
+	// page that could go is pinned, shared by a stored descendant, or
+	// protected by a quota) fails with ErrNoSpace, writes nothing and
+	// leaves every stored page intact. Pins (of loads, of saves' reused
+	// pages, of page manifests) are this engine's; what keeps a load of
+	// another process on the same root safe from this engine's evictions
+	// is the namespace's shared lock that load holds during its reads
+	// (evictions unlink only under the exclusive lock, as collect deletes),
+	// and a page manifest written by another process is found, under that
+	// lock, before its pages could be unlinked. See ARCHITECTURE.md,
+	// "Bounded page cache".
+	CapacityBytes int64
+	// HeadroomBytes is the minimum of free bytes (statvfs f_bavail ×
+	// f_frsize) to keep on the file system holding Root, for the other
+	// writers on the disk; 0 means none. Below it a save evicts first,
+	// then fails with ErrNoSpace (limit "headroom").
+	HeadroomBytes int64
+	// QuotaBytes bounds a namespace's page files (allocated bytes), per
+	// namespace name; a namespace absent or with 0 has none. A namespace
+	// within its quota is never evicted for another namespace's save.
+	QuotaBytes map[string]int64
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -124,6 +164,8 @@ type Engine struct {
 	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
 	// tierOnce closes the tier once (Close may be called concurrently).
 	tierOnce sync.Once
+	pc       *pageCache // the bounded page cache: accounting, eviction, checkpoints (cache.go)
+	pcOnce   sync.Once
 }
 
 type stats struct {
@@ -172,6 +214,10 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
 		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
 	}
+	policy, err := newCachePolicy(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.FS == nil {
 		cfg.FS = vfs.Default
 	}
@@ -206,8 +252,14 @@ func New(cfg Config) (*Engine, error) {
 		stopped: make(chan struct{}),
 		abort:   make(chan struct{}),
 	}
+	// The page cache's accounting, from the page files on disk; its
+	// background goroutine runs until Close.
+	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
+		return nil, err
+	}
 	if cfg.Remote != nil {
 		if e.tier, err = newTier(e, cfg.Remote); err != nil {
+			_ = e.pc.close()
 			return nil, err
 		}
 	}
@@ -217,6 +269,7 @@ func New(cfg Config) (*Engine, error) {
 		if e.tier != nil {
 			e.tier.close(context.Background())
 		}
+		_ = e.pc.close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
 	e.pool = pool
@@ -564,6 +617,13 @@ func (e *Engine) Close(ctx context.Context) error {
 			}
 		})
 	}
+	// No job runs any more: stop the page cache's background goroutine and
+	// write its recency checkpoints.
+	e.pcOnce.Do(func() {
+		if cerr := e.pc.close(); cerr != nil {
+			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
+		}
+	})
 	// The pool's workers exit once released; wait for them only while ctx
 	// allows (every job has been acked by now).
 	switch perr := e.pool.ReleaseContext(ctx); {

@@ -70,6 +70,7 @@ func TestListClassifiesEveryEntry(t *testing.T) {
 	empty := testutil.WriteFile(t, filepath.Join(nsDir, "empty"), "")
 	junk := testutil.WriteFile(t, filepath.Join(nsDir, "notes.txt"), "hello")
 	testutil.WriteFile(t, filepath.Join(nsDir, ".lock"), "")
+	testutil.WriteFile(t, filepath.Join(nsDir, layout.RecencyName), "KVPLRU1\n not a snapshot")
 	tmp := testutil.WriteFile(t, layout.TempPath(filepath.Join(nsDir, "w")), "partial")
 	b1 := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h1[:2], h1), "block one")
 	flat := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h2), "flat block")
@@ -90,8 +91,8 @@ func TestListClassifiesEveryEntry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !l.HasLock || !l.HasBlocksDir || !l.HasPagesDir {
-		t.Errorf("lock %v blocks %v pages %v", l.HasLock, l.HasBlocksDir, l.HasPagesDir)
+	if !l.HasLock || !l.HasBlocksDir || !l.HasPagesDir || !l.HasRecency {
+		t.Errorf("lock %v blocks %v pages %v recency %v", l.HasLock, l.HasBlocksDir, l.HasPagesDir, l.HasRecency)
 	}
 	var snaps []string
 	for _, s := range l.Snapshots {
@@ -329,5 +330,26 @@ func TestSyncPolicy(t *testing.T) {
 	// The new directory's entry, then the root in each Create.
 	if n := ffs2.Count(testutil.OpSyncDir); n != 3 {
 		t.Errorf("%d directory fsyncs, want 3 (all of the root)", n)
+	}
+}
+
+// TestListSnapshotsShallow: ListSnapshots is List of the namespace
+// directory alone: snapshots, temps, lock and checkpoint as List has them,
+// blocks/ and pages/ reported present but not walked.
+func TestListSnapshotsShallow(t *testing.T) {
+	nsDir := filepath.Join(t.TempDir(), "ns")
+	k := strings.Repeat("c3", 32)
+	snap := testutil.WriteFile(t, filepath.Join(nsDir, "snap"), layout.Magic+"torn")
+	testutil.WriteFile(t, filepath.Join(nsDir, layout.RecencyName), "x")
+	testutil.WriteFile(t, filepath.Join(nsDir, "pages", k[:2], k), "page")
+	testutil.WriteFile(t, filepath.Join(nsDir, "blocks", k[:2], k), "block")
+	testutil.WriteFile(t, filepath.Join(nsDir, "pages", "zz", "junk"), "not walked")
+	l, err := store.NamespaceAt(nsDir, store.Options{}).ListSnapshots(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Snapshots) != 1 || l.Snapshots[0].Path != snap || !l.HasPagesDir || !l.HasBlocksDir || !l.HasRecency ||
+		len(l.Pages) != 0 || len(l.Blocks) != 0 || len(l.Skipped) != 0 {
+		t.Fatalf("listing %+v", l)
 	}
 }
