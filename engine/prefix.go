@@ -105,13 +105,12 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 		}
 	case *LoadPrefixRequest:
-		var dir string
-		if dir, err = e.nsDir(r.Namespace); err != nil {
+		// ErrPath for a namespace that is not a real directory, as for
+		// saves (LoadPrefix itself would say ErrInvalidRequest).
+		if _, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
-		})
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if k := res.Prefix.Missing; k != nil {

@@ -63,8 +63,8 @@ func TestPrefixHostilePageEndsPrefix(t *testing.T) {
 			}
 			tc.plant(t, page1, testutil.PagePath(ons, ores.Keys[1]))
 			bufs, dest := c.dests(1024)
-			lr, _, err := jobs.LoadPrefix(t.Context(), withHelpers(2), &jobs.LoadPrefixSpec{
-				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			lr, _, err := jobs.LoadPrefix(t.Context(), inRoot(withHelpers(2), ns), &jobs.LoadPrefixRequest{
+				Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
 			})
 			if err != nil {
 				t.Fatalf("load failed for a bad page (it should end the prefix): %v", err)
