@@ -120,8 +120,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			}
 		}
 	case *LoadPrefixRequest:
-		var dir string
-		if dir, err = e.nsDir(r.Namespace); err != nil {
+		// ErrPath for a namespace that is not a real directory, as for
+		// saves (LoadPrefix itself would say ErrInvalidRequest).
+		if _, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
 		// The pages of the prompt that are stored are pinned for the
@@ -140,9 +141,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if e.tier != nil { // read-through: remote pages into the local tier first
 			res.Remote = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
-		})
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if k := res.Prefix.Missing; k != nil {

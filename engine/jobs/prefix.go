@@ -6,7 +6,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
-	"sync"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -14,7 +14,6 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/xxh3s"
 )
 
 // The prefix cache's jobs: SavePrefix stores the token pages of a cache
@@ -76,31 +75,6 @@ type PrefixResult struct {
 	Stop error
 }
 
-// LoadPrefixSpec describes a load from the prefix cache.
-type LoadPrefixSpec struct {
-	NSDir      string   // as SavePrefixSpec
-	Identity   string   // as SavePrefixSpec
-	Tokens     []uint32 // the prompt's token ids; at least 1
-	PageTokens int      // 0 means layout.DefaultPageTokens
-	// Dest has one destination per tensor of the cache, in the saved
-	// order: a dtype and a strided view (capacity-padded as mlx-lm keeps
-	// them) of the saved tensor's shape except axis -2, which must hold at
-	// least len(Tokens) tokens. Its elements must not overlap
-	// (gather.View.CheckNoOverlap).
-	Dest []TensorSpec
-	// Verify checks every tensor of every page against its xxh3-64; a page
-	// that fails ends the prefix there (PrefixResult.Stop).
-	Verify bool
-	// Progress, when non-nil, is called with n > 0 each time one page
-	// tensor of n bytes has been read into its destination (and verified,
-	// with Verify); a tensor that fails is not counted. When every page
-	// found loads, the calls add up to the loaded tokens' bytes of every
-	// tensor. It may be called from several of the load's goroutines at
-	// once (it must be safe for concurrent use and quick), never after
-	// LoadPrefix returns (for the engine: never after the ack).
-	Progress func(bytes int64)
-}
-
 func pageTokens(p int) int {
 	if p == 0 {
 		return layout.DefaultPageTokens
@@ -142,6 +116,28 @@ func checkPrefixTensors(ts []TensorSpec, tokens int, kind error, what string, wr
 		if c := v.Shape[len(v.Shape)-2]; c < tokens {
 			return fmt.Errorf("%w: %s %d holds %d tokens on axis -2, %d are needed", kind, what, i, c, tokens)
 		}
+	}
+	if write {
+		if err := checkDisjointViews(ts, kind, what); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkDisjointViews fails (kind) when two of ts's views address a common
+// byte (gather.CheckDisjoint), naming the two: two destinations written
+// at once would leave it holding either's bytes.
+func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
+	views := make([]gather.View, len(ts))
+	for i, t := range ts {
+		views[i] = t.View
+		if views[i].ItemSize == 0 {
+			views[i].ItemSize, _ = layout.ItemSize(t.DType)
+		}
+	}
+	if i, j, err := gather.CheckDisjoint(views); err != nil {
+		return fmt.Errorf("%w: %s %d and %s %d share bytes of memory: %v", kind, what, i, what, j, err)
 	}
 	return nil
 }
@@ -359,31 +355,75 @@ func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, 
 
 // foundPage is a page file a load opened and checked.
 type foundPage struct {
-	f    vfs.File
+	src  *Source
 	snap *layout.Snapshot
 	lo   int // first token of the page in the prompt
 }
 
-// LoadPrefix loads the longest stored prefix of spec.Tokens into
-// spec.Dest and reports its length in tokens (PrefixResult.Tokens, a
-// multiple of PageTokens unless the prompt's last, partial page was stored
-// as a leaf with exactly the prompt's remaining tokens).
+// openPage opens the page file at path and decodes it: an open error is
+// returned as is (vfs.IsNotExist for a missing page); a file that does not
+// decode, or is not a page, wraps ErrCorrupt. The page is returned as a
+// Source for ReadExtents (O_DIRECT when its file system allows and it is
+// not in the page cache; see OpenSource), which the caller closes.
+func openPage(cfg *Config, path string) (*Source, *layout.Snapshot, error) {
+	f, err := cfg.fs().Open(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	snap, err := layout.Decode(f, path)
+	if err == nil && snap.Page == nil {
+		err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
+	}
+	src, err := ownSource(cfg, f)
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return src, snap, nil
+}
+
+// pageExtent is the extent of tensor t of a page (stored at off from the
+// page's data start) into dst, the destination's view of the page's token
+// range; verified by the tensor's xxh3-64 with verify.
+func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, verify bool) Extent {
+	x := Extent{Src: fp.src, Off: int64(fp.snap.DataStart) + t.Off, View: dst, Group: group}
+	if verify {
+		x.Verify = VerifyXXH3
+		x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated by Decode: 16 hex digits
+	}
+	return x
+}
+
+// LoadPrefix loads the longest stored prefix of req.Tokens from the prefix
+// cache of <cfg.Root>/<req.Namespace> into req.Dest and reports its length
+// in tokens (PrefixResult.Tokens, a multiple of PageTokens unless the
+// prompt's last, partial page was stored as a leaf with exactly the
+// prompt's remaining tokens).
 //
-// Order of work: (1) the request is checked: identity, page size, at least
-// one token, every destination's dtype, itemsize, rank, validity, no
-// overlapping elements, and room for len(Tokens) tokens on axis -2; (2) the
-// page files of the prefix are opened in chain order until one is missing
-// (a miss, never an error: PrefixResult.Missing) or fails to open or
-// decode (the prefix ends there: PrefixResult.Stop); each opened page is
-// checked against the request: its key, identity, page size and token ids
-// (a page that differs is corrupt: Stop wraps ErrCorrupt), and each
-// tensor's dtype and shape (the destination's, axis -2 aside: ErrMismatch
-// for the first page; for a later one, whose tensors then disagree with
-// the pages before it, Stop wraps ErrCorrupt); (3)
-// only then are the destinations written: every tensor of every page is
-// read straight into the destination's token range (pread into each
-// contiguous piece of the view when pieces are at least 64 KiB, else
-// through scratch), and with Verify hashed while hot in cache.
+// Order of work: (1) the request is checked: namespace, identity, page
+// size, at least one token, every destination's dtype, itemsize, rank,
+// validity, no overlapping elements within a destination or between two
+// of them (gather.CheckDisjoint), and room for len(Tokens) tokens on axis
+// -2; (2) the page files of the prefix are opened in chain order until one
+// is missing (a miss, never an error: PrefixResult.Missing) or fails to
+// open or decode (the prefix ends there: PrefixResult.Stop); each opened
+// page is checked against the request: its key, identity, page size and
+// token ids (a page that differs is corrupt: Stop wraps ErrCorrupt), and
+// each tensor's dtype and shape (the destination's, axis -2 aside:
+// ErrMismatch naming the tensor and what differs, for the first page; for
+// a later one, whose tensors then disagree with the pages before it, Stop
+// wraps ErrCorrupt); (3) only then are the destinations written, by
+// ReadExtents: every tensor of every page found is one extent into the
+// destination's token range, read with cfg.ReadDepth requests in flight
+// across pages (O_DIRECT where the file system allows and the page is not
+// in the page cache), straight into each contiguous run of the view (one
+// preadv per request) when runs are at least MinRunBytes, else through
+// staging and a scatter; with Verify each tensor is hashed (xxh3-64) as it
+// streams in.
 //
 // What a destination holds afterwards, in its elements on axis -2 (every
 // other byte of the caller's buffers is never written):
@@ -400,40 +440,43 @@ type foundPage struct {
 // Files are opened without following symlinks; the load holds the
 // namespace's lock shared (when the lock file exists). Destinations are
 // not touched after LoadPrefix returns.
-func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*PrefixResult, Metrics, error) {
+func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	p := pageTokens(spec.PageTokens)
-	n := len(spec.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
-	}
-	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
 	}
-	if err := checkPrefixTensors(spec.Dest, n, ErrDestination, "destination", true); err != nil {
-		return nil, m, fmt.Errorf("load prefix %s: %w", spec.NSDir, err)
+	p := pageTokens(req.PageTokens)
+	n := len(req.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	dests := resolveTensors(spec.Dest)
+	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
+		return nil, m, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
+	}
+	dests := resolveTensors(req.Dest)
 	fsys := cfg.fs()
-	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
 	res := &PrefixResult{}
 	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
 	}
 	defer unlock()
 	for _, d := range []string{ns.Dir(), ns.PagesDir()} {
 		if err := checkDir(fsys, d); err != nil {
-			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
+			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
 		}
 	}
 	// Step 2: open and check every page of the prefix.
 	var found []foundPage
 	defer func() {
 		for _, fp := range found {
-			fp.f.Close()
+			fp.src.Close()
 		}
 	}()
 	checked := map[string]error{}
@@ -451,28 +494,21 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 		if derr != nil {
 			return nil, m, fmt.Errorf("jobs: load prefix: %w", derr)
 		}
-		f, err := fsys.Open(path)
+		src, snap, err := openPage(cfg, path)
 		if err != nil {
 			if vfs.IsNotExist(err) {
 				k := key
 				res.Missing = &k
-				break
+			} else if errors.Is(err, ErrCorrupt) {
+				res.Stop = err
+			} else {
+				res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
 			}
-			res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
-			break
-		}
-		snap, err := layout.Decode(f, path)
-		if err != nil || snap.Page == nil {
-			f.Close()
-			if err == nil {
-				err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
-			}
-			res.Stop = fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
 			break
 		}
 		lo := i * p
-		if err := checkPage(snap, key, spec, lo, min(n, lo+p)); err != nil {
-			f.Close()
+		if err := checkPage(snap, key, req, lo, min(n, lo+p)); err != nil {
+			src.Close()
 			// A page that is not what its file name says (key, identity,
 			// P, token ids) is corrupt, and so is one whose tensors
 			// disagree with the pages before it (which matched the
@@ -488,58 +524,50 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 			res.Stop = err
 			break
 		}
-		found = append(found, foundPage{f: f, snap: snap, lo: lo})
+		found = append(found, foundPage{src: src, snap: snap, lo: lo})
 	}
-	// Step 3: read every tensor of every page found into its destination.
-	nt := len(spec.Dest)
-	var bad atomic.Int64 // the first page that failed, or len(found)
-	bad.Store(int64(len(found)))
-	var mu sync.Mutex
-	stops := map[int]error{}
-	var read atomic.Int64
-	err = parallel(ctx, cfg, len(found)*nt, ChunkBytes, func(k int, scratch []byte) error {
-		pi, ti := k/nt, k%nt
-		if int64(pi) > bad.Load() {
-			return nil // past a failed page: not loaded anyway
+	// Step 3: read every tensor of every page found into its destination:
+	// one extent each, in page order, all in one group (a failure skips
+	// what follows it: those pages are past the prefix's end anyway).
+	nt := len(dests)
+	if len(found) > maxHeldBlocks {
+		for _, fp := range found {
+			fp.src.makeLazy(int64(nt))
 		}
-		fp := &found[pi]
-		t := fp.snap.Header.Caches[0].Tensors[ti]
-		d := dests[ti].View
-		var shp [layout.MaxRank]int
-		sub, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
-		if err == nil {
-			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, spec.Verify, t.Hash, &read)
-		}
-		if err == nil && spec.Progress != nil && t.Bytes > 0 {
-			spec.Progress(t.Bytes)
-		}
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			mu.Lock()
-			if _, dup := stops[pi]; !dup {
-				stops[pi] = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, ti, err)
-			}
-			mu.Unlock()
-			for {
-				old := bad.Load()
-				if int64(pi) >= old || bad.CompareAndSwap(old, int64(pi)) {
-					break
-				}
+	}
+	exts, err := loadExtents(found, dests, req.Verify)
+	if err != nil {
+		return nil, m, err
+	}
+	var progress func(int, error)
+	if req.Progress != nil {
+		progress = func(k int, err error) {
+			if b := exts[k].Bytes(); err == nil && b > 0 {
+				req.Progress(int64(b))
 			}
 		}
-		return nil
-	})
-	m.ReadBytes = read.Load()
+	}
+	errs, st, err := readExtents(ctx, cfg, exts, progress)
+	m.ReadBytes, m.DirectReadBytes = st.Bytes, st.DirectBytes
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err
 	}
-	loaded := int(bad.Load())
-	if loaded < len(found) {
-		res.Stop = stops[loaded]
+	loaded := len(found)
+	for k, e := range errs {
+		if e == nil {
+			continue
+		}
+		// The first error in extent order is the first failed page's: an
+		// extent is skipped only after an earlier one failed.
+		fp := &found[k/nt]
+		if errors.Is(e, ErrBlockSize) {
+			e = fmt.Errorf("%w: %w", ErrCorrupt, e) // the page file is shorter than its header says
+		}
+		loaded = k / nt
+		res.Stop = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, k%nt, e)
 		res.Missing = nil
+		break
 	}
 	for _, fp := range found[:loaded] {
 		res.Keys = append(res.Keys, fp.snap.Page.Key)
@@ -551,114 +579,82 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 	return res, m, nil
 }
 
+// loadExtents is one extent per tensor of every page found, in page then
+// tensor order, each into its destination's view of the page's token range
+// (axis -2), all of group 0.
+func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]Extent, error) {
+	nt := len(dests)
+	exts := make([]Extent, 0, len(found)*nt)
+	views := make([]gather.View, len(found)*nt)
+	rank := 0
+	for _, d := range dests {
+		rank += len(d.View.Shape)
+	}
+	shapes := make([]int, len(found)*rank) // every view's shape, back to back
+	for pi := range found {
+		fp := &found[pi]
+		for ti, t := range fp.snap.Header.Caches[0].Tensors {
+			d := dests[ti].View
+			k := pi*nt + ti
+			shp := shapes[:len(d.Shape)]
+			shapes = shapes[len(d.Shape):]
+			v, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp)
+			if err != nil { // checked: each destination holds every token
+				return nil, fmt.Errorf("%w: load prefix: destination %d: %v", ErrDestination, ti, err)
+			}
+			views[k] = v
+			exts = append(exts, pageExtent(fp, &t, &views[k], 0, verify))
+		}
+	}
+	return exts, nil
+}
+
 // checkPage checks an opened page against the load's request before any
 // destination is touched: the key it is stored under, identity, page size
 // and token ids [lo, hi) of the prompt (a page that differs is not what
 // its file name says: ErrCorrupt), then each tensor's dtype and shape (the
-// destination's, axis -2 aside: ErrMismatch).
-func checkPage(snap *layout.Snapshot, key layout.PageKey, spec *LoadPrefixSpec, lo, hi int) error {
+// destination's, axis -2 aside: ErrMismatch naming what differs).
+func checkPage(snap *layout.Snapshot, key layout.PageKey, req *LoadPrefixRequest, lo, hi int) error {
 	pg := snap.Page
 	switch {
 	case pg.Key != key:
 		return fmt.Errorf("%w: page %s holds key %s", ErrCorrupt, snap.Path, pg.Key)
-	case pg.Identity != spec.Identity:
-		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrCorrupt, snap.Path, pg.Identity, spec.Identity)
-	case pg.PageTokens != pageTokens(spec.PageTokens):
-		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrCorrupt, snap.Path, pg.PageTokens, pageTokens(spec.PageTokens))
-	case !slices.Equal(pg.Tokens, spec.Tokens[lo:hi]):
+	case pg.Identity != req.Identity:
+		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrCorrupt, snap.Path, pg.Identity, req.Identity)
+	case pg.PageTokens != pageTokens(req.PageTokens):
+		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrCorrupt, snap.Path, pg.PageTokens, pageTokens(req.PageTokens))
+	case !slices.Equal(pg.Tokens, req.Tokens[lo:hi]):
 		return fmt.Errorf("%w: page %s holds other token ids than the prompt's [%d, %d)", ErrCorrupt, snap.Path, lo, hi)
 	}
 	ts := snap.Header.Caches[0].Tensors
-	if len(ts) != len(spec.Dest) {
-		return fmt.Errorf("%w: page %s has %d tensors, the load %d destinations", ErrMismatch, snap.Path, len(ts), len(spec.Dest))
+	if len(ts) != len(req.Dest) {
+		return fmt.Errorf("%w: page %s has %d tensors, the load %d destinations", ErrMismatch, snap.Path, len(ts), len(req.Dest))
 	}
 	for i, t := range ts {
-		d := spec.Dest[i]
-		same := t.DType == d.DType && len(t.Shape) == len(d.View.Shape)
-		for a := 0; same && a < len(t.Shape); a++ {
-			same = a == len(t.Shape)-2 || t.Shape[a] == int64(d.View.Shape[a])
-		}
-		if !same {
-			return fmt.Errorf("%w: page %s tensor %d is %s%v, destination %d is %s%v", ErrMismatch, snap.Path, i, t.DType, t.Shape, i, d.DType, d.View.Shape)
+		d := req.Dest[i]
+		if diff := tensorDiff(t.DType, t.Shape, d.DType, d.View.Shape); diff != "" {
+			return fmt.Errorf("%w: page %s tensor %d is %s%v, destination %d is %s%v: %s", ErrMismatch, snap.Path, i, t.DType, t.Shape, i, d.DType, d.View.Shape, diff)
 		}
 	}
 	return nil
 }
 
-// pieceMinBytes: destination pieces at least this long are read into
-// directly (one pread each); shorter ones go through scratch and a scatter.
-const pieceMinBytes = 64 << 10
-
-// readPageTensor fills dst, the destination's view of one page tensor's
-// elements, with the tensor's logical bytes stored at off in f, hashing
-// them when verify and checking the hash against want (ErrCorrupt). The
-// only I/O is pageRead.
-func readPageTensor(ctx context.Context, f vfs.File, off int64, dst gather.View, scratch []byte, verify bool, want string, read *atomic.Int64) error {
-	var hs xxh3s.Digest
-	if dst.RunElements()*dst.ItemSize >= pieceMinBytes {
-		err := dst.RunsRange(0, dst.Elements(), func(piece []byte) error {
-			for o := 0; o < len(piece); {
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				c := piece[o:min(len(piece), o+pageReadChunk)]
-				if err := pageRead(f, c, off); err != nil {
-					return err
-				}
-				if verify {
-					hs.Write(c)
-				}
-				read.Add(int64(len(c)))
-				off += int64(len(c))
-				o += len(c)
-			}
-			return nil
-		})
-		if err != nil {
-			return err
-		}
-	} else {
-		n := dst.Elements()
-		chunk := max(1, len(scratch)/dst.ItemSize)
-		for e := 0; e < n; {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			count := min(chunk, n-e)
-			b := scratch[:count*dst.ItemSize]
-			if err := pageRead(f, b, off); err != nil {
-				return err
-			}
-			if verify {
-				hs.Write(b)
-			}
-			if err := dst.ScatterRange(e, count, b); err != nil {
-				return err
-			}
-			read.Add(int64(len(b)))
-			off += int64(len(b))
-			e += count
+// tensorDiff says what differs between a stored page tensor and a
+// destination other than axis -2 (tokens: a page holds its own count, a
+// destination its capacity), or "" when nothing does.
+func tensorDiff(dtype string, shape []int64, ddtype string, dshape []int) string {
+	if dtype != ddtype {
+		return fmt.Sprintf("dtype %s in the page, %s in the destination", dtype, ddtype)
+	}
+	if len(shape) != len(dshape) {
+		return fmt.Sprintf("%d axes in the page, %d in the destination", len(shape), len(dshape))
+	}
+	for a := range shape {
+		if a != len(shape)-2 && shape[a] != int64(dshape[a]) {
+			return fmt.Sprintf("axis %d (of %d) has %d elements in the page, %d in the destination (only axis -2, tokens, may differ)", a, len(shape), shape[a], dshape[a])
 		}
 	}
-	if verify {
-		if got := layout.TensorHash(hs.Sum64()); got != want {
-			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
-		}
-	}
-	return nil
-}
-
-// pageRead is the load's one I/O primitive: exactly len(b) bytes of f at
-// off (a short file is layout.ErrTruncated). It is kept apart so the load
-// can move to the shared read primitive (queue depth, O_DIRECT) unchanged.
-func pageRead(f vfs.File, b []byte, off int64) error {
-	if err := layout.ReadFull(f, b, off); err != nil {
-		if errors.Is(err, layout.ErrTruncated) {
-			return fmt.Errorf("%w: %v", ErrCorrupt, err)
-		}
-		return err
-	}
-	return nil
+	return ""
 }
 
 // checkIdentity fails with ErrMismatch unless want is empty or equals the
@@ -762,27 +758,42 @@ func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *wri
 	return nil
 }
 
-// readPaged reads a page manifest into dest (one buffer per slot, exactly
-// its bytes, checked by Read): every page is opened and checked against the
-// manifest first (key, identity, page size, token count, tensors' dtypes
-// and shapes); a missing or mismatching page fails every cache slot
-// (ErrMissingPage, ErrCorrupt) and none of them is read. Then each page
-// tensor is read into its token range of the slot (a row-major view of
-// dest), verified with the page's hash, and each attachment from the
-// manifest. Per-slot failures go to fail; the error is ctx's or a panic.
-func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte, verify bool, read *atomic.Int64, fail func(int, error)) error {
+// pagedRead is the read plan of a page manifest: one extent per tensor of
+// every page (the first paged of exts) and per attachment.
+type pagedRead struct {
+	srcs  []*Source // the pages', then the manifest's
+	exts  []Extent
+	paged int // extents of page tensors, before the attachments'
+	// pageErr: a page is missing or unlike the manifest; every cache slot
+	// fails with it, and none of them is read.
+	pageErr error
+}
+
+func (pr *pagedRead) close() {
+	for _, s := range pr.srcs {
+		s.Close()
+	}
+}
+
+// pagedExtents plans the read of a page manifest into dest (one buffer per
+// slot, exactly its bytes, checked by Read): every page is opened and
+// checked against the manifest first (key, identity, page size, token
+// count, tensors' dtypes and shapes); a missing or mismatching page
+// (ErrMissingPage, ErrCorrupt) is pageErr, and then only the attachments
+// are planned. Else each page tensor is one extent into its token range of
+// its slot (a row-major view of dest), grouped by slot, verified with the
+// page's hash, and each attachment one extent from the manifest f. The
+// error is one of making the manifest's Source; close the plan in any
+// case.
+func pagedExtents(cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte, verify bool) (*pagedRead, error) {
 	fsys := cfg.fs()
 	pl := snap.Pages
 	slots := snap.Header.Slots()
 	nc := cacheSlots(snap.Header)
 	ns, _ := store.NamespaceOf(snap.Path, cfg.storeOptions())
+	pr := &pagedRead{}
 	pages := make([]foundPage, 0, len(pl.Keys))
-	defer func() {
-		for _, fp := range pages {
-			fp.f.Close()
-		}
-	}()
-	pageErr := func() error {
+	pr.pageErr = func() error {
 		if err := checkDir(fsys, ns.PagesDir()); err != nil {
 			return err
 		}
@@ -791,23 +802,16 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 			if err := checkDir(fsys, filepath.Dir(path)); err != nil {
 				return err
 			}
-			pf, err := fsys.Open(path)
+			src, ps, err := openPage(cfg, path)
 			if err != nil {
 				if vfs.IsNotExist(err) {
 					return fmt.Errorf("%w: %s", ErrMissingPage, path)
 				}
 				return err
 			}
-			ps, err := layout.Decode(pf, path)
-			if err == nil && ps.Page == nil {
-				err = fmt.Errorf("%s is not a page file", path)
-			}
-			if err != nil {
-				pf.Close()
-				return fmt.Errorf("%w: %w", ErrCorrupt, err)
-			}
+			pr.srcs = append(pr.srcs, src)
 			lo := i * pl.PageTokens
-			pages = append(pages, foundPage{f: pf, snap: ps, lo: lo})
+			pages = append(pages, foundPage{src: src, snap: ps, lo: lo})
 			pg := ps.Page
 			if pg.Key != k || pg.Identity != pl.Identity || pg.PageTokens != pl.PageTokens || len(pg.Tokens) != min(pl.PageTokens, pl.Tokens-lo) || len(ps.Header.Caches[0].Tensors) != nc {
 				return fmt.Errorf("%w: page %s does not match the manifest (key, identity, page size, tokens or tensor count)", ErrCorrupt, path)
@@ -825,55 +829,56 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 		}
 		return nil
 	}()
-	if pageErr != nil {
-		for i := range nc {
-			fail(i, pageErr)
-		}
-		pages, nc = pages[:0:0], 0 // read the attachments only
+	if pr.pageErr != nil {
+		pages = nil // read the attachments only
 	}
-	var bad sync.Map // slot -> struct{}: one failure per slot
-	onErr := func(slot int, err error) {
-		if _, dup := bad.LoadOrStore(slot, struct{}{}); !dup {
-			fail(slot, err)
+	if len(pages) > maxHeldBlocks {
+		for _, fp := range pages {
+			fp.src.makeLazy(int64(nc))
 		}
 	}
-	nPaged := len(pages) * nc
-	return parallel(ctx, cfg, nPaged+len(slots)-cacheSlots(snap.Header), ChunkBytes, func(k int, scratch []byte) error {
-		if k >= nPaged {
-			i := cacheSlots(snap.Header) + k - nPaged
-			if err := readAttachment(ctx, f, int64(snap.DataStart)+slots[i].Off, dest[i], verify, slots[i].Hash, read); err != nil {
-				if ctx.Err() != nil {
-					return ctx.Err()
-				}
-				onErr(i, err)
-			}
-			return nil
-		}
-		pi, ti := k/nc, k%nc
-		if _, skip := bad.Load(ti); skip {
-			return nil
-		}
-		fp := &pages[pi]
-		t := fp.snap.Header.Caches[0].Tensors[ti]
-		shape := make([]int, len(slots[ti].Shape))
-		for a, d := range slots[ti].Shape {
+	// The slots as row-major views of dest.
+	whole := make([]gather.View, nc)
+	for i := range nc {
+		shape := make([]int, len(slots[i].Shape))
+		for a, d := range slots[i].Shape {
 			shape[a] = int(d)
 		}
-		size, _ := layout.ItemSize(slots[ti].DType)
-		v := gather.View{Base: dest[ti], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size}
-		var shp [layout.MaxRank]int
-		sub, err := v.SliceAxis(len(shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
-		if err == nil {
-			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, verify, t.Hash, read)
-		}
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
+		size, _ := layout.ItemSize(slots[i].DType)
+		whole[i] = gather.View{Base: dest[i], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size}
+	}
+	pr.exts = make([]Extent, 0, len(pages)*nc+len(slots)-nc)
+	views := make([]gather.View, len(pages)*nc)
+	for pi := range pages {
+		fp := &pages[pi]
+		for ti, t := range fp.snap.Header.Caches[0].Tensors {
+			d := whole[ti]
+			v, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), make([]int, len(d.Shape)))
+			if err != nil { // the page's token range was checked against the manifest's
+				return pr, fmt.Errorf("%w: page %s: %v", ErrCorrupt, fp.snap.Path, err)
 			}
-			onErr(ti, fmt.Errorf("page %s: %w", fp.snap.Path, err))
+			views[pi*nc+ti] = v
+			pr.exts = append(pr.exts, pageExtent(fp, &t, &views[pi*nc+ti], ti, verify))
 		}
-		return nil
-	})
+	}
+	pr.paged = len(pr.exts)
+	if len(slots) > nc {
+		src, err := AdoptSource(cfg, f)
+		if err != nil {
+			return pr, err
+		}
+		pr.srcs = append(pr.srcs, src)
+		for i := nc; i < len(slots); i++ {
+			t := slots[i]
+			x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
+			if verify {
+				x.Verify = VerifyXXH3
+				x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated: 16 hex digits
+			}
+			pr.exts = append(pr.exts, x)
+		}
+	}
+	return pr, nil
 }
 
 // resolveTensors returns a copy of ts whose views carry their dtype's
@@ -888,62 +893,4 @@ func resolveTensors(ts []TensorSpec) []TensorSpec {
 		}
 	}
 	return out
-}
-
-// pageReadChunk is the unit, in bytes, in which a page tensor's piece is
-// read and hashed while hot in cache.
-const pageReadChunk = 1 << 20
-
-// readAttachment reads an attachment of a page manifest (stored like a
-// single file's tensor at off) into dst, hashing it with verify.
-func readAttachment(ctx context.Context, f vfs.File, off int64, dst []byte, verify bool, want string, read *atomic.Int64) error {
-	var hs xxh3s.Digest
-	for o := 0; o < len(dst); o += pageReadChunk {
-		if o > 0 && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		c := dst[o:min(len(dst), o+pageReadChunk)]
-		if err := pageRead(f, c, off+int64(o)); err != nil {
-			return err
-		}
-		read.Add(int64(len(c)))
-		if verify {
-			hs.Write(c)
-		}
-	}
-	if verify {
-		if got := layout.TensorHash(hs.Sum64()); got != want {
-			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
-		}
-	}
-	return nil
-}
-
-// readPagesSnapshot is Read of a page manifest (layout Pages), after the
-// checks Read makes for every layout: readPaged, failures collected per
-// slot into a *ReadError.
-func readPagesSnapshot(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, spec *readSpec, m Metrics, start time.Time) (*layout.Snapshot, Metrics, error) {
-	var read atomic.Int64
-	var mu sync.Mutex
-	var failures []SlotError
-	var names *layout.SlotIndex // built at the first failure: O(1) per failed slot
-	fail := func(slot int, err error) {
-		mu.Lock()
-		if names == nil {
-			names = snap.Header.SlotIndex()
-		}
-		failures = append(failures, SlotError{Slot: slot, Name: names.Name(slot), Err: err})
-		mu.Unlock()
-	}
-	err := readPaged(ctx, cfg, f, snap, spec.Dest, spec.Verify, &read, fail)
-	m.ReadBytes = read.Load()
-	m.Elapsed = time.Since(start)
-	if err != nil {
-		return snap, m, err
-	}
-	if len(failures) > 0 {
-		slices.SortFunc(failures, func(a, b SlotError) int { return a.Slot - b.Slot })
-		return snap, m, &ReadError{Path: spec.Path, Slots: failures}
-	}
-	return snap, m, nil
 }

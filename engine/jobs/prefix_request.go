@@ -17,19 +17,38 @@ type SavePrefixRequest struct {
 }
 
 // LoadPrefixRequest loads the longest stored prefix of Tokens from the
-// prefix cache of Namespace into Dest (one capacity-padded strided view per
-// tensor, room for len(Tokens) tokens on axis -2); see LoadPrefixSpec and,
-// for what each destination holds after every outcome, LoadPrefix. Dest
-// must stay valid until the load returns (for the engine: until the ack).
+// prefix cache of Namespace (<root>/<Namespace>/pages) into Dest; see
+// LoadPrefix for the order of its checks and for what each destination
+// holds after every outcome. Dest must stay valid until the load returns
+// (for the engine: until the ack).
 type LoadPrefixRequest struct {
-	Namespace  string
-	Identity   string
-	Tokens     []uint32
+	// Namespace is the namespace directory's name under the root (one
+	// path element, layout.ValidName).
+	Namespace string
+	// Identity names everything that makes KV incompatible, as the save
+	// gave it (1 to layout.MaxIdentityBytes bytes); another identity is a
+	// miss by construction (it roots the key chain).
+	Identity string
+	// Tokens are the prompt's token ids; at least 1.
+	Tokens []uint32
+	// Dest has one destination per tensor of the cache, in the saved
+	// order: a dtype and a strided view (capacity-padded as mlx-lm keeps
+	// them) of the saved tensor's shape except axis -2, which must hold at
+	// least len(Tokens) tokens. No two elements may share a byte, within
+	// one view (gather.View.CheckNoOverlap) or between two
+	// (gather.CheckDisjoint), else ErrDestination.
 	Dest       []TensorSpec
 	PageTokens int // 0 means layout.DefaultPageTokens (256)
-	Verify     bool
-	// Progress, when non-nil, is told how many more bytes are done (see
-	// LoadPrefixSpec.Progress).
+	// Verify checks every tensor of every page against its xxh3-64; a page
+	// that fails ends the prefix there (PrefixResult.Stop).
+	Verify bool
+	// Progress, when non-nil, is called with n > 0 each time one page
+	// tensor of n bytes has been read into its destination (and verified,
+	// with Verify); a tensor that fails is not counted. When every page
+	// found loads, the calls add up to the loaded tokens' bytes of every
+	// tensor. It may be called from several of the load's goroutines at
+	// once (it must be safe for concurrent use and quick), never after
+	// LoadPrefix returns (for the engine: never after the ack).
 	Progress func(bytes int64)
 }
 

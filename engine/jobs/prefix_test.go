@@ -157,13 +157,21 @@ func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *j
 
 func loadPrefix(t *testing.T, cfg *jobs.Config, ns string, toks []uint32, dest []jobs.TensorSpec, p int, verify bool) *jobs.PrefixResult {
 	t.Helper()
-	res, _, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixSpec{
-		NSDir: ns, Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
+	res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
+		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// inRoot is a copy of cfg whose Root holds the namespace directory nsDir
+// (a load names its namespace under Config.Root).
+func inRoot(cfg *jobs.Config, nsDir string) *jobs.Config {
+	c := *cfg
+	c.Root = filepath.Dir(nsDir)
+	return &c
 }
 
 func TestPrefixRoundTrip(t *testing.T) {
@@ -386,8 +394,8 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	}
 	for _, tc := range cases {
 		bufs, dest := c.dests(768)
-		_, _, err := jobs.LoadPrefix(context.Background(), noSync(), &jobs.LoadPrefixSpec{
-			NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
+		_, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
 		})
 		if !errors.Is(err, tc.want) {
 			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
@@ -396,21 +404,21 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	}
 	// Another identity or page size is a miss by construction.
 	_, dest := c.dests(768)
-	for _, sp := range []*jobs.LoadPrefixSpec{
-		{NSDir: ns, Identity: "other", Tokens: c.tokens, Dest: dest, PageTokens: 256},
-		{NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 128},
+	for _, sp := range []*jobs.LoadPrefixRequest{
+		{Namespace: "ns", Identity: "other", Tokens: c.tokens, Dest: dest, PageTokens: 256},
+		{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 128},
 	} {
-		lr, _, err := jobs.LoadPrefix(context.Background(), noSync(), sp)
+		lr, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp)
 		if err != nil || lr.Tokens != 0 {
 			t.Fatalf("identity %q P %d: %+v %v", sp.Identity, sp.PageTokens, lr, err)
 		}
 	}
-	for _, sp := range []*jobs.LoadPrefixSpec{
-		{NSDir: ns, Identity: "", Tokens: c.tokens, Dest: dest},
-		{NSDir: ns, Identity: "x", Tokens: c.tokens, Dest: dest, PageTokens: 100},
-		{NSDir: ns, Identity: "x", Dest: dest},
+	for _, sp := range []*jobs.LoadPrefixRequest{
+		{Namespace: "ns", Identity: "", Tokens: c.tokens, Dest: dest},
+		{Namespace: "ns", Identity: "x", Tokens: c.tokens, Dest: dest, PageTokens: 100},
+		{Namespace: "ns", Identity: "x", Dest: dest},
 	} {
-		if _, _, err := jobs.LoadPrefix(context.Background(), noSync(), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Fatalf("%+v: %v", sp, err)
 		}
 	}
@@ -531,8 +539,8 @@ func TestPrefixLoadFaults(t *testing.T) {
 			ffs := testutil.NewFaultFS(nil)
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			bufs, dest := c.dests(768)
-			res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{FS: ffs}, &jobs.LoadPrefixSpec{
-				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			res, _, err := jobs.LoadPrefix(context.Background(), inRoot(&jobs.Config{FS: ffs}, ns), &jobs.LoadPrefixRequest{
+				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
 			})
 			hit := len(ffs.Injected()) > 0
 			if !hit {
@@ -603,8 +611,8 @@ func TestPrefixProgress(t *testing.T) {
 		}
 		sum, calls = 0, 0
 		bufs, dest := c.dests(768)
-		res, _, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixSpec{
-			NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
+		res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
 		})
 		if err != nil {
 			t.Fatal(err)
