@@ -94,13 +94,10 @@ func (e *Engine) nsDir(ns string) (string, error) {
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
-		var dir string
-		if dir, err = e.nsDir(r.Namespace); err != nil {
+		if _, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
-		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
-		})
+		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 		}
