@@ -17,6 +17,9 @@
 #                           evicts the files, restores, and runs the O_DIRECT
 #                           limit at 4 queue depths: about 5 s at 1 GiB)
 #   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
+#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload
+#                           (1 GiB of pages to a SeaweedFS the benchmark
+#                           starts on loopback, built by `make weed` first)
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
 #                           temp dir unless tmpfs, else bench/); never tmpfs
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
@@ -33,6 +36,7 @@ SMALL_BENCHTIME=${SMALL_BENCHTIME:-1x}
 RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
 COLD_BENCHTIME=${COLD_BENCHTIME:-3x}
 FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
+REMOTE_BENCHTIME=${REMOTE_BENCHTIME:-1x}
 BENCHSTAT=${BENCHSTAT:-1}
 GO=${GO:-go}
 
@@ -68,6 +72,8 @@ run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
+"$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
+run '^BenchmarkRemoteUpload$/^MiB=1024$' "$REMOTE_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
 
@@ -92,6 +98,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
+	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
 	return ""
 }
 /^Benchmark/ {
@@ -109,6 +116,7 @@ END {
 		if (has[n, "p99-ns"]) other = sprintf("%.0f ns/op, p99 %.0f ns, direct call %.0f ns", median(n SUBSEP "ns/op"), median(n SUBSEP "p99-ns"), median(n SUBSEP "direct-ns"))
 		if (has[n, "minio-GB/s"]) other = sprintf("sha256-simd %.2f GB/s, crypto/sha256 %.2f GB/s", median(n SUBSEP "minio-GB/s"), median(n SUBSEP "crypto-GB/s"))
 		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
+		if (has[n, "limit-GB/s"]) other = other sprintf(", limit %.3f GB/s", median(n SUBSEP "limit-GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
