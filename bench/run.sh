@@ -17,7 +17,7 @@
 #                           evicts the files, restores, and runs the O_DIRECT
 #                           limit at 4 queue depths: about 5 s at 1 GiB)
 #   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
-#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload
+#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload and fetch
 #                           (1 GiB of pages to a SeaweedFS the benchmark
 #                           starts on loopback, built by `make weed` first)
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
@@ -72,8 +72,10 @@ run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
+# The object-store tier (each starts a SeaweedFS on loopback).
 "$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
 run '^BenchmarkRemoteUpload$/^MiB=1024$' "$REMOTE_BENCHTIME"
+run '^BenchmarkRemoteFetch$' "$REMOTE_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
 
@@ -99,6 +101,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
 	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
+	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
 	return ""
 }
 /^Benchmark/ {

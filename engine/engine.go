@@ -86,6 +86,12 @@ type Config struct {
 	// supports them, with a buffered fallback).
 	ReadDepth int
 	NoDirect  bool
+	// Remote, when set, puts an object-store tier (any S3-compatible
+	// store) behind the local page cache: loads fetch the pages the store
+	// holds past the local prefix (LookupRemote tells how far), saves
+	// upload their pages in the background, and Close finishes or abandons
+	// the uploads within its context. See RemoteTier and remote_tier.go.
+	Remote *RemoteTier
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -115,6 +121,9 @@ type Engine struct {
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 
 	pages *pageindex.Index // the prefix cache's index (prefix.go)
+	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
+	// tierOnce closes the tier once (Close may be called concurrently).
+	tierOnce sync.Once
 }
 
 type stats struct {
@@ -197,9 +206,17 @@ func New(cfg Config) (*Engine, error) {
 		stopped: make(chan struct{}),
 		abort:   make(chan struct{}),
 	}
+	if cfg.Remote != nil {
+		if e.tier, err = newTier(e, cfg.Remote); err != nil {
+			return nil, err
+		}
+	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
+		if e.tier != nil {
+			e.tier.close(context.Background())
+		}
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
 	e.pool = pool
@@ -300,6 +317,10 @@ type Result struct {
 	// Prefix is the report of a SavePrefixRequest or LoadPrefixRequest
 	// (also on error, when the job got that far); nil for other kinds.
 	Prefix *PrefixResult
+	// Remote is what the object-store tier did for a LoadPrefixRequest
+	// (pages found, fetched, the first failure); nil for other kinds and
+	// without Config.Remote.
+	Remote *RemoteReport
 	Err    error
 }
 
@@ -533,6 +554,15 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.abortMu.Do(func() { close(e.abort) })
 		e.kick()
 		<-e.stopped
+	}
+	// Every job has been acked: no save enqueues an upload any more. The
+	// uploads finish, or are abandoned when ctx ends (the local pages stay).
+	if e.tier != nil {
+		e.tierOnce.Do(func() {
+			if terr := e.tier.close(ctx); terr != nil {
+				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", terr))
+			}
+		})
 	}
 	// The pool's workers exit once released; wait for them only while ctx
 	// allows (every job has been acked by now).

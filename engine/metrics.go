@@ -29,6 +29,15 @@ type MetricsSink interface {
 	Evicted(reason evict.Reason, pages, bytes int64)
 	// Refused records a save refused for want of space, by limit.
 	Refused(limit evict.Reason)
+	// Remote records one operation of the object-store tier (a lookup
+	// batch, a page fetch, an upload): its result, bytes (fetched and
+	// verified, or sent) and wall time.
+	Remote(op labels.RemoteOp, res labels.RemoteResult, bytes int64, d time.Duration)
+	// RemoteLookup records pages asked of the object store: found (hit)
+	// and not found (miss).
+	RemoteLookup(hitPages, missPages int64)
+	// RemoteQueue sets the upload queue's depth (waiting or in flight).
+	RemoteQueue(depth int64)
 }
 
 // metricsKind maps a job kind to its metrics label.

@@ -102,11 +102,17 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
+				e.tier.saved(r.Namespace, res.Prefix.Keys)
+			}
 		}
 	case *LoadPrefixRequest:
 		var dir string
 		if dir, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
+		}
+		if e.tier != nil { // read-through: remote pages into the local tier first
+			res.Remote = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
 		}
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
 			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
@@ -210,5 +216,8 @@ func (e *Engine) indexPagesWrite(r *jobs.WriteRequest) {
 	}
 	if keys, _, err := layout.PageChain(r.Identity, p, r.Tokens); err == nil {
 		e.pages.Add(r.Namespace, keys...)
+		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
+			e.tier.manifestWritten(r.Ref, keys)
+		}
 	}
 }
