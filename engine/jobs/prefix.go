@@ -1,6 +1,7 @@
 package jobs
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -21,35 +22,6 @@ import (
 // of a token sequence into strided destinations. See ARCHITECTURE.md,
 // "Token pages".
 
-// SavePrefixSpec describes a save to the prefix cache.
-type SavePrefixSpec struct {
-	// NSDir is the namespace directory, <root>/<namespace>; pages go
-	// where engine/store puts them (store.Namespace.PagePath).
-	NSDir string
-	// Identity names everything that makes KV incompatible (model weights
-	// digest, KV dtype, layout, tensor-parallel rank: the caller decides);
-	// 1 to layout.MaxIdentityBytes bytes. It roots the key chain.
-	Identity string
-	// Tokens are the token ids whose KV Tensors hold, in order; at least 1.
-	Tokens []uint32
-	// Tensors is every tensor of the cache (all layers, K and V), each a
-	// dtype and a strided view of at least 2 axes whose axis -2 is the
-	// token axis, holding at least len(Tokens) tokens (a capacity-padded
-	// buffer's first len(Tokens) tokens are saved; the rest is ignored).
-	Tensors []TensorSpec
-	// PageTokens is P, tokens per page; 0 means layout.DefaultPageTokens.
-	PageTokens int
-	// Progress, when non-nil, is called with n > 0 each time n more bytes
-	// of the save are done: a page's tensor bytes (its tokens' share of
-	// every tensor; headers and alignment not counted) once the page was
-	// found stored or written to its temp file (its fdatasync and rename
-	// come later, batched). The calls of one save add up to len(Tokens)
-	// tokens' bytes of every tensor when it succeeds. It is called on the
-	// save's goroutine only, never after SavePrefix returns (for the
-	// engine: never after the ack), and must be quick.
-	Progress func(bytes int64)
-}
-
 // PrefixResult reports a prefix save or load. Counts are pages, sizes
 // bytes of page files (header and data), tokens tokens.
 type PrefixResult struct {
@@ -58,10 +30,18 @@ type PrefixResult struct {
 	Keys []layout.PageKey
 	// Tokens: saved (len(Tokens)) or loaded (the prefix's length).
 	Tokens int
-	// PagesWritten, BytesWritten: pages a save wrote. PagesReused,
-	// BytesReused: pages a save found stored (no gather, hash or write).
+	// PagesWritten, BytesWritten: pages a save wrote (published:
+	// fdatasynced and renamed). PagesReused, BytesReused: pages a save
+	// found stored (no gather, hash or write).
 	PagesWritten, PagesReused int
 	BytesWritten, BytesReused int64
+	// PagesReplaced, for a save: how many of PagesWritten replaced a file
+	// that already had the page's name but was not that page as this save
+	// would write it (a header that does not verify, or differs from the
+	// save's own apart from the tensor hashes: torn, corrupt, another
+	// page's, another writer's encoding): see ARCHITECTURE.md, "Token
+	// pages", Save.
+	PagesReplaced int
 	// Missing, for a load, is the first page key it looked for and found
 	// no file for (nil when every page it looked for was found, or the
 	// load stopped for another reason). The engine drops it from its index.
@@ -142,67 +122,86 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 	return nil
 }
 
-// SavePrefix stores the token pages of spec.Tokens: one page file per
-// PageTokens tokens, and the partial last page as a leaf. Keys come from
-// the token ids alone, so a page whose file exists with the expected size
-// costs one lstat: no gather, no hash, no write. Each new page is gathered
-// (zero-copy where the view allows), hashed and written as a single file
-// (layout.FormatPage) to a temp file, then fdatasynced and renamed by the
-// save's syncers (as blocks are); then every fan-out directory holding a
-// page of the save and pages/ are fsynced. When SavePrefix returns nil,
-// every page of the tokens is durable under its key.
+// SavePrefix stores the token pages of req.Tokens in the prefix cache of
+// the namespace <cfg.Root>/<req.Namespace>: one page file per PageTokens
+// tokens, and the partial last page as a leaf. Keys come from the token
+// ids alone, so a page already stored costs no gather, no hash and no
+// write: its file is reused when its header verifies and is the header
+// this save would write apart from the tensor hashes (so it holds this
+// key, parent, identity, token ids, dtypes and shapes: one read of the
+// header, storedPage); any other file under the page's name is rewritten.
+// Each new page is gathered (zero-copy where the view allows), hashed and
+// written as a single file (layout.FormatPage) to a temp file, then
+// fdatasynced and renamed by the save's syncers (as blocks are); then
+// every fan-out directory holding a page of the save and pages/ are
+// fsynced (those of reused pages while the new pages are written). When
+// SavePrefix returns nil, every page of the tokens is durable under its
+// key.
 //
 // On error (including ctx's) no temp file is left; pages already renamed
 // stay (each is complete and valid on its own, and reachable by a lookup
 // only through its stored parents). The caller's views are not touched
 // after SavePrefix returns.
 //
-// Errors: ErrInvalidRequest (identity, page size, no tokens, a bad view or
-// dtype, too few tokens on axis -2), ctx's error, or an I/O error naming
-// the operation and path.
-func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*PrefixResult, Metrics, error) {
+// Errors: ErrInvalidRequest (nil request, no Config.Root, identity, page
+// size, no tokens, a bad view or dtype, too few tokens on axis -2),
+// layout.ErrBadName (namespace), store.ErrNamespace (a namespace that is a
+// symlink or not a directory), ctx's error, or an I/O error naming the
+// operation and path.
+func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	p := pageTokens(spec.PageTokens)
-	n := len(spec.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
+	if req == nil {
+		return nil, m, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
 	}
-	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix: %w", err)
 	}
-	if err := checkPrefixTensors(spec.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
-		return nil, m, fmt.Errorf("save prefix %s: %w", spec.NSDir, err)
+	p := pageTokens(req.PageTokens)
+	n := len(req.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	tensors := resolveTensors(spec.Tensors)
-	// The namespace directory, durably (the root synced in any case, as
-	// for Write), then its lock, shared: collect may not sweep meanwhile.
-	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
+	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if err := checkPrefixTensors(req.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
+		return nil, m, fmt.Errorf("save prefix %s: %w", ns.Dir(), err)
+	}
+	tensors := resolveTensors(req.Tensors)
+	// The namespace directory (never a symlink), durably (the root synced
+	// in any case, as for Write), then its lock, shared: collect may not
+	// sweep meanwhile.
+	if err := ns.Check(); err != nil {
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
+	}
 	if err := ns.Create(); err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
 	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &m, spec.Progress)
+	err = savePages(ctx, cfg, ns, req.Identity, p, req.Tokens, tensors, keys, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
 
 // savePages stores the pages keys (PageChain of tokens) of tensors in
 // ns's pages/ (paths and directories from engine/store), the namespace
-// already created and locked: existing pages are reused by name and size,
-// new ones written and committed by the fsync waiters, then the fan-out
-// directories and pages/ are fsynced. It fills res's counts and m's write
-// metrics, and tells progress (when non-nil) each page's tensor bytes once
-// it is reused or staged.
+// already created and locked: stored pages are reused (storedPage), new
+// ones written and committed by the fsync waiters, which meanwhile fsync
+// the fan-out directories of the reused pages (a concurrent writer may
+// have renamed one in without syncing yet); then the fan-out directories
+// of the new pages and pages/ are fsynced. It fills res's counts and m's
+// write metrics, and tells progress (when non-nil), on this goroutine,
+// each page's tensor bytes once the page is reused or published.
 func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics, progress func(int64)) error {
 	st := ns.Store()
-	fsys := st.FS()
 	n := len(tokens)
 	pagesDir := ns.PagesDir()
 	if err := ns.CreatePagesDir(); err != nil {
@@ -211,14 +210,29 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	var err error
 	c := newCommitter(ctx, st, pagesDir, len(keys))
 	var copied, peak atomic.Int64
-	made := map[string]bool{}     // fan-out directories created or checked
-	needSync := map[string]bool{} // fan-out directories to fsync
+	// Progress: a new page's tensor bytes count once its commit succeeded
+	// (published, added by the syncer), and are told here, on the save's
+	// goroutine, between pages and at the end: never for a page that then
+	// fails to publish.
+	var published atomic.Int64
+	var told int64
+	tell := func() {
+		if d := published.Load() - told; d > 0 && progress != nil {
+			told += d
+			progress(d)
+		}
+	}
+	made := map[string]bool{}    // fan-out directories created or checked
+	newDirs := map[string]bool{} // fan-out directories of new pages: fsynced at the end
+	early := map[string]bool{}   // fan-out directories of reused pages: fsynced by the committer
 	shapes := make([][]int, len(tensors))
 	for i, t := range tensors {
 		shapes[i] = make([]int, len(t.View.Shape))
 	}
+	var hdr []byte // scratch for storedPage
 	parent := layout.PageRoot(identity, p)
 	for i, key := range keys {
+		tell()
 		if c.failed() {
 			break
 		}
@@ -237,45 +251,44 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 			}
 			made[dir] = true
 		}
-		needSync[dir] = true
-		var size int64
-		var ws *writeSpec
-		var h *layout.Header
-		var slots []slotIn
-		var jsLen int
-		var dataStart int64
-		ws, h, slots, jsLen, dataStart, size, err = planPage(tensors, shapes, page, lo, path)
-		if err != nil {
+		var pl *plannedPage
+		if pl, err = planPage(tensors, shapes, page, lo, path); err != nil {
 			break
 		}
-		m.LogicalBytes += size - dataStart
-		fi, serr := fsys.Lstat(path)
-		if serr == nil && fi.Mode().IsRegular() && fi.Size() == size {
+		m.LogicalBytes += pl.size - pl.dataStart
+		var reuse, exists bool
+		if reuse, exists, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
+			break
+		}
+		if reuse {
 			res.PagesReused++
-			res.BytesReused += size
-			reportPage(progress, h)
+			res.BytesReused += pl.size
+			if st.Durable() && !early[dir] {
+				early[dir] = true
+				c.hand(stagedBlock{dir: dir})
+			}
+			if progress != nil {
+				progress(pl.tensorBytes)
+			}
 			continue
 		}
-		if serr != nil && !vfs.IsNotExist(serr) {
-			err = fmt.Errorf("jobs: save prefix: stat page %s: %w", path, serr)
+		if exists {
+			res.PagesReplaced++
+		}
+		newDirs[dir] = true
+		tb := pl.tensorBytes
+		if err = stagePage(ctx, cfg, st, c, pl, &copied, &peak, func() { published.Add(tb) }); err != nil {
 			break
 		}
-		if serr == nil && fi.IsDir() {
-			err = fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
-			break
-		}
-		if err = stagePage(ctx, cfg, st, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
-			break
-		}
-		reportPage(progress, h)
 	}
 	syncErr := c.stop(err != nil)
 	if err == nil {
 		err = syncErr
 	}
+	tell() // pages published since the last call, whatever the outcome
 	if err == nil && st.Durable() {
-		dirs := make([]string, 0, len(needSync))
-		for d := range needSync {
+		dirs := make([]string, 0, len(newDirs))
+		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
@@ -293,49 +306,126 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	return err
 }
 
-// reportPage tells progress (when non-nil) the tensor bytes of the page
-// whose header is h.
-func reportPage(progress func(int64), h *layout.Header) {
-	if progress == nil {
-		return
-	}
-	var n int64
-	for _, t := range h.Caches[0].Tensors {
-		n += t.Bytes
-	}
-	if n > 0 {
-		progress(n)
-	}
+// plannedPage is a page file laid out before any byte is gathered: its
+// header with placeholder hashes (js), data start and size in bytes
+// (hashes have a fixed length, so the size is known up front), and the
+// sum of its tensors' bytes.
+type plannedPage struct {
+	ws              *writeSpec
+	h               *layout.Header
+	slots           []slotIn
+	js              []byte
+	dataStart, size int64
+	tensorBytes     int64
 }
 
 // planPage builds a page's header (layout.FormatPage) and file layout from
 // the save's tensors sliced to tokens [lo, lo+len(page.Tokens)) of axis
-// -2. shapes are per-tensor shape buffers, overwritten. size is the page
-// file's size in bytes, known before any byte is gathered (hashes have a
-// fixed length).
-func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, err error) {
+// -2. shapes are per-tensor shape buffers, overwritten.
+func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (*plannedPage, error) {
 	sliced := make([]TensorSpec, len(ts))
 	for i, t := range ts {
 		v, err := t.View.SliceAxis(len(t.View.Shape)-2, lo, lo+len(page.Tokens), shapes[i])
 		if err != nil {
-			return nil, nil, nil, 0, 0, 0, fmt.Errorf("%w: save prefix %s tensor %d: %v", ErrInvalidRequest, path, i, err)
+			return nil, fmt.Errorf("%w: save prefix %s tensor %d: %v", ErrInvalidRequest, path, i, err)
 		}
 		sliced[i] = TensorSpec{DType: t.DType, View: v}
 	}
-	ws = &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}}
-	if h, slots, err = buildHeader(ws, layout.FormatPage); err != nil {
-		return nil, nil, nil, 0, 0, 0, err
+	pl := &plannedPage{ws: &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}}}
+	var err error
+	if pl.h, pl.slots, err = buildHeader(pl.ws, layout.FormatPage); err != nil {
+		return nil, err
 	}
 	var end int64
-	if jsLen, dataStart, end, err = planSingle(path, h, slots); err != nil {
-		return nil, nil, nil, 0, 0, 0, err
+	if pl.js, pl.dataStart, end, err = planSingle(path, pl.h, pl.slots); err != nil {
+		return nil, err
 	}
-	return ws, h, slots, jsLen, dataStart, dataStart + end, nil
+	pl.size = pl.dataStart + end
+	for _, t := range pl.h.Caches[0].Tensors {
+		pl.tensorBytes += t.Bytes
+	}
+	return pl, nil
 }
 
-// stagePage writes a planned page to a temp file and hands it to c.
-func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
-	sf, err := layout.Stage(st.FS(), ws.Path, size)
+// hashPlaceholder is how a planned header's tensor hash reads (planSingle).
+var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
+
+// storedPage decides whether the file at path is the planned page, so that
+// a save may reuse it: a regular file of the planned size whose prefix
+// (magic, header length, data start) and header hash verify and whose
+// header JSON equals the planned one byte for byte, except that each
+// tensor hash may be any 16 lowercase hex digits. One read of the header
+// (about 10 KiB at Llama-3.1-8B geometry, into buf, grown as needed and
+// returned): no JSON is decoded, and the page's data is not read (a load
+// with verification finds a corrupt tensor). exists reports whether
+// anything is at path (to be replaced when not reusable; a directory is an
+// error). A file that cannot be opened or read whole is not reusable.
+func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, _ []byte, err error) {
+	fi, err := fsys.Lstat(path)
+	if err != nil {
+		if vfs.IsNotExist(err) {
+			return false, false, buf, nil
+		}
+		return false, false, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
+	}
+	if fi.IsDir() {
+		return false, true, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+	}
+	if !fi.Mode().IsRegular() || fi.Size() != pl.size {
+		return false, true, buf, nil
+	}
+	f, err := fsys.Open(path) // no symlink followed, no FIFO blocks
+	if err != nil {
+		return false, !vfs.IsNotExist(err), buf, nil
+	}
+	defer f.Close()
+	n := layout.PrefixLen + len(pl.js)
+	if cap(buf) < n {
+		buf = make([]byte, n)
+	}
+	buf = buf[:n]
+	if layout.ReadFull(f, buf, 0) != nil {
+		return false, true, buf, nil
+	}
+	return sameHeader(buf, pl.js, pl.dataStart), true, buf, nil
+}
+
+// sameHeader reports whether file (a file's first PrefixLen+len(js)
+// bytes) is a kvpersist prefix and header whose hash verifies, whose data
+// starts at dataStart, and whose JSON equals js except that the 16 digits
+// of each tensor hash placeholder of js may be any lowercase hex digits.
+func sameHeader(file, js []byte, dataStart int64) bool {
+	p, err := layout.ParsePrefix(file[:layout.PrefixLen])
+	if err != nil || p.Legacy || int(p.HeaderLen) != len(js) || int64(p.DataStart) != dataStart {
+		return false
+	}
+	stored := file[layout.PrefixLen:]
+	if p.ComputeHeaderHash(stored) != p.HeaderHash {
+		return false
+	}
+	at := 0
+	for {
+		j := bytes.Index(js[at:], hashPlaceholder)
+		if j < 0 {
+			return bytes.Equal(stored[at:], js[at:])
+		}
+		digits := at + j + len(`"hash":"`)
+		if !bytes.Equal(stored[at:digits], js[at:digits]) {
+			return false
+		}
+		for _, c := range stored[digits : digits+16] {
+			if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+				return false
+			}
+		}
+		at = digits + 16
+	}
+}
+
+// stagePage writes a planned page to a temp file and hands it to c, which
+// calls done once the page is published.
+func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, pl *plannedPage, copied, peak *atomic.Int64, done func()) error {
+	sf, err := layout.Stage(st.FS(), pl.ws.Path, pl.size)
 	if err != nil {
 		return fmt.Errorf("jobs: save prefix: %w", err)
 	}
@@ -345,10 +435,10 @@ func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, 
 			sf.Abort()
 		}
 	}()
-	if err := fillSingle(ctx, cfg, st, ws.Path, h, slots, jsLen, dataStart, sf.File, copied, peak); err != nil {
+	if err := fillSingle(ctx, cfg, st, pl.ws.Path, pl.h, pl.slots, len(pl.js), pl.dataStart, sf.File, copied, peak); err != nil {
 		return err
 	}
-	c.hand(stagedBlock{s: sf, n: size})
+	c.hand(stagedBlock{s: sf, n: pl.size, done: done})
 	handed = true
 	return nil
 }

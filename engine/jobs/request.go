@@ -208,9 +208,9 @@ func (c *Config) snapshotPath(ref Ref) (string, error) {
 	return ns.Path(ref.Name)
 }
 
-// namespace resolves the namespace name under cfg.Root. Errors wrap
-// layout.ErrBadName (not one valid path element) or ErrInvalidRequest (no
-// root).
+// namespace resolves the namespace name under cfg.Root (no disk access).
+// Errors wrap layout.ErrBadName (not one valid path element) or
+// ErrInvalidRequest (no root).
 func (c *Config) namespace(name string) (*store.Namespace, error) {
 	if c.Root == "" {
 		return nil, fmt.Errorf("%w: Config.Root is empty", ErrInvalidRequest)
