@@ -146,19 +146,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				e.dropCorruptPage(ctx, cfg, r, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
-				// Only if still absent: a save beside this load may have
-				// published and indexed the page since the load missed it.
-				if n, nerr := e.store.Namespace(r.Namespace); nerr == nil {
-					path, fsys := n.PagePath(*k), e.store.FS()
-					e.pages.RemoveIfGone(r.Namespace, *k, func() bool {
-						_, err := fsys.Lstat(path)
-						gone := vfs.IsNotExist(err)
-						if gone {
-							e.pc.removedBehind(r.Namespace, *k)
-						}
-						return gone
-					})
-				}
+				e.forgetIfGone(r.Namespace, *k)
 			}
 		}
 	default:
@@ -210,17 +198,31 @@ func (e *Engine) dropCorruptPage(ctx context.Context, cfg *jobs.Config, r *LoadP
 			return
 		}
 	}
-	// Removed, gone, or whole again: the index follows the disk.
-	if n, nerr := e.store.Namespace(r.Namespace); nerr == nil {
-		path, fsys := n.PagePath(key), e.store.FS()
-		e.pages.RemoveIfGone(r.Namespace, key, func() bool {
-			_, err := fsys.Lstat(path)
-			if vfs.IsNotExist(err) {
-				e.pc.removedBehind(r.Namespace, key) // the page cache's accounting follows too
-				return true
-			}
-			return false
-		})
+	// Removed, gone, or whole again: the index and the accounting follow
+	// the disk.
+	e.forgetIfGone(r.Namespace, key)
+}
+
+// forgetIfGone drops page key of namespace ns from the index and from the
+// page cache's accounting when its file is absent (a save beside this may
+// have published it again since a load missed it: then both keep it).
+// The two are checked separately: a page can be accounted without being
+// indexed (a corrupt page whose removal failed once is dropped from the
+// index but stays on disk; the load that later removes it must still take
+// it out of the accounting).
+func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
+	n, err := e.store.Namespace(ns)
+	if err != nil {
+		return
+	}
+	path, fsys := n.PagePath(key), e.store.FS()
+	gone := func() bool {
+		_, err := fsys.Lstat(path)
+		return vfs.IsNotExist(err)
+	}
+	e.pages.RemoveIfGone(ns, key, gone)
+	if gone() {
+		e.pc.removedBehind(ns, key)
 	}
 }
 

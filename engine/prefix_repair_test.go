@@ -30,22 +30,7 @@ func TestEnginePrefixCorruptPageIsRemovedAndRewritten(t *testing.T) {
 		t.Fatal(err)
 	}
 	path := testutil.PagePath(filepath.Join(root, "p"), keys[2])
-	fi, err := os.Stat(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	last := make([]byte, 1)
-	if _, err := f.ReadAt(last, fi.Size()-1); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := f.WriteAt([]byte{last[0] ^ 0xff}, fi.Size()-1); err != nil {
-		t.Fatal(err)
-	}
-	f.Close()
+	flipLastByte(t, path)
 
 	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
 	r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true})
