@@ -668,18 +668,55 @@ func (pc *pageCache) rescanManifests(n *store.Namespace) map[evict.Key]int {
 	pc.mu.Lock()
 	defer pc.mu.Unlock()
 	ns := n.Name()
-	fi, err := pc.fs.Lstat(n.Dir())
-	if err == nil {
-		last, ok := pc.scanned[ns]
-		if !ok || !fi.ModTime().Equal(last) || !fi.ModTime().Before(pc.scannedAt[ns].Add(-manifestMtimeSlack)) {
-			pc.scanManifestsLocked(n)
-		}
+	if pc.staleLocked(n) {
+		pc.scanManifestsLocked(n)
 	}
 	named := make(map[evict.Key]int, len(pc.named[ns]))
 	for k, c := range pc.named[ns] {
 		named[k] = c
 	}
 	return named
+}
+
+// staleLocked reports whether namespace n's directory changed since its
+// last manifest scan (or was never scanned, or changed within
+// manifestMtimeSlack of it). pc.mu held.
+func (pc *pageCache) staleLocked(n *store.Namespace) bool {
+	fi, err := pc.fs.Lstat(n.Dir())
+	if err != nil {
+		return false
+	}
+	last, ok := pc.scanned[n.Name()]
+	return !ok || !fi.ModTime().Equal(last) || !fi.ModTime().Before(pc.scannedAt[n.Name()].Add(-manifestMtimeSlack))
+}
+
+// rescanStale scans again the page manifests of every namespace that holds
+// pins for manifests and whose directory changed since its last scan: a
+// manifest another process deleted (or rewrote) no longer pins its pages
+// here (pins do not cross processes, and neither do unpins). It takes no
+// namespace lock: it only drops the pins of manifests found gone and takes
+// those of manifests found new, and unlink checks the manifests again
+// under the exclusive lock before it removes a page. It reports whether
+// any namespace was scanned again.
+func (pc *pageCache) rescanStale() bool {
+	pc.mu.Lock()
+	defer pc.mu.Unlock()
+	var names []string
+	for ns, m := range pc.manifests {
+		if len(m) > 0 {
+			names = append(names, ns)
+		}
+	}
+	rescanned := false
+	for _, ns := range names {
+		n, err := pc.st.Namespace(ns)
+		if err != nil || !pc.staleLocked(n) {
+			continue
+		}
+		pc.scanManifestsLocked(n)
+		rescanned = true
+	}
+	return rescanned
 }
 
 // manifestMtimeSlack: a namespace directory whose mtime is within this of
@@ -699,8 +736,11 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // In order: (1) the keys already tracked are pinned (they are reused, cost
 // nothing, and cannot be evicted while write runs); (2) the allocated bytes
 // of the others (each length rounded up to the file system's block size)
-// are reserved, after a statvfs of the root when a headroom is set: when no
-// room can be made the error is an *evict.NoSpaceError (ErrNoSpace),
+// are reserved, after a statvfs of the root when a headroom is set (when
+// no room can be made, the page manifests of namespaces whose directory
+// changed are listed again, once: rescanStale, and the reservation is
+// tried again); when no room can be made the error is an
+// *evict.NoSpaceError (ErrNoSpace),
 // Config.Metrics.Refused is told, write is not called and nothing changes;
 // (3) the reservation's victims are unlinked (unlink: under their
 // namespace's exclusive lock), and write waits for it; (4) write runs;
@@ -754,10 +794,19 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		// (unlink finds the manifest under the lock and pins its pages):
 		// then the room was not made, and the reservation is tried again
 		// with those pages pinned.
+		rescanned := false
 		for attempt := 0; ; attempt++ {
 			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
 			if err != nil {
 				var nse *evict.NoSpaceError
+				// Pages pinned for a page manifest another process has
+				// deleted since: scan again, once, and retry.
+				if errors.As(err, &nse) && !rescanned {
+					rescanned = true
+					if pc.rescanStale() {
+						continue
+					}
+				}
 				if errors.As(err, &nse) && pc.metrics != nil {
 					pc.metrics.Refused(nse.Limit)
 				}

@@ -73,3 +73,26 @@ func TestCacheCorruptPageRemovedOnSecondLoad(t *testing.T) {
 	}
 	checkAccounting(t, e, root)
 }
+
+// TestCacheManifestDeletedByAnotherEngine: pins do not cross processes,
+// and neither do unpins. The evicting engine found a page manifest at
+// start (its pages pinned); another engine deletes it. A save that needs
+// those pages evicted must find the manifest gone and evict them rather
+// than fail with ErrNoSpace for as long as the engine runs.
+func TestCacheManifestDeletedByAnotherEngine(t *testing.T) {
+	pb := pageBytes(t)
+	root := t.TempDir()
+	writer := newEngine(t, Config{Root: root, Workers: 1})
+	named := convTokens(0, 4*cP, 1)
+	mustDo(t, writer, namedPages("p", "keep", named))
+	evictor := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 4 * pb})
+	mustDo(t, writer, &DeleteRequest{Ref: refOf("p", "keep")})
+	r := savePages(evictor, "p", convTokens(0, 2*cP, 2))
+	if r.Err != nil {
+		t.Fatalf("a save needing the pages of a deleted manifest: %v", r.Err)
+	}
+	if n, _ := evictor.Lookup("p", "tiny", cP, named); n != 2*cP {
+		t.Fatalf("the unpinned conversation: %d tokens left, want %d", n, 2*cP)
+	}
+	checkAccounting(t, evictor, root)
+}
