@@ -1,11 +1,14 @@
 package engine
 
 import (
+	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
+	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
@@ -95,4 +98,108 @@ func TestCacheManifestDeletedByAnotherEngine(t *testing.T) {
 		t.Fatalf("the unpinned conversation: %d tokens left, want %d", n, 2*cP)
 	}
 	checkAccounting(t, evictor, root)
+}
+
+// TestCacheFullDiskMidSave: with a capacity, a save whose third page write
+// fails with ENOSPC (its first pages already renamed into place) fails
+// with ENOSPC; the pages it published are accounted, its reservation is
+// released in full, and the next save succeeds.
+func TestCacheFullDiskMidSave(t *testing.T) {
+	pb := pageBytes(t)
+	root := t.TempDir()
+	ffs := testutil.NewFaultFS(nil)
+	e := newEngine(t, Config{Root: root, Workers: 1, FS: ffs, CapacityBytes: 6 * pb})
+	mustSavePages(t, e, "p", convTokens(0, 4*cP, 1))
+	ffs.Inject(testutil.Fault{Op: testutil.OpWriteAt, Path: "/pages/", Nth: 3, Persist: true, Err: syscall.ENOSPC})
+	r := savePages(e, "p", convTokens(0, 4*cP, 2))
+	if !errors.Is(r.Err, syscall.ENOSPC) {
+		t.Fatalf("save on a disk that fills: %v", r.Err)
+	}
+	if _, _, temps := pageTree(t, root); temps != 0 {
+		t.Fatalf("%d temp files left", temps)
+	}
+	checkAccounting(t, e, root)
+	if u := e.Usage(); u.UsedBytes > 6*pb {
+		t.Fatalf("used %d bytes, above the capacity %d", u.UsedBytes, 6*pb)
+	}
+	ffs.ClearFaults()
+	mustSavePages(t, e, "p", convTokens(0, 4*cP, 2))
+	waitFor(t, "evictions", func() bool { return e.Usage().EvictingBytes == 0 })
+	checkAccounting(t, e, root)
+}
+
+// TestCacheHostilePagesEntries: entries under pages/ that are not page
+// files (a directory under a page's name, a symlink under another's, a
+// truncated page) and a zero-length or oversized (sparse) recency
+// checkpoint: the engine starts, accounts exactly the regular page files,
+// refuses a save onto the directory naming it, replaces the symlink with
+// the page, and a load stops at the truncated page, which is removed.
+func TestCacheHostilePagesEntries(t *testing.T) {
+	for _, ckpt := range []int64{0, evict.MaxCheckpointBytes + 1} {
+		root := t.TempDir()
+		e := newEngine(t, Config{Root: root, Workers: 1})
+		toks := convTokens(0, 4*cP, 1)
+		mustSavePages(t, e, "p", toks)
+		if err := e.Close(bg); err != nil {
+			t.Fatal(err)
+		}
+		keys, _, _ := layout.PageChain("tiny", cP, toks)
+		nsDir := filepath.Join(root, "p")
+		// Page 1 truncated to half.
+		p1 := testutil.PagePath(nsDir, keys[1])
+		fi, err := os.Stat(p1)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(p1, fi.Size()/2); err != nil {
+			t.Fatal(err)
+		}
+		// Another conversation: a directory where its page 0 goes, a
+		// symlink (to page 0 of the first) where its page 1 goes.
+		other := convTokens(0, 2*cP, 2)
+		ok, _, _ := layout.PageChain("tiny", cP, other)
+		dir := testutil.PagePath(nsDir, ok[0])
+		if err := os.MkdirAll(dir, 0o750); err != nil {
+			t.Fatal(err)
+		}
+		link := testutil.PagePath(nsDir, ok[1])
+		if err := os.MkdirAll(filepath.Dir(link), 0o750); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Symlink(testutil.PagePath(nsDir, keys[0]), link); err != nil {
+			t.Fatal(err)
+		}
+		f, err := os.Create(filepath.Join(nsDir, layout.RecencyName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := f.Truncate(ckpt); err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+
+		e2 := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 64 * pageBytes(t)})
+		checkAccounting(t, e2, root)
+		if r := savePages(e2, "p", other); r.Err == nil || !strings.Contains(r.Err.Error(), "directory") {
+			t.Fatalf("a save onto a directory: %v", r.Err)
+		}
+		checkAccounting(t, e2, root)
+		if err := os.Remove(dir); err != nil {
+			t.Fatal(err)
+		}
+		mustSavePages(t, e2, "p", other)
+		if fi, err := os.Lstat(link); err != nil || !fi.Mode().IsRegular() {
+			t.Fatalf("the symlink was not replaced by the page: %v %v", fi, err)
+		}
+		checkAccounting(t, e2, root)
+		_, dest := paddedDest(kvgen.Tiny, cMax, func(n int) []byte { return make([]byte, n) })
+		r := mustDo(t, e2, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP, Verify: true})
+		if r.Prefix.Tokens != cP {
+			t.Fatalf("load over the truncated page: %d tokens, want %d", r.Prefix.Tokens, cP)
+		}
+		checkAccounting(t, e2, root)
+		if u := e2.Usage(); u.ReservedBytes != 0 {
+			t.Fatalf("reserved %d bytes after the saves", u.ReservedBytes)
+		}
+	}
 }

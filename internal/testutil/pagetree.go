@@ -13,7 +13,8 @@ import (
 // PageTree measures the page cache on disk independently of the engine:
 // a walk of <root>/<ns>/pages for each of namespaces (every directory
 // under root when none are given): the allocated bytes (st_blocks × 512,
-// from lstat) of page files and of temp files, and how many of each.
+// from lstat) of page files and of temp files (regular files only: a
+// symlink or other entry is neither), and how many of each.
 // Files and directories that vanish during the walk (unlinked by an
 // eviction beside it) are skipped, so it can run beside an engine.
 func PageTree(tb TB, root string, namespaces ...string) (pageBytes, tempBytes int64, pages, temps int) {
@@ -46,6 +47,9 @@ func PageTree(tb TB, root string, namespaces ...string) (pageBytes, tempBytes in
 					return nil
 				}
 				return err
+			}
+			if st.Mode&syscall.S_IFMT != syscall.S_IFREG {
+				return nil // a symlink, FIFO...: not a page file, never followed
 			}
 			if layout.IsTemp(d.Name()) {
 				tempBytes += st.Blocks * 512
