@@ -29,6 +29,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
@@ -86,6 +87,40 @@ type Config struct {
 	// supports them, with a buffered fallback).
 	ReadDepth int
 	NoDirect  bool
+
+	// CapacityBytes bounds the prefix page cache: the allocated bytes
+	// (st_blocks × 512, vfs.AllocatedBytes) of every page file of every
+	// namespace under Root; 0 means unbounded. The accounting is rebuilt
+	// from the disk at New and kept exact by the engine's saves, evictions,
+	// deletes and collects. The bound: a save reserves an upper bound of
+	// its new pages' allocated bytes (each page file's length rounded up to
+	// the file system's block size) before it creates any file, and waits
+	// until the victims chosen for it are unlinked before it writes, so at
+	// every instant the allocated bytes D of the page tree (published and
+	// temp page files) satisfy
+	//
+	//	D ≤ CapacityBytes + S × P
+	//
+	// where S is the number of saves in flight at that instant and P the
+	// largest page file's allocated bytes: a save's victims may free up to
+	// one page more than it needs, and another save may use that room
+	// while the victim is still being unlinked. Pages found on disk beyond
+	// the capacity at New (or written by another process) are evicted in
+	// the background (ReasonShrink). A save that cannot make room (every
+	// page that could go is pinned, shared by a stored descendant, or
+	// protected by a quota) fails with ErrNoSpace, writes nothing and
+	// leaves every stored page intact. See ARCHITECTURE.md, "Bounded page
+	// cache".
+	CapacityBytes int64
+	// HeadroomBytes is the minimum of free bytes (statvfs f_bavail ×
+	// f_frsize) to keep on the file system holding Root, for the other
+	// writers on the disk; 0 means none. Below it a save evicts first,
+	// then fails with ErrNoSpace (limit "headroom").
+	HeadroomBytes int64
+	// QuotaBytes bounds a namespace's page files (allocated bytes), per
+	// namespace name; a namespace absent or with 0 has none. A namespace
+	// within its quota is never evicted for another namespace's save.
+	QuotaBytes map[string]int64
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -115,6 +150,7 @@ type Engine struct {
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 
 	pages *pageindex.Index // the prefix cache's index (prefix.go)
+	cache *evict.Cache     // the page cache's accounting and eviction policy (cache.go)
 }
 
 type stats struct {
@@ -163,6 +199,10 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
 		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
 	}
+	cache, err := newCachePolicy(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if cfg.FS == nil {
 		cfg.FS = vfs.Default
 	}
@@ -186,6 +226,7 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{
 		pages:   pages,
+		cache:   cache,
 		cfg:     cfg,
 		store:   st,
 		log:     cfg.Logger,
