@@ -56,13 +56,13 @@ const maxConversation = 1<<(32-PositionBits) - 1
 // Defaults of Options (zero fields take these).
 const (
 	DefaultNamespace     = "serving"
-	DefaultPageTokens    = 16
+	DefaultPageTokens    = 64
 	DefaultSystemPrompts = 2
-	DefaultSystemTokens  = 200
+	DefaultSystemTokens  = 256
 	DefaultActive        = 8
 	DefaultTurns         = 4
-	DefaultMinTurnTokens = 16
-	DefaultMaxTurnTokens = 96
+	DefaultMinTurnTokens = 32
+	DefaultMaxTurnTokens = 160
 	// Identity is the identity of every page the loop saves.
 	Identity = "kvpersist-serving/tiny/bf16"
 )
@@ -82,7 +82,10 @@ type Options struct {
 	// Model is the KV geometry (default kvgen.Tiny: 2 layers, 2 KV heads,
 	// head_dim 16, bf16: 256 bytes per token over its 4 tensors).
 	Model kvgen.Model
-	// PageTokens is P, tokens per page (default 16).
+	// PageTokens is P, tokens per page (default 64: with the tiny model a
+	// page file is then 32 KiB allocated, 16 KiB of it KV; at 16 tokens it
+	// would be 29 KiB for 4 KiB of KV, the header's 16 KiB alignment and
+	// each tensor's 4 KiB alignment dominating).
 	PageTokens int
 	// SystemPrompts distinct system prompts of SystemTokens tokens each
 	// (SystemPrompts × SystemTokens ≤ 2^PositionBits); conversation g uses
@@ -127,7 +130,9 @@ func (o *Options) resolve() error {
 	def(&o.MinTurnTokens, DefaultMinTurnTokens)
 	def(&o.MaxTurnTokens, DefaultMaxTurnTokens)
 	def(&o.Streams, 1)
-	bad := func(format string, a ...any) error { return fmt.Errorf("%w: %s", ErrOptions, fmt.Sprintf(format, a...)) }
+	bad := func(format string, a ...any) error {
+		return fmt.Errorf("%w: %s", ErrOptions, fmt.Sprintf(format, a...))
+	}
 	switch {
 	case layout.ValidName("namespace", o.Namespace) != nil:
 		return bad("%v", layout.ValidName("namespace", o.Namespace))
@@ -156,10 +161,10 @@ type Stats struct {
 	// HitTokens + MissTokens = the tokens of every prompt looked up;
 	// HitTokens were found stored (Engine.Lookup).
 	HitTokens, MissTokens int64
-	Loads        int64 // loads run (turns whose lookup found something)
-	LoadedTokens int64 // tokens the loads loaded (≤ HitTokens: a page evicted between lookup and load is a miss)
-	LoadedBytes  int64 // bytes the loads read (Result.Metrics.ReadBytes)
-	Saves        int64 // saves acked without error
+	Loads                 int64 // loads run (turns whose lookup found something)
+	LoadedTokens          int64 // tokens the loads loaded (≤ HitTokens: a page evicted between lookup and load is a miss)
+	LoadedBytes           int64 // bytes the loads read (Result.Metrics.ReadBytes)
+	Saves                 int64 // saves acked without error
 	// SavesRefused: saves that failed with evict.ErrNoSpace (nothing
 	// written: the cache could not make room).
 	SavesRefused              int64

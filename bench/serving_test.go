@@ -1,0 +1,140 @@
+package bench
+
+import (
+	"context"
+	"os"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/metrics"
+	"github.com/kvpersist/kvpersist/internal/serving"
+)
+
+// The bounded cache's row (issue 13): a steady-state serving loop at
+// capacity beside the same loop unbounded.
+
+// Serving geometry (internal/serving's defaults): the tiny model (256 bytes
+// of KV per token), pages of 64 tokens, two system prompts of 256 tokens, 2
+// loops (one per core) of 8 conversations each, 4 turns of 32 to 160 tokens
+// per conversation. A page file is then 32 KiB allocated (16 KiB of KV),
+// a conversation up to about 12 pages, and servingCapacityBytes holds 256
+// pages: the 16 active conversations fit, the ended ones are evicted.
+const (
+	servingCapacityBytes = 8 << 20
+	servingStreams       = 2
+)
+
+// servingSteps is the turns each side serves per iteration
+// ($KVPERSIST_SERVING_STEPS, default 200 per loop).
+func servingSteps(tb testing.TB) int {
+	if s := os.Getenv("KVPERSIST_SERVING_STEPS"); s != "" {
+		n, err := strconv.Atoi(s)
+		if err != nil || n < 1 {
+			tb.Fatalf("KVPERSIST_SERVING_STEPS=%q: want a positive integer", s)
+		}
+		return n
+	}
+	return 200
+}
+
+// servingSide is one engine and its loops; stats counts the timed
+// iterations only.
+type servingSide struct {
+	e     *engine.Engine
+	rec   *metrics.Recorder
+	loops []*serving.Loop
+	stats serving.Stats
+}
+
+func newServingSide(b *testing.B, root string, capacity int64) *servingSide {
+	s := &servingSide{}
+	var err error
+	if s.rec, err = metrics.New(metrics.Options{}); err != nil {
+		b.Fatal(err)
+	}
+	// Both sides record metrics (a few atomic adds a job), so that the
+	// bounded side's evictions can be counted at equal cost.
+	if s.e, err = engine.New(engine.Config{Root: root, Logger: quietLogger, CapacityBytes: capacity, Metrics: s.rec}); err != nil {
+		b.Fatal(err)
+	}
+	for i := range servingStreams {
+		l, err := serving.New(serving.Options{Stream: i, Streams: servingStreams, Seed: 42})
+		if err != nil {
+			b.Fatal(err)
+		}
+		s.loops = append(s.loops, l)
+	}
+	return s
+}
+
+// run serves steps turns per loop; iteration i < 0 (a warm-up) is not
+// counted.
+func (s *servingSide) run(b *testing.B, steps, i int) {
+	st, err := serving.Run(context.Background(), s.e, s.loops, steps)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if i >= 0 {
+		s.stats.Add(st)
+	}
+}
+
+// evictedPages is the pages the engine evicted so far, every reason.
+func (s *servingSide) evictedPages() int64 {
+	var n int64
+	for _, ev := range s.rec.Snapshot().Evicted {
+		n += ev.Pages
+	}
+	return n
+}
+
+// BenchmarkServing: the serving loop (internal/serving: lookup, verified
+// load of the stored prefix, save, per turn; 2 loops side by side) on a
+// cache bounded to servingCapacityBytes, filled to capacity before the
+// timing starts (so evictions run throughout), beside the same loop (same
+// seeds: the same conversations and turns) on an unbounded cache, in
+// alternating order, fsync on. Reports saves/s, loads/s and hit-rate
+// (tokens found / tokens looked up) of both sides, the bounded side's
+// evicted pages per turn and its used MiB at the end, and x-limit =
+// unbounded time / bounded time for the same turns (goal ≥ 0.9).
+func BenchmarkServing(b *testing.B) {
+	turns := servingSteps(b)
+	bounded := newServingSide(b, mkdir(b, "serving-bounded"), servingCapacityBytes)
+	defer closeEngine(b, bounded.e)
+	unbounded := newServingSide(b, mkdir(b, "serving-unbounded"), 0)
+	defer closeEngine(b, unbounded.e)
+	// Fill the bounded cache to capacity, then as many turns unbounded:
+	// both sides start the timing with the same history.
+	warm := 0
+	for ; bounded.e.Usage().UsedBytes < servingCapacityBytes*9/10; warm += 10 {
+		if warm >= 2000 {
+			b.Fatalf("the bounded cache holds %d bytes after %d turns per loop: not filling to its %d", bounded.e.Usage().UsedBytes, warm, servingCapacityBytes)
+		}
+		bounded.run(b, 10, -1)
+	}
+	unbounded.run(b, warm, -1)
+	ev0 := bounded.evictedPages()
+	m := alternate(b, steps{
+		ours:  func(i int) { bounded.run(b, turns, i) },
+		limit: func(i int) { unbounded.run(b, turns, i) },
+	})
+	report := func(prefix string, st serving.Stats, d time.Duration) {
+		b.ReportMetric(serving.Rate(st.Saves, d), prefix+"saves/s")
+		b.ReportMetric(serving.Rate(st.Loads, d), prefix+"loads/s")
+		b.ReportMetric(st.HitRate(), prefix+"hit-rate")
+	}
+	report("", bounded.stats, m.ours)
+	report("unbounded-", unbounded.stats, m.limit)
+	if m.ours > 0 && m.limit > 0 {
+		b.ReportMetric(float64(m.limit)/float64(m.ours), "x-limit")
+	}
+	if bounded.stats.Turns > 0 {
+		b.ReportMetric(float64(bounded.evictedPages()-ev0)/float64(bounded.stats.Turns), "evicted/turn")
+	}
+	b.ReportMetric(float64(bounded.e.Usage().UsedBytes)/(1<<20), "used-MiB")
+	if bounded.stats.SavesRefused != 0 || unbounded.stats.SavesRefused != 0 {
+		b.Fatalf("saves refused: %d bounded, %d unbounded (nothing is pinned for long: want 0)", bounded.stats.SavesRefused, unbounded.stats.SavesRefused)
+	}
+}
