@@ -392,10 +392,7 @@ func (e *Engine) execute(j *job, res *Result) {
 		if w.BlockBytes == 0 {
 			w.BlockBytes = e.cfg.BlockBytes
 		}
-		res.Header, res.Metrics, err = jobs.Write(j.ctx, &cfg, &w)
-		if err == nil && w.Layout == layout.Pages {
-			e.indexPagesWrite(&w)
-		}
+		err = e.executeWrite(j.ctx, &cfg, &w, res)
 	case *ReadRequest:
 		var snap *layout.Snapshot
 		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
@@ -404,6 +401,9 @@ func (e *Engine) execute(j *job, res *Result) {
 		}
 	case *DeleteRequest:
 		res.Metrics, err = jobs.Delete(j.ctx, &cfg, r)
+		if err == nil {
+			e.pc.setManifest(r.Namespace, r.Name, nil) // its pages' pins go with it
+		}
 	case *CollectRequest:
 		c := *r
 		if c.TempGrace == 0 {
@@ -413,6 +413,9 @@ func (e *Engine) execute(j *job, res *Result) {
 			c.BlockGrace = e.cfg.BlockGrace
 		}
 		res.Metrics, err = jobs.Collect(j.ctx, &cfg, &c)
+		// Still alone in its namespaces: the page cache's accounting is
+		// made equal to their page files (pages of other processes).
+		e.resyncAfterCollect(c.Namespaces)
 	case *MigrateRequest:
 		res.Metrics, err = jobs.Migrate(j.ctx, &cfg, r)
 	default:

@@ -29,7 +29,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
@@ -149,8 +148,9 @@ type Engine struct {
 
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 
-	pages *pageindex.Index // the prefix cache's index (prefix.go)
-	cache *evict.Cache     // the page cache's accounting and eviction policy (cache.go)
+	pages  *pageindex.Index // the prefix cache's index (prefix.go)
+	pc     *pageCache       // the bounded page cache: accounting, eviction, checkpoints (cache.go)
+	pcOnce sync.Once
 }
 
 type stats struct {
@@ -199,7 +199,7 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
 		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
 	}
-	cache, err := newCachePolicy(cfg)
+	policy, err := newCachePolicy(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -226,7 +226,6 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{
 		pages:   pages,
-		cache:   cache,
 		cfg:     cfg,
 		store:   st,
 		log:     cfg.Logger,
@@ -238,9 +237,15 @@ func New(cfg Config) (*Engine, error) {
 		stopped: make(chan struct{}),
 		abort:   make(chan struct{}),
 	}
+	// The page cache's accounting, from the page files on disk; its
+	// background goroutine runs until Close.
+	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
+		return nil, err
+	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
+		_ = e.pc.close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
 	e.pool = pool
@@ -575,6 +580,13 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.kick()
 		<-e.stopped
 	}
+	// No job runs any more: stop the page cache's background goroutine and
+	// write its recency checkpoints.
+	e.pcOnce.Do(func() {
+		if cerr := e.pc.close(); cerr != nil {
+			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
+		}
+	})
 	// The pool's workers exit once released; wait for them only while ctx
 	// allows (every job has been acked by now).
 	switch perr := e.pool.ReleaseContext(ctx); {

@@ -3,9 +3,11 @@ package engine
 import (
 	"context"
 	"fmt"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -98,8 +100,18 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if dir, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
-		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
+		// Checked and keyed first, so that the page cache can reserve
+		// room for the new pages before any file is created (admit).
+		var plan *jobs.PagePlan
+		if plan, err = jobs.PlanPrefixSave(r); err != nil {
+			return true, err
+		}
+		err = e.pc.admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
+			var serr error
+			res.Prefix, res.Metrics, serr = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
+				NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
+			})
+			return serr
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
@@ -109,6 +121,19 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if dir, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
+		// The pages of the prompt that are stored are pinned for the
+		// load's duration (a bad request pins nothing: the load reports it).
+		done := func([]layout.PageKey, bool) {}
+		if keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens); kerr == nil {
+			done = e.pc.pinLoad(r.Namespace, keys)
+		}
+		defer func() {
+			var loaded []layout.PageKey
+			if res.Prefix != nil {
+				loaded = res.Prefix.Keys
+			}
+			done(loaded, err == nil)
+		}()
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
 			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
 		})
@@ -121,7 +146,11 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 					path, fsys := n.PagePath(*k), e.store.FS()
 					e.pages.RemoveIfGone(r.Namespace, *k, func() bool {
 						_, err := fsys.Lstat(path)
-						return vfs.IsNotExist(err)
+						gone := vfs.IsNotExist(err)
+						if gone {
+							e.pc.removedBehind(r.Namespace, *k)
+						}
+						return gone
 					})
 				}
 			}
@@ -130,6 +159,13 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		return false, nil
 	}
 	return true, err
+}
+
+func pageTokensOf(p int) int {
+	if p == 0 {
+		return layout.DefaultPageTokens
+	}
+	return p
 }
 
 // Lookup returns the length, in tokens, of the longest prefix of tokens
@@ -150,17 +186,62 @@ func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uin
 	if pageTokens == 0 {
 		pageTokens = layout.DefaultPageTokens
 	}
-	return e.pages.Lookup(namespace, identity, pageTokens, tokens)
+	m := e.cfg.Metrics
+	var start time.Time
+	if m != nil {
+		start = time.Now()
+	}
+	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
+	if n > 0 {
+		e.pc.touchLookup(namespace, last)
+	}
+	if m != nil {
+		m.Job(labels.KindLookup, labels.OutcomeOf(err), time.Since(start), true)
+		if err == nil {
+			m.Lookup(int64(n), int64(len(tokens)-n))
+		}
+	}
+	return n, err
 }
 
-// indexPagesWrite adds the pages of a successful layout.Pages write to the
-// index: they are durable and shared with the prefix cache.
-func (e *Engine) indexPagesWrite(r *jobs.WriteRequest) {
-	p := r.PageTokens
-	if p == 0 {
-		p = layout.DefaultPageTokens
+// executeWrite runs a write. A layout.Pages write's pages go through the
+// page cache's reservation (admit) like a prefix save's, are indexed once
+// durable, and stay pinned for as long as the manifest exists; a write of
+// another layout over a page manifest drops that manifest's pins.
+func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.WriteRequest, res *Result) error {
+	write := func() (err error) {
+		res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+		return err
 	}
-	if keys, _, err := layout.PageChain(r.Identity, p, r.Tokens); err == nil {
-		e.pages.Add(r.Namespace, keys...)
+	if w.Layout != layout.Pages {
+		err := write()
+		if err == nil {
+			e.pc.setManifest(w.Namespace, w.Name, nil)
+		}
+		return err
+	}
+	plan, perr := planPagesWrite(w)
+	if perr != nil {
+		return write() // the write refuses the request, naming the problem
+	}
+	err := e.pc.admit(ctx, w.Namespace, plan.Keys, plan.Parents, plan.FileBytes, write)
+	if err == nil {
+		e.pages.Add(w.Namespace, plan.Keys...)
+		e.pc.setManifest(w.Namespace, w.Name, evictKeys(plan.Keys))
+	}
+	return err
+}
+
+// resyncAfterCollect resyncs the page cache's accounting of the collected
+// namespaces (all of them for nil).
+func (e *Engine) resyncAfterCollect(names []string) {
+	if names == nil {
+		var err error
+		if names, _, err = e.store.Namespaces(false); err != nil {
+			return
+		}
+	}
+	for _, ns := range names {
+		e.pc.resync(ns)
 	}
 }

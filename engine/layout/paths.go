@@ -27,6 +27,13 @@ const PagesDirName = "pages"
 // readers hold it shared, collect holds it exclusive.
 const LockName = ".lock"
 
+// RecencyName is the per-namespace checkpoint of the page cache's recency
+// (engine/evict's checkpoint format, ARCHITECTURE.md "Recency across a
+// restart"): <namespace>/.recency, written atomically and durably by the
+// engine, never a snapshot (a dot name is never a valid snapshot name) and
+// never deleted by collect.
+const RecencyName = ".recency"
+
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of
 // [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks" or
 // "pages" (the directories of a namespace). Such a name is one path

@@ -107,32 +107,43 @@ func (x *Index) Len(ns string) int {
 // Errors: layout.ErrIdentity, layout.ErrPageTokens. Lookup does not
 // allocate; it hashes 32+4P bytes per page it examines (SHA-256).
 func (x *Index) Lookup(ns, identity string, pageTokens int, tokens []uint32) (int, error) {
+	n, _, err := x.LookupDeepest(ns, identity, pageTokens, tokens)
+	return n, err
+}
+
+// LookupDeepest is Lookup that also returns the key of the last page the
+// prefix covers (the deepest page found; the zero key when the result is
+// 0): the engine records an access to it (its ancestors cannot be evicted
+// before it). It does not allocate.
+func (x *Index) LookupDeepest(ns, identity string, pageTokens int, tokens []uint32) (int, layout.PageKey, error) {
+	var last layout.PageKey
 	if err := layout.CheckIdentity(identity); err != nil {
-		return 0, err
+		return 0, last, err
 	}
 	if err := layout.CheckPageTokens(pageTokens); err != nil {
-		return 0, err
+		return 0, last, err
 	}
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	set := x.ns[ns]
 	if len(set) == 0 {
-		return 0, nil
+		return 0, last, nil
 	}
 	k := layout.PageRoot(identity, pageTokens)
 	full := len(tokens) / pageTokens
 	for i := range full {
 		k = layout.PageNext(k, tokens[i*pageTokens:(i+1)*pageTokens])
 		if _, ok := set[k]; !ok {
-			return i * pageTokens, nil
+			return i * pageTokens, last, nil
 		}
+		last = k
 	}
 	if rest := tokens[full*pageTokens:]; len(rest) > 0 {
-		if _, ok := set[layout.PageNext(k, rest)]; ok {
-			return len(tokens), nil
+		if leaf := layout.PageNext(k, rest); func() bool { _, ok := set[leaf]; return ok }() {
+			return len(tokens), leaf, nil
 		}
 	}
-	return full * pageTokens, nil
+	return full * pageTokens, last, nil
 }
 
 // BuildStats reports what Build found.

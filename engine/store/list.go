@@ -87,6 +87,10 @@ func Grace(grace time.Duration) time.Duration {
 type Listing struct {
 	Namespace *Namespace
 	HasLock   bool // .lock exists
+	// HasRecency: the page cache's recency checkpoint, .recency, exists
+	// (the engine's; never a snapshot, never deleted, not listed as
+	// skipped).
+	HasRecency bool
 	// HasBlocksDir, HasPagesDir: blocks/ and pages/ exist as directories.
 	HasBlocksDir, HasPagesDir bool
 	Snapshots                 []Snapshot // sorted by name
@@ -162,6 +166,8 @@ func (n *Namespace) List(decode bool) (*Listing, error) {
 		switch {
 		case name == layout.LockName:
 			l.HasLock = true
+		case name == layout.RecencyName && e.Type().IsRegular():
+			l.HasRecency = true
 		case layout.IsTemp(name):
 			l.temp(path, e)
 		case name == layout.BlocksDirName && e.IsDir():

@@ -43,6 +43,10 @@ func (n *Namespace) Entry(name string) string { return filepath.Join(n.dir, name
 // LockPath is the namespace's lock file, <dir>/.lock.
 func (n *Namespace) LockPath() string { return filepath.Join(n.dir, layout.LockName) }
 
+// RecencyPath is the page cache's recency checkpoint, <dir>/.recency
+// (layout.RecencyName).
+func (n *Namespace) RecencyPath() string { return filepath.Join(n.dir, layout.RecencyName) }
+
 // BlocksDir is <dir>/blocks.
 func (n *Namespace) BlocksDir() string { return filepath.Join(n.dir, layout.BlocksDirName) }
 

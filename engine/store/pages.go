@@ -1,6 +1,9 @@
 package store
 
 import (
+	"fmt"
+	"time"
+
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
@@ -20,6 +23,38 @@ func (l *Listing) DecodePages() {
 			p.Size = p.Snap.Size
 		}
 	}
+}
+
+// DecodePage decodes the header of the page file at path (a Page's Path
+// from a listing of n), as DecodePages does for one page.
+func (n *Namespace) DecodePage(path string) (*layout.Snapshot, error) {
+	return decodePage(n.st.fs, path)
+}
+
+// PageFile is what the page cache accounts of one page file.
+type PageFile struct {
+	// AllocatedBytes is the file's st_blocks × 512 (vfs.AllocatedBytes).
+	AllocatedBytes int64
+	ModTime        time.Time
+}
+
+// StatPage lstats the page file at path (a Page's Path, or PagePath):
+// a regular file's allocated bytes and mtime. Errors: fs.ErrNotExist
+// when it is gone, ErrNamespace when it is not a regular file, or the
+// lstat's error.
+func (n *Namespace) StatPage(path string) (PageFile, error) {
+	fi, err := n.st.fs.Lstat(path)
+	if err != nil {
+		return PageFile{}, err
+	}
+	if !fi.Mode().IsRegular() {
+		return PageFile{}, fmt.Errorf("%w: page %s is not a regular file", ErrNamespace, path)
+	}
+	a, ok := vfs.AllocatedBytes(fi)
+	if !ok { // a file system without st_blocks: its length, rounded to 4 KiB
+		a = (fi.Size() + 4095) &^ 4095
+	}
+	return PageFile{AllocatedBytes: a, ModTime: fi.ModTime()}, nil
 }
 
 func decodePage(fsys vfs.FS, path string) (*layout.Snapshot, error) {
