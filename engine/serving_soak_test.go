@@ -29,11 +29,11 @@ import (
 // moments; after every kill the store is walked and reopened.
 
 const (
-	// soakCapacityBytes bounds the helper's page cache: 64 page files of
+	// soakCapacityBytes bounds the helper's page cache: 32 page files of
 	// the tiny model at 64 tokens per page (32 KiB allocated each), fewer
 	// than the 8 active conversations hold, so evictions start within the
 	// first dozen turns and never stop.
-	soakCapacityBytes = 2 << 20
+	soakCapacityBytes = 1 << 20
 	// soakLoops serving loops run side by side in the helper: at most
 	// that many saves are in flight at once.
 	soakLoops = 2
@@ -249,7 +249,7 @@ func TestServingSoakSIGKILL(t *testing.T) {
 			t.Fatalf("helper did not start: %q %q %v\n%s", l, rest, st, h.stderr.String())
 		}
 		// Kill after k stats lines (turns), then 0-50 ms more.
-		k := 2 + rng.IntN(10)
+		k := 4 + rng.IntN(12)
 		if long {
 			k = 5 + rng.IntN(200)
 		}

@@ -238,11 +238,12 @@ Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
 			if hasPages || lim.capacityBytes > 0 || lim.headroomBytes > 0 {
 				c.printCacheReport(cr, size)
 			}
+			c.printRecencyErrors(cache)
 			for _, s := range rep.Skipped {
 				fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
 			}
 		}
-		if rep.Total.Unreadable > 0 {
+		if rep.Total.Unreadable > 0 || badRecency(cache) {
 			return exitProblems
 		}
 		return exitOK

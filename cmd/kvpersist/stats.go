@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math"
 	"strconv"
@@ -88,6 +89,10 @@ type statsRow struct {
 	// the namespace before its next save.
 	QuotaBytes     int64 `json:"quotaBytes"`
 	OverQuotaBytes int64 `json:"overQuotaBytes"`
+	// RecencyError: the namespace's recency checkpoint (.recency) does not
+	// decode; it is ignored as the engine ignores it (accesses are then
+	// the mtimes) and the command exits 1.
+	RecencyError *string `json:"recencyError,omitempty"`
 }
 
 // cacheReport is the page cache of a store against the limits given.
@@ -122,11 +127,15 @@ func (l *limitFlags) measureCache(st *store.Store, listings []*store.Listing, no
 	rows := []statsRow{}
 	total := statsRow{Namespace: "TOTAL"}
 	for _, ls := range listings {
-		rec, err := readRecency(ls.Namespace)
-		if err != nil {
+		rec, err := ls.Namespace.ReadRecency()
+		var bad *string
+		if errors.Is(err, evict.ErrCheckpoint) {
+			msg := err.Error()
+			bad, rec = &msg, nil
+		} else if err != nil {
 			return nil, total, rep, err
 		}
-		r := statsRow{Namespace: ls.Namespace.Name(), CacheStats: ls.CacheStats(rec, now), QuotaBytes: l.quotaBytes[ls.Namespace.Name()]}
+		r := statsRow{Namespace: ls.Namespace.Name(), CacheStats: ls.CacheStats(rec, now), QuotaBytes: l.quotaBytes[ls.Namespace.Name()], RecencyError: bad}
 		r.OverQuotaBytes = evict.BytesToEvict(evict.Budget{QuotaBytes: r.QuotaBytes, NamespaceUsedBytes: r.AllocatedBytes}, 0).QuotaBytes
 		rows = append(rows, r)
 		total.CacheStats.Add(r.CacheStats)
@@ -172,12 +181,6 @@ func listStore(ctx context.Context, root string) (*store.Store, []*store.Listing
 		listings = append(listings, ns)
 	}
 	return st, listings, skipped, nil
-}
-
-// readRecency reads a namespace's recency checkpoint: nil when it has
-// none.
-func readRecency(n *store.Namespace) ([]evict.Record, error) {
-	return nil, nil
 }
 
 type statsReport struct {
@@ -230,10 +233,11 @@ evicts first), and with --headroom the file system's available bytes
 operator's view of the page cache; a running engine exports the same
 figures as metrics (kvpersist_cache_used_bytes, ...; see the README).
 Temp files under pages/ (saves in progress, or left by a crash until gc
-removes them) are counted apart and not in ALLOCATED.
+removes them) are counted apart and not in ALLOCATED. A recency checkpoint
+that does not decode is ignored, as the engine ignores it, and reported.
 
-Exit status: 0, 1 when some page file is unreadable, 2 on usage or I/O
-errors.`,
+Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
+2 on usage or I/O errors.`,
 		"kvpersist stats --capacity 64GiB --quota tenant-a=8GiB /var/lib/kvcache\nkvpersist stats --json --headroom 20GiB /var/lib/kvcache | jq '.fileSystem'",
 		cobra.ExactArgs(1))
 	var lim limitFlags
@@ -276,6 +280,7 @@ errors.`,
 			}
 			tw.Flush()
 			c.printCacheReport(cr, size)
+			c.printRecencyErrors(rows)
 			if total.TempFiles > 0 {
 				fmt.Fprintf(c.stdout, "temp files under pages/: %d, %s allocated (not counted above)\n", total.TempFiles, size(total.TempAllocatedBytes))
 			}
@@ -283,12 +288,33 @@ errors.`,
 				fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
 			}
 		}
-		if total.Unreadable > 0 {
+		if total.Unreadable > 0 || badRecency(rows) {
 			return exitProblems
 		}
 		return exitOK
 	})
 	return cmd
+}
+
+// printRecencyErrors prints a line per namespace whose recency checkpoint
+// did not decode.
+func (c *cli) printRecencyErrors(rows []statsRow) {
+	for _, r := range rows {
+		if r.RecencyError != nil {
+			fmt.Fprintf(c.stdout, "recency checkpoint of %s ignored (accesses are the mtimes): %s\n", quote(r.Namespace), quote(*r.RecencyError))
+		}
+	}
+}
+
+// badRecency reports whether a namespace's recency checkpoint did not
+// decode.
+func badRecency(rows []statsRow) bool {
+	for _, r := range rows {
+		if r.RecencyError != nil {
+			return true
+		}
+	}
+	return false
 }
 
 // printCacheReport prints the store's page cache against the capacity and

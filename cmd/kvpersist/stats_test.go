@@ -1,12 +1,17 @@
 package main
 
 import (
+	"context"
+	"log/slog"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
 )
 
 // statsJSON is the part of `stats --json` the tests read.
@@ -47,6 +52,7 @@ type statsJSONRow struct {
 // gives the same allocated bytes and capacity figures.
 func TestStatsAgainstDisk(t *testing.T) {
 	root, pages := pageStore(t, 2)
+	removeRecency(t, root) // the demo's engine wrote one at Close
 	var alloc, size, tokens int64
 	base := time.Date(2026, 11, 30, 8, 0, 0, 0, time.UTC)
 	i := 0
@@ -129,5 +135,76 @@ func TestStatsUsageErrors(t *testing.T) {
 		if code, _, _ := cliRun(t, c.args...); code != exitUsage {
 			t.Errorf("%v: exit %d, want %d", c.args, code, exitUsage)
 		}
+	}
+}
+
+// TestStatsRecencyCheckpoint: after an engine looked a conversation up
+// (touching its pages) and closed (writing the namespace's recency
+// checkpoint), `stats` takes those pages' last access from the checkpoint:
+// later than every mtime, which the test set in the past. A checkpoint
+// that does not decode is ignored (accesses are the mtimes again),
+// reported, and the exit status is 1.
+func TestStatsRecencyCheckpoint(t *testing.T) {
+	root, pages := pageStore(t, 2)
+	removeRecency(t, root) // the demo's: its accesses would be the oldest
+	past := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	for _, p := range pages {
+		if err := os.Chtimes(p.path, past, past); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The first page of the store (no parent among the pages): look its
+	// tokens up, as a new request starting with the system prompt would.
+	var first diskPage
+	for _, p := range pages {
+		if _, ok := pages[p.parent]; !ok {
+			first = p
+		}
+	}
+	e, err := engine.New(engine.Config{Root: root, NoSync: true, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now()
+	n, err := e.Lookup(defaultDemoNamespace, "kvpersist-demo/tiny/bfloat16", 16, first.tokens)
+	if cerr := e.Close(context.Background()); cerr != nil {
+		t.Fatal(cerr)
+	}
+	if err != nil || n != len(first.tokens) {
+		t.Fatalf("lookup of the first page's %d tokens: %d, %v", len(first.tokens), n, err)
+	}
+	var rep statsJSON
+	runJSON(t, exitOK, &rep, "stats", root)
+	r := rep.Namespaces[0]
+	if r.CheckpointPages != len(pages) || !r.OldestAccess.Equal(past) || r.NewestAccess.Before(before) {
+		t.Fatalf("%d pages from the checkpoint, access %v to %v; want %d, the mtime %v to the lookup's time (after %v)",
+			r.CheckpointPages, r.OldestAccess, r.NewestAccess, len(pages), past, before)
+	}
+
+	if err := os.WriteFile(filepath.Join(root, defaultDemoNamespace, ".recency"), []byte("not a checkpoint"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	var bad struct {
+		Namespaces []struct {
+			statsJSONRow
+			RecencyError *string `json:"recencyError"`
+		} `json:"namespaces"`
+	}
+	runJSON(t, exitProblems, &bad, "stats", root)
+	b := bad.Namespaces[0]
+	if b.RecencyError == nil || !strings.Contains(*b.RecencyError, "bad recency checkpoint") || b.CheckpointPages != 0 ||
+		!b.OldestAccess.Equal(past) || !b.NewestAccess.Equal(past) {
+		t.Fatalf("bad checkpoint: %+v (error %v)", b.statsJSONRow, b.RecencyError)
+	}
+	if out := mustRun(t, exitProblems, "stats", root); !strings.Contains(out, "recency checkpoint of kvpersist-demo ignored") {
+		t.Fatalf("stats does not report the bad checkpoint:\n%s", out)
+	}
+}
+
+// removeRecency removes the recency checkpoint of root's demo namespace.
+func removeRecency(t *testing.T, root string) {
+	t.Helper()
+	if err := os.Remove(filepath.Join(root, defaultDemoNamespace, ".recency")); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -1,6 +1,8 @@
 package store
 
 import (
+	"fmt"
+	"io"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -110,6 +112,35 @@ func (l *Listing) CacheStats(recency []evict.Record, now time.Time) CacheStats {
 		}
 	}
 	return s
+}
+
+// ReadRecency reads the namespace's recency checkpoint (RecencyPath,
+// engine/evict's format, read with evict.ReadCheckpoint: its size checked
+// before anything is allocated). A missing file is nil, nil. Errors:
+// evict.ErrCheckpoint (a file that does not decode, or is not a regular
+// file), or the open's or read's error.
+func (n *Namespace) ReadRecency() ([]evict.Record, error) {
+	path := n.RecencyPath()
+	f, err := n.st.fs.Open(path)
+	if vfs.IsNotExist(err) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s is not a regular file", evict.ErrCheckpoint, path)
+	}
+	recs, err := evict.ReadCheckpoint(io.NewSectionReader(f, 0, fi.Size()), fi.Size())
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return recs, nil
 }
 
 // isUnder reports whether path is in dir or below it.
