@@ -10,10 +10,12 @@
 package metrics
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -77,10 +79,28 @@ type Options struct {
 	// increasing, finite, > 0; nil means DefaultLatencyBuckets.
 	LatencyBuckets []float64
 	// Usage, when set, is called at each scrape and snapshot for the page
-	// cache's accounting (evict.Cache.Usage): the capacity and per-namespace
-	// gauges. It must be safe for concurrent use.
+	// cache's accounting (engine.Engine.Usage, evict.Cache.Usage): the
+	// capacity and per-namespace gauges. It must be safe for concurrent
+	// use.
 	Usage func() evict.Usage
+	// MaxNamespaces bounds the series of the per-namespace gauges
+	// (kvpersist_cache_used_bytes, kvpersist_cache_pages,
+	// kvpersist_cache_quota_bytes), whose `namespace` label otherwise
+	// takes one value per namespace of the store: the MaxNamespaces
+	// namespaces with the most used bytes (ties: by name) get their own
+	// series; the others are summed into namespace=".other"
+	// (OtherNamespace; no namespace name starts with a dot), which has no
+	// quota series. 0 means DefaultMaxNamespaces; < 0 is ErrOptions.
+	// Snapshot is not bounded.
+	MaxNamespaces int
 }
+
+// DefaultMaxNamespaces is Options.MaxNamespaces's default.
+const DefaultMaxNamespaces = 64
+
+// OtherNamespace is the `namespace` label of the namespaces beyond
+// Options.MaxNamespaces, summed.
+const OtherNamespace = ".other"
 
 // Recorder counts what the engine does. Create it with New; it is safe for
 // concurrent use, and every recording is a few atomic adds (no lock, no
@@ -100,6 +120,7 @@ type Recorder struct {
 	evBytes    [evict.ReasonShrink + 1]atomic.Int64
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
 	usage      func() evict.Usage
+	maxNS      int
 }
 
 // histogram is a lock-free latency histogram: per-bucket counts (not
@@ -112,7 +133,8 @@ type histogram struct {
 // ErrOptions: Options are invalid.
 var ErrOptions = errors.New("metrics: invalid options")
 
-// New returns a Recorder. Error: ErrOptions for bad latency buckets.
+// New returns a Recorder. Error: ErrOptions for bad latency buckets or a
+// negative MaxNamespaces.
 func New(opts Options) (*Recorder, error) {
 	b := opts.LatencyBuckets
 	if b == nil {
@@ -121,7 +143,13 @@ func New(opts Options) (*Recorder, error) {
 	if len(b) == 0 {
 		return nil, fmt.Errorf("%w: no latency buckets", ErrOptions)
 	}
-	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage}
+	if opts.MaxNamespaces < 0 {
+		return nil, fmt.Errorf("%w: MaxNamespaces %d (want 0, the default %d, or more)", ErrOptions, opts.MaxNamespaces, DefaultMaxNamespaces)
+	}
+	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage, maxNS: opts.MaxNamespaces}
+	if r.maxNS == 0 {
+		r.maxNS = DefaultMaxNamespaces
+	}
 	for i, s := range b {
 		if !(s > 0) || s > 1e9 || (i > 0 && s <= b[i-1]) {
 			return nil, fmt.Errorf("%w: latency bucket %d is %v (want finite, > 0 and increasing)", ErrOptions, i, s)
@@ -231,14 +259,14 @@ var (
 		"Allocated bytes of the page files of a namespace.", []string{"namespace"}, nil)
 	descPages = prometheus.NewDesc("kvpersist_cache_pages",
 		"Pages stored in a namespace.", []string{"namespace"}, nil)
-	descLimit = prometheus.NewDesc("kvpersist_cache_limit_bytes",
+	descQuota = prometheus.NewDesc("kvpersist_cache_quota_bytes",
 		"A namespace's quota in allocated bytes (namespaces with a quota only).", []string{"namespace"}, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descLookup,
-		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descLimit} {
+		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota} {
 		ch <- d
 	}
 }
@@ -294,13 +322,38 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	u := r.usage()
 	emit(descCapacity, prometheus.GaugeValue, float64(u.CapacityBytes))
 	emit(descReserved, prometheus.GaugeValue, float64(u.ReservedBytes))
-	for _, n := range u.Namespaces {
+	for _, n := range boundNamespaces(u.Namespaces, r.maxNS) {
 		emit(descUsed, prometheus.GaugeValue, float64(n.UsedBytes), n.Name)
 		emit(descPages, prometheus.GaugeValue, float64(n.Pages), n.Name)
 		if n.QuotaBytes > 0 {
-			emit(descLimit, prometheus.GaugeValue, float64(n.QuotaBytes), n.Name)
+			emit(descQuota, prometheus.GaugeValue, float64(n.QuotaBytes), n.Name)
 		}
 	}
+}
+
+// boundNamespaces returns nss (sorted by name) when it has at most max
+// namespaces; otherwise the max with the most used bytes (ties: by name),
+// sorted by name, then OtherNamespace holding the others' used bytes and
+// pages summed (and no quota).
+func boundNamespaces(nss []evict.NamespaceUsage, max int) []evict.NamespaceUsage {
+	if len(nss) <= max {
+		return nss
+	}
+	s := slices.Clone(nss)
+	slices.SortFunc(s, func(a, b evict.NamespaceUsage) int {
+		if a.UsedBytes != b.UsedBytes {
+			return cmp.Compare(b.UsedBytes, a.UsedBytes)
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
+	other := evict.NamespaceUsage{Name: OtherNamespace}
+	for _, n := range s[max:] {
+		other.UsedBytes += n.UsedBytes
+		other.Pages += n.Pages
+	}
+	s = s[:max]
+	slices.SortFunc(s, func(a, b evict.NamespaceUsage) int { return strings.Compare(a.Name, b.Name) })
+	return append(s, other)
 }
 
 // Snapshot is the recorder's figures as a plain struct (JSON for
