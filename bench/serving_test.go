@@ -2,6 +2,7 @@ package bench
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"strconv"
 	"testing"
@@ -23,29 +24,35 @@ import (
 // pages: the 16 active conversations fit, the ended ones are evicted.
 const (
 	servingCapacityBytes = 8 << 20
-	servingStreams       = 2
 )
+
+// servingStreams is how many loops run side by side
+// ($KVPERSIST_SERVING_STREAMS, default 2: one per core).
+var servingStreams = envInt("KVPERSIST_SERVING_STREAMS", 2)
+
+// envInt is the positive integer in environment variable name, or def.
+func envInt(name string, def int) int {
+	if s := os.Getenv(name); s != "" {
+		if n, err := strconv.Atoi(s); err == nil && n > 0 {
+			return n
+		}
+		panic(fmt.Sprintf("%s=%q: want a positive integer", name, s))
+	}
+	return def
+}
 
 // servingSteps is the turns each side serves per iteration
 // ($KVPERSIST_SERVING_STEPS, default 200 per loop).
-func servingSteps(tb testing.TB) int {
-	if s := os.Getenv("KVPERSIST_SERVING_STEPS"); s != "" {
-		n, err := strconv.Atoi(s)
-		if err != nil || n < 1 {
-			tb.Fatalf("KVPERSIST_SERVING_STEPS=%q: want a positive integer", s)
-		}
-		return n
-	}
-	return 200
-}
+func servingSteps() int { return envInt("KVPERSIST_SERVING_STEPS", 200) }
 
 // servingSide is one engine and its loops; stats counts the timed
 // iterations only.
 type servingSide struct {
-	e     *engine.Engine
-	rec   *metrics.Recorder
-	loops []*serving.Loop
-	stats serving.Stats
+	e       *engine.Engine
+	rec     *metrics.Recorder
+	loops   []*serving.Loop
+	stats   serving.Stats
+	evicted int64 // pages evicted in the counted iterations
 }
 
 func newServingSide(b *testing.B, root string, capacity int64) *servingSide {
@@ -72,12 +79,14 @@ func newServingSide(b *testing.B, root string, capacity int64) *servingSide {
 // run serves steps turns per loop; iteration i < 0 (a warm-up) is not
 // counted.
 func (s *servingSide) run(b *testing.B, steps, i int) {
+	ev := s.evictedPages()
 	st, err := serving.Run(context.Background(), s.e, s.loops, steps)
 	if err != nil {
 		b.Fatal(err)
 	}
 	if i >= 0 {
 		s.stats.Add(st)
+		s.evicted += s.evictedPages() - ev
 	}
 }
 
@@ -100,7 +109,7 @@ func (s *servingSide) evictedPages() int64 {
 // evicted pages per turn and its used MiB at the end, and x-limit =
 // unbounded time / bounded time for the same turns (goal ≥ 0.9).
 func BenchmarkServing(b *testing.B) {
-	turns := servingSteps(b)
+	turns := servingSteps()
 	bounded := newServingSide(b, mkdir(b, "serving-bounded"), servingCapacityBytes)
 	defer closeEngine(b, bounded.e)
 	unbounded := newServingSide(b, mkdir(b, "serving-unbounded"), 0)
@@ -115,7 +124,6 @@ func BenchmarkServing(b *testing.B) {
 		bounded.run(b, 10, -1)
 	}
 	unbounded.run(b, warm, -1)
-	ev0 := bounded.evictedPages()
 	m := alternate(b, steps{
 		ours:  func(i int) { bounded.run(b, turns, i) },
 		limit: func(i int) { unbounded.run(b, turns, i) },
@@ -131,7 +139,8 @@ func BenchmarkServing(b *testing.B) {
 		b.ReportMetric(float64(m.limit)/float64(m.ours), "x-limit")
 	}
 	if bounded.stats.Turns > 0 {
-		b.ReportMetric(float64(bounded.evictedPages()-ev0)/float64(bounded.stats.Turns), "evicted/turn")
+		b.ReportMetric(float64(bounded.evicted)/float64(bounded.stats.Turns), "evicted/turn")
+		b.ReportMetric(float64(bounded.stats.PagesWritten)/float64(bounded.stats.Turns), "written/turn")
 	}
 	b.ReportMetric(float64(bounded.e.Usage().UsedBytes)/(1<<20), "used-MiB")
 	if bounded.stats.SavesRefused != 0 || unbounded.stats.SavesRefused != 0 {
