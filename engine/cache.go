@@ -445,7 +445,7 @@ func (pc *pageCache) shrink() {
 		return
 	}
 	start := time.Now()
-	err := pc.unlink(pc.bgCtx, vs)
+	_, err := pc.unlink(pc.bgCtx, vs)
 	if err != nil && pc.bgCtx.Err() == nil {
 		pc.log.Warn("kvpersist: page cache: background eviction incomplete", "err", err)
 	}
@@ -472,9 +472,10 @@ func (pc *pageCache) close() error {
 // not removed: it and every later victim of its namespace are abandoned,
 // and it is pinned. A removed page leaves the policy (Removed) and the
 // index. A failed unlink abandons that victim and every later one of its
-// namespace. Evicted pages are reported to Config.Metrics. The error is
-// the first failure (the lock's, ctx's or an unlink's).
-func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) error {
+// namespace. Evicted pages are reported to Config.Metrics. kept is the
+// number of victims kept for a page manifest; the error is the first
+// failure (the lock's, ctx's or an unlink's).
+func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, err error) {
 	var first error
 	done := make([]bool, len(vs))
 	type tally struct{ pages, bytes int64 }
@@ -511,6 +512,7 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) error {
 			v := vs[j]
 			if named[v.Key] > 0 {
 				abandon(gi)
+				kept += len(group) - gi
 				pc.mu.Lock()
 				pc.repinLocked(ns)
 				pc.mu.Unlock()
@@ -537,7 +539,7 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) error {
 			}
 		}
 	}
-	return first
+	return kept, first
 }
 
 func cmpOr(a, b error) error {
@@ -739,20 +741,33 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 				pc.log.Warn("kvpersist: page cache: statvfs failed; headroom not checked for this save", "root", pc.st.Root(), "err", serr)
 			}
 		}
-		r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
-		if err != nil {
-			var nse *evict.NoSpaceError
-			if errors.As(err, &nse) && pc.metrics != nil {
-				pc.metrics.Refused(nse.Limit)
+		// A victim that another process's page manifest names is kept
+		// (unlink finds the manifest under the lock and pins its pages):
+		// then the room was not made, and the reservation is tried again
+		// with those pages pinned.
+		for attempt := 0; ; attempt++ {
+			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+			if err != nil {
+				var nse *evict.NoSpaceError
+				if errors.As(err, &nse) && pc.metrics != nil {
+					pc.metrics.Refused(nse.Limit)
+				}
+				return fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
 			}
-			return fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
+			kept, uerr := pc.unlink(ctx, r.Victims)
+			if uerr != nil {
+				r.Release()
+				return fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, uerr)
+			}
+			if kept == 0 {
+				break
+			}
+			r.Release()
+			if attempt == maxReserveAttempts-1 {
+				return fmt.Errorf("engine: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, ErrNoSpace, maxReserveAttempts)
+			}
 		}
 		defer r.Release()
-		if len(r.Victims) > 0 {
-			if err := pc.unlink(ctx, r.Victims); err != nil {
-				return fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, err)
-			}
-		}
 	}
 	defer func() {
 		// Every path: what is on disk now is accounted (a failed save
@@ -787,6 +802,10 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 	}()
 	return write()
 }
+
+// maxReserveAttempts bounds how often a save reserves again after victims
+// were kept for page manifests it did not know of.
+const maxReserveAttempts = 4
 
 func evictKeys(keys []layout.PageKey) []evict.Key {
 	out := make([]evict.Key, len(keys))

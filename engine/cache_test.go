@@ -3,7 +3,6 @@ package engine
 import (
 	"bytes"
 	"errors"
-	"io/fs"
 	"log/slog"
 	"maps"
 	"os"
@@ -32,55 +31,10 @@ const (
 	cMax = 512 // tokens of the shared test cache
 )
 
-// pageTree walks <root>/*/pages: the allocated bytes (st_blocks × 512,
-// measured independently of the engine) of page files and temp files,
-// and how many page files there are. Files that vanish during the walk
-// (unlinked by an eviction) are skipped.
 func pageTree(t testing.TB, root string) (alloc int64, pages, temps int) {
 	t.Helper()
-	nss, err := os.ReadDir(root)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, ns := range nss {
-		a, p, tm := nsPageTree(t, filepath.Join(root, ns.Name(), "pages"))
-		alloc, pages, temps = alloc+a, pages+p, temps+tm
-	}
-	return alloc, pages, temps
-}
-
-// nsPageTree is pageTree of one namespace's pages/ directory.
-func nsPageTree(t testing.TB, dir string) (alloc int64, pages, temps int) {
-	t.Helper()
-	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			if errors.Is(err, fs.ErrNotExist) {
-				return nil
-			}
-			return err
-		}
-		if d.IsDir() {
-			return nil
-		}
-		var st syscall.Stat_t
-		if err := syscall.Lstat(path, &st); err != nil {
-			if errors.Is(err, syscall.ENOENT) {
-				return nil
-			}
-			return err
-		}
-		alloc += st.Blocks * 512
-		if layout.IsTemp(d.Name()) {
-			temps++
-		} else {
-			pages++
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return alloc, pages, temps
+	pb, tb, pages, temps := testutil.PageTree(t, root)
+	return pb + tb, pages, temps
 }
 
 // convTokens: sys tokens of a system prompt shared by every conversation,
@@ -146,13 +100,13 @@ func pageBytes(t testing.TB) int64 {
 func checkAccounting(t testing.TB, e *Engine, root string) {
 	t.Helper()
 	u := e.Usage()
-	alloc, pages, _ := pageTree(t, root)
+	alloc, _, pages, _ := testutil.PageTree(t, root)
 	if u.UsedBytes != alloc || u.Pages != pages || u.ReservedBytes != 0 || u.EvictingBytes != 0 {
 		t.Fatalf("usage %d bytes in %d pages (reserved %d, evicting %d); the disk holds %d bytes in %d page files",
 			u.UsedBytes, u.Pages, u.ReservedBytes, u.EvictingBytes, alloc, pages)
 	}
 	for _, n := range u.Namespaces {
-		a, p, _ := nsPageTree(t, filepath.Join(root, n.Name, "pages"))
+		a, _, p, _ := testutil.PageTree(t, root, n.Name)
 		if n.UsedBytes != a || n.Pages != p {
 			t.Fatalf("namespace %s: usage %d bytes in %d pages; the disk holds %d bytes in %d", n.Name, n.UsedBytes, n.Pages, a, p)
 		}
@@ -636,3 +590,26 @@ func TestCacheLookupTouches(t *testing.T) {
 }
 
 var _ vfs.FS = (*testutil.FaultFS)(nil)
+
+// TestCacheManifestOfAnotherEngine: pins do not cross processes (here two
+// engines on one root, each its own policy, as two processes would be):
+// the evicting engine finds, under its exclusive lock, the page manifest
+// the other wrote after it started, and leaves its pages.
+func TestCacheManifestOfAnotherEngine(t *testing.T) {
+	pb := pageBytes(t)
+	root := t.TempDir()
+	writer := newEngine(t, Config{Root: root, Workers: 1})
+	keep := convTokens(0, 4*cP, 1)
+	mustSavePages(t, writer, "p", keep)
+	evictor := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 6 * pb})
+	mustDo(t, writer, namedPages("p", "keep", keep))
+	// The evictor's oldest pages are keep's; it needs 4 pages gone.
+	mustSavePages(t, evictor, "p", convTokens(0, 2*cP, 2))
+	r := savePages(evictor, "p", convTokens(0, 4*cP, 3))
+	if !errors.Is(r.Err, ErrNoSpace) {
+		t.Fatalf("a save needing the named pages evicted: %v", r.Err)
+	}
+	dest := destOf(kvgen.Tiny, 4*cP)
+	mustDo(t, writer, &ReadRequest{Ref: refOf("p", "keep"), Dest: dest, Verify: true})
+	checkAccounting(t, evictor, root)
+}

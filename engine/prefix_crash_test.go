@@ -1,8 +1,10 @@
 package engine_test
 
 import (
+	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io/fs"
@@ -108,15 +110,24 @@ func cpTensors(cache *kvgen.Cache, n int) []jobs.TensorSpec {
 
 // crashPrefixMain saves conversations, two saves in flight, printing
 // "ready", then "ack <conv> <tokens>" for each successful save; it runs
-// until killed.
+// until killed. With -capacity (a bounded page cache) a save refused
+// with ErrNoSpace prints "nospace <conv> <tokens>", and every ack is
+// followed by "evicted <pages evicted so far>". With -wait it reads a
+// line from stdin after "ready" before it starts; with -minconv c it
+// saves only conversations c and later.
 func crashPrefixMain(args []string) int {
 	fl := flag.NewFlagSet("crash-prefix", flag.ContinueOnError)
 	root := fl.String("root", "", "store root")
 	seed := fl.Uint64("seed", 1, "random seed")
+	capacity := fl.Int64("capacity", 0, "page cache capacity in bytes (0: unbounded)")
+	nosync := fl.Bool("nosync", false, "no fsync")
+	wait := fl.Bool("wait", false, "after \"ready\", wait for a line on stdin before saving")
+	minConv := fl.Int("minconv", 0, "save only conversations from this one on")
 	if err := fl.Parse(args); err != nil {
 		return 2
 	}
-	e, err := engine.New(engine.Config{Root: *root, Workers: 2, Logger: discardLogger})
+	ev := &evictCounter{}
+	e, err := engine.New(engine.Config{Root: *root, Workers: 2, Logger: discardLogger, CapacityBytes: *capacity, NoSync: *nosync, Metrics: ev})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -127,10 +138,16 @@ func crashPrefixMain(args []string) int {
 	acks := make(chan engine.Result, 2)
 	what := map[uint64]string{}
 	fmt.Println("ready")
+	if *wait {
+		if _, err := bufio.NewReader(os.Stdin).ReadString('\n'); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+	}
 	inFlight := 0
 	for {
 		for ; inFlight < 2; inFlight++ {
-			c, n := rng.IntN(cpConvs), 1+rng.IntN(cpMaxTokens)
+			c, n := *minConv+rng.IntN(cpConvs-*minConv), 1+rng.IntN(cpMaxTokens)
 			j, err := e.Submit(context.Background(), cpSave(cache, toks, c, n), engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)
@@ -140,11 +157,18 @@ func crashPrefixMain(args []string) int {
 		}
 		r := <-acks
 		inFlight--
-		if r.Err != nil {
+		if r.Err != nil && !(*capacity > 0 && errors.Is(r.Err, engine.ErrNoSpace)) {
 			fmt.Fprintln(os.Stderr, r.Err)
 			return 1
 		}
-		fmt.Printf("ack %s\n", what[r.ID])
+		if r.Err != nil {
+			fmt.Printf("nospace %s\n", what[r.ID])
+		} else {
+			fmt.Printf("ack %s\n", what[r.ID])
+		}
+		if *capacity > 0 {
+			fmt.Printf("evicted %d\n", ev.pages.Load())
+		}
 		delete(what, r.ID)
 	}
 }
@@ -153,33 +177,9 @@ func crashPrefixMain(args []string) int {
 // named by its key, verifies, and holds exactly the KV of the tokens its key
 // stands for; every acked save loads back whole, verified.
 func TestCrashPrefixSIGKILL(t *testing.T) {
-	kills := 6
-	if soakLong() {
-		kills = 100
-	}
-	seed := uint64(time.Now().UnixNano())
-	t.Logf("seed %d", seed)
-	rng := rand.New(rand.NewPCG(seed, 4))
+	kills, rng := crashRounds(t, 6, 100, 4)
 	root := t.TempDir()
-	// Every key a save can produce -> the token range it covers.
-	where := map[layout.PageKey][2]int{}
-	for c := range cpConvs {
-		toks := cpTokens(c)
-		keys, _, _ := layout.PageChain(cpIdentity, cpPage, toks)
-		for i, k := range keys {
-			where[k] = [2]int{i * cpPage, (i + 1) * cpPage}
-		}
-		for n := 1; n <= cpMaxTokens; n++ {
-			if n%cpPage != 0 {
-				full := n / cpPage
-				parent := layout.PageRoot(cpIdentity, cpPage)
-				if full > 0 {
-					parent = keys[full-1]
-				}
-				where[layout.PageNext(parent, toks[full*cpPage:n])] = [2]int{full * cpPage, n}
-			}
-		}
-	}
+	where := cpWhere()
 	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	acked := map[string]bool{}
 	pagesSeen := 0
@@ -219,53 +219,7 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 			}
 		}
 		// Every page file left is whole and right.
-		err := filepath.WalkDir(testutil.PagesDir(filepath.Join(root, "p")), func(p string, d fs.DirEntry, err error) error {
-			if err != nil || !d.Type().IsRegular() || layout.IsTemp(d.Name()) {
-				return err
-			}
-			pagesSeen++
-			snap, err := layout.Load(vfs.Default, p)
-			if err != nil {
-				return fmt.Errorf("round %d: %w", round, err)
-			}
-			if snap.Page.Key.String() != d.Name() {
-				return fmt.Errorf("round %d: %s holds key %s", round, p, snap.Page.Key)
-			}
-			span, ok := where[snap.Page.Key]
-			if !ok {
-				return fmt.Errorf("round %d: %s is no page of any conversation", round, p)
-			}
-			raw, err := os.ReadFile(p)
-			if err != nil {
-				return err
-			}
-			dest := make([][]byte, len(snap.Header.Slots()))
-			for i, tt := range snap.Header.Slots() { // every tensor verifies
-				dest[i] = raw[int64(snap.DataStart)+tt.Off:][:tt.Bytes]
-				if got := layout.TensorHash(xxh3.Hash(dest[i])); got != tt.Hash {
-					return fmt.Errorf("round %d: %s tensor %d: xxh3 %s, header %s", round, p, i, got, tt.Hash)
-				}
-			}
-			for i := range dest {
-				v := cache.ViewsAt(cpMaxTokens)[i]
-				var shp [4]int
-				sub, err := v.SliceAxis(2, span[0], span[1], shp[:])
-				if err != nil {
-					return err
-				}
-				want, _, err := sub.Gather(make([]byte, sub.Bytes()))
-				if err != nil {
-					return err
-				}
-				if !bytes.Equal(dest[i], want) {
-					return fmt.Errorf("round %d: %s tensor %d differs from tokens [%d, %d)", round, p, i, span[0], span[1])
-				}
-			}
-			return nil
-		})
-		if err != nil && !os.IsNotExist(err) {
-			t.Fatal(err)
-		}
+		pagesSeen += cpCheckPages(t, root, cache, where, round)
 		// Every acked save loads back whole, with the KV saved.
 		for a := range acked {
 			cpCheckAcked(t, root, cache, a)
@@ -275,4 +229,96 @@ func TestCrashPrefixSIGKILL(t *testing.T) {
 	if len(acked) == 0 {
 		t.Fatal("no save was acked before a kill: the test checked nothing of durability")
 	}
+}
+
+// cpWhere maps every key a save of the conversations can produce to the
+// token range [lo, hi) it covers.
+func cpWhere() map[layout.PageKey][2]int {
+	where := map[layout.PageKey][2]int{}
+	for c := range cpConvs {
+		toks := cpTokens(c)
+		keys, _, _ := layout.PageChain(cpIdentity, cpPage, toks)
+		for i, k := range keys {
+			where[k] = [2]int{i * cpPage, (i + 1) * cpPage}
+		}
+		for n := 1; n <= cpMaxTokens; n++ {
+			if n%cpPage != 0 {
+				full := n / cpPage
+				parent := layout.PageRoot(cpIdentity, cpPage)
+				if full > 0 {
+					parent = keys[full-1]
+				}
+				where[layout.PageNext(parent, toks[full*cpPage:n])] = [2]int{full * cpPage, n}
+			}
+		}
+	}
+	return where
+}
+
+// cpCheckPages checks every page file of root's namespace p: it decodes,
+// is named by its key, is a page of a conversation (where), verifies,
+// and holds exactly the KV of the tokens its key stands for. It returns
+// how many it checked.
+func cpCheckPages(t *testing.T, root string, cache *kvgen.Cache, where map[layout.PageKey][2]int, round int) int {
+	t.Helper()
+	pagesSeen := 0
+	err := filepath.WalkDir(testutil.PagesDir(filepath.Join(root, "p")), func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() || layout.IsTemp(d.Name()) {
+			return err
+		}
+		pagesSeen++
+		snap, err := layout.Load(vfs.Default, p)
+		if err != nil {
+			return fmt.Errorf("round %d: %w", round, err)
+		}
+		if snap.Page.Key.String() != d.Name() {
+			return fmt.Errorf("round %d: %s holds key %s", round, p, snap.Page.Key)
+		}
+		span, ok := where[snap.Page.Key]
+		if !ok {
+			return fmt.Errorf("round %d: %s is no page of any conversation", round, p)
+		}
+		raw, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		dest := make([][]byte, len(snap.Header.Slots()))
+		for i, tt := range snap.Header.Slots() { // every tensor verifies
+			dest[i] = raw[int64(snap.DataStart)+tt.Off:][:tt.Bytes]
+			if got := layout.TensorHash(xxh3.Hash(dest[i])); got != tt.Hash {
+				return fmt.Errorf("round %d: %s tensor %d: xxh3 %s, header %s", round, p, i, got, tt.Hash)
+			}
+		}
+		for i := range dest {
+			v := cache.ViewsAt(cpMaxTokens)[i]
+			var shp [4]int
+			sub, err := v.SliceAxis(2, span[0], span[1], shp[:])
+			if err != nil {
+				return err
+			}
+			want, _, err := sub.Gather(make([]byte, sub.Bytes()))
+			if err != nil {
+				return err
+			}
+			if !bytes.Equal(dest[i], want) {
+				return fmt.Errorf("round %d: %s tensor %d differs from tokens [%d, %d)", round, p, i, span[0], span[1])
+			}
+		}
+		return nil
+	})
+	if err != nil && !os.IsNotExist(err) {
+		t.Fatal(err)
+	}
+	return pagesSeen
+}
+
+// crashRounds is a crash loop's number of kills (long under make soak)
+// and its random source, seeded from the clock (logged, to replay).
+func crashRounds(t *testing.T, kills, long int, stream uint64) (int, *rand.Rand) {
+	if soakLong() {
+		kills = long
+	}
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	return kills, rand.New(rand.NewPCG(seed, stream))
 }

@@ -70,6 +70,7 @@ func TestListClassifiesEveryEntry(t *testing.T) {
 	empty := testutil.WriteFile(t, filepath.Join(nsDir, "empty"), "")
 	junk := testutil.WriteFile(t, filepath.Join(nsDir, "notes.txt"), "hello")
 	testutil.WriteFile(t, filepath.Join(nsDir, ".lock"), "")
+	testutil.WriteFile(t, filepath.Join(nsDir, layout.RecencyName), "KVPLRU1\n not a snapshot")
 	tmp := testutil.WriteFile(t, layout.TempPath(filepath.Join(nsDir, "w")), "partial")
 	b1 := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h1[:2], h1), "block one")
 	flat := testutil.WriteFile(t, filepath.Join(nsDir, "blocks", h2), "flat block")
@@ -90,8 +91,8 @@ func TestListClassifiesEveryEntry(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !l.HasLock || !l.HasBlocksDir || !l.HasPagesDir {
-		t.Errorf("lock %v blocks %v pages %v", l.HasLock, l.HasBlocksDir, l.HasPagesDir)
+	if !l.HasLock || !l.HasBlocksDir || !l.HasPagesDir || !l.HasRecency {
+		t.Errorf("lock %v blocks %v pages %v recency %v", l.HasLock, l.HasBlocksDir, l.HasPagesDir, l.HasRecency)
 	}
 	var snaps []string
 	for _, s := range l.Snapshots {
