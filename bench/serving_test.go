@@ -10,21 +10,38 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/metrics"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/serving"
 )
 
 // The bounded cache's row (issue 13): a steady-state serving loop at
 // capacity beside the same loop unbounded.
 
-// Serving geometry (internal/serving's defaults): the tiny model (256 bytes
-// of KV per token), pages of 64 tokens, two system prompts of 256 tokens, 2
-// loops (one per core) of 8 conversations each, 4 turns of 32 to 160 tokens
-// per conversation. A page file is then 32 KiB allocated (16 KiB of KV),
-// a conversation up to about 12 pages, and servingCapacityBytes holds 256
-// pages: the 16 active conversations fit, the ended ones are evicted.
-const (
-	servingCapacityBytes = 8 << 20
-)
+// servingCase is one geometry of the serving row: 2 loops (one per core),
+// two system prompts of 256 tokens, 4 turns of 32 to 160 tokens per
+// conversation (internal/serving's defaults), Active conversations per
+// loop, and a capacity that holds the active conversations' pages but not
+// the ended ones'.
+type servingCase struct {
+	name          string
+	opts          serving.Options
+	capacityBytes int64
+	steps         int // turns per loop and iteration (KVPERSIST_SERVING_STEPS overrides)
+}
+
+var servingCases = []servingCase{
+	// The tiny model (256 bytes of KV per token), pages of 64 tokens: a
+	// page file takes 32 KiB (16 KiB of KV, the rest its header's 16 KiB
+	// alignment), a conversation up to 15 pages; 8 MiB holds 256 pages,
+	// 16 active conversations' and some. Metadata-bound: each turn
+	// writes and fsyncs about 2 small files, and evicts as many.
+	{"tiny-P64", serving.Options{Model: kvgen.Tiny, PageTokens: 64, Active: 8}, 8 << 20, 200},
+	// Qwen2.5-7B geometry (28 layers, 4 KV heads, head_dim 128, bf16: 56
+	// KiB of KV per token), pages of 16 tokens: a page file is about 0.9
+	// MB, a turn writes about 6 of them; 4 active conversations per loop
+	// (about 0.2 GB of pages) in a 256 MiB capacity.
+	{"qwen2.5-7b-P16", serving.Options{Model: kvgen.Qwen25_7B, PageTokens: 16, Active: 4}, 256 << 20, 50},
+}
 
 // servingStreams is how many loops run side by side
 // ($KVPERSIST_SERVING_STREAMS, default 2: one per core).
@@ -41,9 +58,9 @@ func envInt(name string, def int) int {
 	return def
 }
 
-// servingSteps is the turns each side serves per iteration
-// ($KVPERSIST_SERVING_STEPS, default 200 per loop).
-func servingSteps() int { return envInt("KVPERSIST_SERVING_STEPS", 200) }
+// servingSteps is the turns each side serves per loop and iteration
+// ($KVPERSIST_SERVING_STEPS, default the case's).
+func servingSteps(c servingCase) int { return envInt("KVPERSIST_SERVING_STEPS", c.steps) }
 
 // servingSide is one engine and its loops; stats counts the timed
 // iterations only.
@@ -55,7 +72,7 @@ type servingSide struct {
 	evicted int64 // pages evicted in the counted iterations
 }
 
-func newServingSide(b *testing.B, root string, capacity int64) *servingSide {
+func newServingSide(b *testing.B, root string, c servingCase, capacity int64) *servingSide {
 	s := &servingSide{}
 	var err error
 	if s.rec, err = metrics.New(metrics.Options{}); err != nil {
@@ -67,7 +84,9 @@ func newServingSide(b *testing.B, root string, capacity int64) *servingSide {
 		b.Fatal(err)
 	}
 	for i := range servingStreams {
-		l, err := serving.New(serving.Options{Stream: i, Streams: servingStreams, Seed: 42})
+		o := c.opts
+		o.Stream, o.Streams, o.Seed = i, servingStreams, 42
+		l, err := serving.New(o)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -101,25 +120,32 @@ func (s *servingSide) evictedPages() int64 {
 
 // BenchmarkServing: the serving loop (internal/serving: lookup, verified
 // load of the stored prefix, save, per turn; 2 loops side by side) on a
-// cache bounded to servingCapacityBytes, filled to capacity before the
+// cache bounded to the case's capacity, filled to capacity before the
 // timing starts (so evictions run throughout), beside the same loop (same
 // seeds: the same conversations and turns) on an unbounded cache, in
-// alternating order, fsync on. Reports saves/s, loads/s and hit-rate
-// (tokens found / tokens looked up) of both sides, the bounded side's
-// evicted pages per turn and its used MiB at the end, and x-limit =
-// unbounded time / bounded time for the same turns (goal ≥ 0.9).
+// alternating order, fsync on, for each geometry of servingCases. Reports
+// saves/s, loads/s and hit-rate (tokens found / tokens looked up) of both
+// sides, the bounded side's pages evicted and written per turn and its used
+// MiB at the end, and x-limit = unbounded time / bounded time for the same
+// turns (goal ≥ 0.9).
 func BenchmarkServing(b *testing.B) {
-	turns := servingSteps()
-	bounded := newServingSide(b, mkdir(b, "serving-bounded"), servingCapacityBytes)
+	for _, c := range servingCases {
+		b.Run(c.name, func(b *testing.B) { benchServing(b, c) })
+	}
+}
+
+func benchServing(b *testing.B, c servingCase) {
+	turns := servingSteps(c)
+	bounded := newServingSide(b, mkdir(b, "serving-bounded"), c, c.capacityBytes)
 	defer closeEngine(b, bounded.e)
-	unbounded := newServingSide(b, mkdir(b, "serving-unbounded"), 0)
+	unbounded := newServingSide(b, mkdir(b, "serving-unbounded"), c, 0)
 	defer closeEngine(b, unbounded.e)
 	// Fill the bounded cache to capacity, then as many turns unbounded:
 	// both sides start the timing with the same history.
 	warm := 0
-	for ; bounded.e.Usage().UsedBytes < servingCapacityBytes*9/10; warm += 10 {
+	for ; bounded.e.Usage().UsedBytes < c.capacityBytes*9/10; warm += 10 {
 		if warm >= 2000 {
-			b.Fatalf("the bounded cache holds %d bytes after %d turns per loop: not filling to its %d", bounded.e.Usage().UsedBytes, warm, servingCapacityBytes)
+			b.Fatalf("the bounded cache holds %d bytes after %d turns per loop: not filling to its %d", bounded.e.Usage().UsedBytes, warm, c.capacityBytes)
 		}
 		bounded.run(b, 10, -1)
 	}

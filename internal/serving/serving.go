@@ -208,7 +208,9 @@ type conv struct {
 }
 
 // Loop is one serving loop: Active conversations and the buffer of the
-// one being served. It is not safe for concurrent use; run loops side by
+// one being served (capacity-padded for the longest conversation the
+// options allow: SystemTokens + Turns × MaxTurnTokens tokens, at most
+// MaxTokens). It is not safe for concurrent use; run loops side by
 // side with distinct Streams (Run).
 type Loop struct {
 	o     Options
@@ -228,7 +230,7 @@ func New(o Options) (*Loop, error) {
 	}
 	m := o.Model
 	l := &Loop{o: o, rng: rand.New(rand.NewPCG(o.Seed, uint64(o.Stream)+1)), next: uint32(o.Stream + 1)}
-	capTok := kvgen.Capacity(MaxTokens)
+	capTok := kvgen.Capacity(min(MaxTokens, o.SystemTokens+o.Turns*o.MaxTurnTokens))
 	l.arena = make([]byte, 2*m.Layers*m.TensorBytes(capTok))
 	l.row = make([]byte, capTok*m.HeadDim*m.ItemSize)
 	l.ids = make([]uint32, MaxTokens)
