@@ -1,8 +1,9 @@
 // Package metrics is kvpersist's operational signal: a Recorder that the
 // engine feeds as jobs finish (cheap, lock-free atomic counters), exposed
 // as a prometheus.Collector that a scheduler registers in its own registry
-// (nothing is registered globally), and as a plain Snapshot for
-// `kvpersist stats --json`.
+// (nothing is registered globally), and as a plain Snapshot (JSON) for an
+// embedder's status page or logs. (`kvpersist stats --json` runs in its own
+// process and measures the disk instead.)
 //
 // Every method of a nil *Recorder does nothing, so the engine can call it
 // unconditionally. The metric names and labels are listed in
@@ -356,9 +357,9 @@ func boundNamespaces(nss []evict.NamespaceUsage, max int) []evict.NamespaceUsage
 	return append(s, other)
 }
 
-// Snapshot is the recorder's figures as a plain struct (JSON for
-// `kvpersist stats --json`). Lists leave out zero counts; Cache is nil
-// without Options.Usage.
+// Snapshot is the recorder's figures as a plain struct (JSON-ready, field
+// names in camelCase). Lists leave out zero counts; Cache is nil without
+// Options.Usage.
 type Snapshot struct {
 	Jobs             []JobCount     `json:"jobs"`
 	Latency          []Latency      `json:"latency"`
