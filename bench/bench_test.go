@@ -428,21 +428,31 @@ type storeFile struct {
 	data []byte
 }
 
-var (
-	collectOnce sync.Once
-	collectTpl  *collectTemplate
-	collectErr  error
-)
+// template is a value built once per process (a store laid out in
+// memory), shared by every run of a benchmark.
+type template[T any] struct {
+	once sync.Once
+	v    T
+	err  error
+}
+
+// get builds the value the first time, and fails b if that failed.
+func (t *template[T]) get(b *testing.B, build func() (T, error)) T {
+	b.Helper()
+	t.once.Do(func() { t.v, t.err = build() })
+	if t.err != nil {
+		b.Fatal(t.err)
+	}
+	return t.v
+}
+
+var collectTpl template[*collectTemplate]
 
 func getCollectTemplate(b *testing.B) *collectTemplate {
 	b.Helper()
-	collectOnce.Do(func() {
-		collectTpl, collectErr = buildCollectTemplate(filepath.Join(benchRoot, "collect-template"), collectBlocks)
+	return collectTpl.get(b, func() (*collectTemplate, error) {
+		return buildCollectTemplate(filepath.Join(benchRoot, "collect-template"), collectBlocks)
 	})
-	if collectErr != nil {
-		b.Fatal(collectErr)
-	}
-	return collectTpl
 }
 
 // buildCollectTemplate saves, in a store at root, two snapshots of blocks/2
@@ -491,9 +501,21 @@ func buildCollectTemplate(root string, blocks int) (*collectTemplate, error) {
 		t.victims[ref.Hash] = true
 		t.freed += ref.Bytes
 	}
+	if t.files, t.mem, err = readTemplate(nsDir); err != nil {
+		return nil, err
+	}
+	if len(t.files) != 2*half+2 { // + the manifest and the lock file
+		return nil, fmt.Errorf("collect template: %d files, want %d", len(t.files), 2*half+2)
+	}
+	return t, nil
+}
+
+// readTemplate reads every file under nsDir into mmap'd memory (paths
+// relative to nsDir), for materialize.
+func readTemplate(nsDir string) ([]storeFile, *arena, error) {
 	var total int
 	var rels []string
-	err = filepath.WalkDir(nsDir, func(p string, d os.DirEntry, err error) error {
+	err := filepath.WalkDir(nsDir, func(p string, d os.DirEntry, err error) error {
 		if err != nil || d.IsDir() {
 			return err
 		}
@@ -507,31 +529,36 @@ func buildCollectTemplate(root string, blocks int) (*collectTemplate, error) {
 		return nil
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	if len(rels) != 2*half+2 { // + the manifest and the lock file
-		return nil, fmt.Errorf("collect template: %d files, want %d", len(rels), 2*half+2)
+	mem, err := newArena(total)
+	if err != nil {
+		return nil, nil, err
 	}
-	if t.mem, err = newArena(total); err != nil {
-		return nil, err
-	}
+	var files []storeFile
 	for _, rel := range rels {
 		data, err := os.ReadFile(filepath.Join(nsDir, rel))
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		dst := t.mem.alloc(len(data))
+		dst := mem.alloc(len(data))
 		copy(dst, data)
-		t.files = append(t.files, storeFile{rel: rel, data: dst})
+		files = append(files, storeFile{rel: rel, data: dst})
 	}
-	return t, nil
+	return files, mem, nil
 }
 
 // materialize writes a fresh copy of the template's namespace at nsDir.
 func (t *collectTemplate) materialize(tb testing.TB, nsDir string) {
 	tb.Helper()
+	materialize(tb, t.files, nsDir)
+}
+
+// materialize writes files (relative to nsDir) under nsDir.
+func materialize(tb testing.TB, files []storeFile, nsDir string) {
+	tb.Helper()
 	made := map[string]bool{}
-	for _, f := range t.files {
+	for _, f := range files {
 		p := filepath.Join(nsDir, f.rel)
 		if d := filepath.Dir(p); !made[d] {
 			if err := os.MkdirAll(d, layout.DirPerm); err != nil {

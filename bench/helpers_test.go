@@ -60,8 +60,11 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	freeWorkloads()
-	if collectTpl != nil {
-		_ = collectTpl.mem.free()
+	if collectTpl.v != nil {
+		_ = collectTpl.v.mem.free()
+	}
+	if evictTpl.v != nil {
+		_ = evictTpl.v.mem.free()
 	}
 	if err := os.RemoveAll(benchRoot); err != nil {
 		fmt.Fprintln(os.Stderr, "bench: cleanup:", err)

@@ -7,7 +7,8 @@
 # Environment:
 #   COUNT=6                 runs of every benchmark (6 is enough for benchstat)
 #   BIG_BENCHTIME=1x        iterations per run of the 1 GiB saves (T=8192)
-#   SMALL_BENCHTIME=1x      iterations per run of the 256 MiB saves and collect
+#   SMALL_BENCHTIME=1x      iterations per run of the 256 MiB saves, collect
+#                           and evict
 #   RESTORE_BENCHTIME=10x   iterations per run of the restores (0.1-0.5 s each:
 #                           one alone is too short on a noisy machine)
 #                           (each benchmark also runs one untimed warm-up
@@ -72,6 +73,7 @@ run '^BenchmarkSave$//^T=2048$' "$SMALL_BENCHTIME"
 run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
+run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
 run '^BenchmarkServing$' "$SERVING_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
@@ -98,6 +100,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
+	if (name ~ /^BenchmarkEvict/) return 0.5
 	if (name ~ /^BenchmarkServing\//) return 0.9
 	return ""
 }
@@ -118,6 +121,7 @@ END {
 		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
+		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
 		if (has[n, "hit-rate"]) other = sprintf("%.0f saves/s (unbounded %.0f), hit rate %.3f (unbounded %.3f), %.1f pages evicted/turn", median(n SUBSEP "saves/s"), median(n SUBSEP "unbounded-saves/s"), median(n SUBSEP "hit-rate"), median(n SUBSEP "unbounded-hit-rate"), median(n SUBSEP "evicted/turn"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))

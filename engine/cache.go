@@ -467,7 +467,7 @@ func (pc *pageCache) close() error {
 // unlink removes the victims' page files, namespace by namespace, each
 // under its namespace's exclusive lock (as collect deletes: no load or save
 // of any process holds the namespace meanwhile), in the victims' order
-// (descendants before their ancestors). A victim named by a page manifest
+// (descendants before their ancestors: unlinkGroup). A victim named by a page manifest
 // found under the lock (written by another process since the last scan) is
 // not removed: it and every later victim of its namespace are abandoned,
 // and it is pinned. A removed page leaves the policy (Removed) and the
@@ -508,26 +508,34 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, e
 			continue
 		}
 		named := pc.rescanManifests(n)
+		end := len(group)
 		for gi, j := range group {
-			v := vs[j]
-			if named[v.Key] > 0 {
+			if named[vs[j].Key] > 0 {
+				// Kept, with every later victim (its ancestors may follow).
 				abandon(gi)
 				kept += len(group) - gi
 				pc.mu.Lock()
 				pc.repinLocked(ns)
 				pc.mu.Unlock()
+				end = gi
 				break
 			}
-			path := n.PagePath(layout.PageKey(v.Key))
-			if err := pc.fs.Remove(path); err != nil && !vfs.IsNotExist(err) {
-				abandon(gi)
-				first = cmpOr(first, fmt.Errorf("engine: evict page %s: %w", path, err))
-				break
+		}
+		removed, _, uerr := pc.unlinkGroup(n, vs, group[:end])
+		if uerr != nil {
+			first = cmpOr(first, uerr)
+			for _, j := range group[:end] {
+				if !removed[j] {
+					_ = pc.pol.Abandon(ns, vs[j].Key)
+				}
 			}
-			pc.pol.Removed(ns, v.Key)
-			pc.index.Remove(ns, layout.PageKey(v.Key))
-			evicted[v.Reason].pages++
-			evicted[v.Reason].bytes += v.Bytes
+		}
+		for _, j := range group[:end] {
+			if removed[j] {
+				v := vs[j]
+				evicted[v.Reason].pages++
+				evicted[v.Reason].bytes += v.Bytes
+			}
 		}
 		unlock()
 		pc.markDirty(ns)
@@ -801,6 +809,82 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
 	}()
 	return write()
+}
+
+// unlinkWorkers bounds the unlinks in flight in one namespace: they only
+// wait on the file system's metadata (I/O waiting, like a save's fsync
+// waiters), and a journal takes several at once.
+const unlinkWorkers = 8
+
+// unlinkGroup unlinks the victims vs[group...] of namespace n (its
+// exclusive lock held), descendants before ancestors: in waves, each the
+// victims whose descendants among the group are all gone, unlinked by up
+// to unlinkWorkers goroutines started and joined here. Each removed page
+// leaves the policy and the index. After a failed unlink no later wave
+// starts; removed says which victims are gone (by index in vs), and the
+// caller abandons the rest.
+func (pc *pageCache) unlinkGroup(n *store.Namespace, vs []evict.Victim, group []int) (removed map[int]bool, waves int, err error) {
+	ns := n.Name()
+	removed = make(map[int]bool, len(group))
+	at := make(map[evict.Key]int, len(group)) // key -> index in vs
+	for _, j := range group {
+		at[vs[j].Key] = j
+	}
+	parent := make(map[int]int, len(group))  // victim -> its parent victim
+	waiting := make(map[int]int, len(group)) // victim -> its child victims not yet removed
+	for _, j := range group {
+		if p, ok := pc.pol.Lookup(ns, vs[j].Key); ok && p.HasParent {
+			if pj, ok := at[p.Parent]; ok {
+				parent[j] = pj
+				waiting[pj]++
+			}
+		}
+	}
+	var wave []int
+	for _, j := range group {
+		if waiting[j] == 0 {
+			wave = append(wave, j)
+		}
+	}
+	var mu sync.Mutex
+	for len(wave) > 0 && err == nil {
+		waves++
+		var next []int
+		var wg sync.WaitGroup
+		work := make(chan int)
+		for range min(unlinkWorkers, len(wave)) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for j := range work {
+					path := n.PagePath(layout.PageKey(vs[j].Key))
+					if rerr := pc.fs.Remove(path); rerr != nil && !vfs.IsNotExist(rerr) {
+						mu.Lock()
+						err = cmpOr(err, fmt.Errorf("engine: evict page %s: %w", path, rerr))
+						mu.Unlock()
+						continue
+					}
+					pc.pol.Removed(ns, vs[j].Key)
+					pc.index.Remove(ns, layout.PageKey(vs[j].Key))
+					mu.Lock()
+					removed[j] = true
+					if pj, ok := parent[j]; ok {
+						if waiting[pj]--; waiting[pj] == 0 {
+							next = append(next, pj)
+						}
+					}
+					mu.Unlock()
+				}
+			}()
+		}
+		for _, j := range wave {
+			work <- j
+		}
+		close(work)
+		wg.Wait()
+		wave = next
+	}
+	return removed, waves, err
 }
 
 // maxReserveAttempts bounds how often a save reserves again after victims
