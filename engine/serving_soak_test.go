@@ -169,7 +169,7 @@ func walkSoakStore(t *testing.T, root string) soakDisk {
 		if err != nil {
 			return err
 		}
-		alloc := fi.Sys().(*syscall.Stat_t).Blocks * 512
+		alloc, _ := vfs.AllocatedBytes(fi)
 		if layout.IsTemp(de.Name()) {
 			d.temps++
 			d.tempBytes += alloc
@@ -218,9 +218,10 @@ func walkSoakStore(t *testing.T, root string) soakDisk {
 // in `make soak`). After every kill:
 //   - every published page file decodes, is named by its key, verifies and
 //     holds the KV of its token ids;
-//   - the page files' allocated bytes stay within the bound of
+//   - the published page files' allocated bytes stay within the bound of
 //     engine.Config.CapacityBytes: capacity + soakLoops saves in flight ×
-//     the largest page file;
+//     the largest page file (temp files a killed save left are counted
+//     apart: no live engine accounts them until collect removes them);
 //   - an engine reopened on the store (unbounded, so nothing is evicted
 //     while it is compared) accounts exactly the page files found:
 //     Usage().UsedBytes equals their st_blocks × 512, Pages their count.
@@ -240,7 +241,8 @@ func TestServingSoakSIGKILL(t *testing.T) {
 	}
 	start := time.Now()
 	var total soakFigures
-	kills, verified, maxTemps := 0, 0, 0
+	kills, verified, temps := 0, 0, 0
+	var tempBytes int64
 	var verifiedBytes int64
 	for round := 0; round < rounds && (deadline.IsZero() || time.Now().Before(deadline)); round++ {
 		h := startHelper(t, "serving-soak", "-root", root, "-seed", strconv.FormatUint(rng.Uint64(), 10))
@@ -251,7 +253,7 @@ func TestServingSoakSIGKILL(t *testing.T) {
 		// Kill after k stats lines (turns), then 0-50 ms more.
 		k := 4 + rng.IntN(12)
 		if long {
-			k = 5 + rng.IntN(200)
+			k = 5 + rng.IntN(60)
 		}
 		var last soakFigures
 		guard := time.After(2 * time.Minute)
@@ -293,11 +295,15 @@ func TestServingSoakSIGKILL(t *testing.T) {
 		}
 		verified += d.verified
 		verifiedBytes += d.tensorBytesVerified
-		maxTemps = max(maxTemps, d.temps)
-		if bound := int64(soakCapacityBytes) + soakLoops*d.maxPageBytes; d.pageBytes+d.tempBytes > bound {
-			t.Errorf("round %d: page files take %d allocated bytes (%d published, %d temp): more than capacity %d + %d saves in flight × %d",
-				round, d.pageBytes+d.tempBytes, d.pageBytes, d.tempBytes, soakCapacityBytes, soakLoops, d.maxPageBytes)
+		// The bound holds for the published pages; temp files left by a
+		// killed save are no page in flight of a live engine: they stay,
+		// unaccounted, until a collect removes them after its grace period
+		// (their count is reported).
+		if bound := int64(soakCapacityBytes) + soakLoops*d.maxPageBytes; d.pageBytes > bound {
+			t.Errorf("round %d: page files take %d allocated bytes: more than capacity %d + %d saves in flight × %d",
+				round, d.pageBytes, soakCapacityBytes, soakLoops, d.maxPageBytes)
 		}
+		temps, tempBytes = d.temps, d.tempBytes
 		// The accounting, rebuilt from the disk by a new engine.
 		e, err := engine.New(engine.Config{Root: root, Logger: discardLogger})
 		if err != nil {
@@ -312,9 +318,9 @@ func TestServingSoakSIGKILL(t *testing.T) {
 				round, u.Pages, u.UsedBytes, d.pages, d.pageBytes)
 		}
 	}
-	summary := fmt.Sprintf("serving soak: %s, %d kills, %d turns (%d saves, %d refused, %d loads, %d lookups; hit rate %.3f in tokens), %d pages evicted, %d page checks (%d MiB of KV compared), at most %d temp files left by a kill",
+	summary := fmt.Sprintf("serving soak: %s, %d kills, %d turns (%d saves, %d refused, %d loads, %d lookups; hit rate %.3f in tokens), %d pages evicted, %d page checks (%d MiB of KV compared), %d temp files (%d KiB) left by the kills",
 		time.Since(start).Round(time.Second), kills, total.turns, total.saves, total.refused, total.loads, total.turns,
-		float64(total.hit)/float64(max(total.hit+total.miss, 1)), total.evicted, verified, verifiedBytes>>20, maxTemps)
+		float64(total.hit)/float64(max(total.hit+total.miss, 1)), total.evicted, verified, verifiedBytes>>20, temps, tempBytes>>10)
 	t.Log(summary)
 	if long {
 		fmt.Println(summary) // make soak's closing figures
