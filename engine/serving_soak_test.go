@@ -251,7 +251,7 @@ func TestServingSoakSIGKILL(t *testing.T) {
 			t.Fatalf("helper did not start: %q %q %v\n%s", l, rest, st, h.stderr.String())
 		}
 		// Kill after k stats lines (turns), then 0-50 ms more.
-		k := 4 + rng.IntN(12)
+		k := 3 + rng.IntN(8)
 		if long {
 			k = 5 + rng.IntN(60)
 		}
