@@ -146,3 +146,53 @@ func BenchmarkEvict(b *testing.B) {
 		b.ReportMetric(float64(tpl.pages)*float64(m.n)/m.ours.Seconds(), "pages/s")
 	}
 }
+
+// BenchmarkEvictRebuild: engine start (New) on a namespace of 10,000 page
+// files, whose page cache accounting is rebuilt from the disk: with the
+// recency checkpoint (an lstat per page; parents from the checkpoint) and
+// without it (each page's header read for its parent). Reports ns/page
+// of each; the index's own rebuild is BenchmarkPrefixIndexBuild.
+func BenchmarkEvictRebuild(b *testing.B) {
+	tpl := getEvictTemplate(b)
+	for _, ckpt := range []bool{true, false} {
+		name := "no-checkpoint"
+		if ckpt {
+			name = "checkpoint"
+		}
+		b.Run(name, func(b *testing.B) {
+			root := mkdir(b, "evict-rebuild")
+			materialize(b, tpl.files, filepath.Join(root, "ns"))
+			e, err := engine.New(engine.Config{Root: root, Logger: quietLogger})
+			if err != nil {
+				b.Fatal(err)
+			}
+			closeEngine(b, e) // writes the checkpoint
+			recency := filepath.Join(root, "ns", layout.RecencyName)
+			if !ckpt {
+				removeAll(b, recency)
+			}
+			settle(b, root)
+			b.ReportAllocs()
+			var took time.Duration
+			for b.Loop() {
+				t0 := time.Now()
+				e, err := engine.New(engine.Config{Root: root, Logger: quietLogger})
+				if err != nil {
+					b.Fatal(err)
+				}
+				took += time.Since(t0)
+				if u := e.Usage(); u.Pages != tpl.pages {
+					b.Fatalf("%d pages accounted, want %d", u.Pages, tpl.pages)
+				}
+				b.StopTimer()
+				closeEngine(b, e)
+				if !ckpt {
+					removeAll(b, recency)
+				}
+				b.StartTimer()
+			}
+			b.ReportMetric(float64(took.Nanoseconds())/float64(b.N)/float64(tpl.pages), "ns/page")
+			removeAll(b, root)
+		})
+	}
+}

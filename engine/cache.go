@@ -629,7 +629,7 @@ func (pc *pageCache) scanManifestsLocked(n *store.Namespace) {
 	if err != nil {
 		return
 	}
-	l, err := n.List(true)
+	l, err := n.ListSnapshots(true)
 	if err != nil {
 		pc.log.Warn("kvpersist: page cache: page manifests not scanned", "namespace", ns, "err", err)
 		return

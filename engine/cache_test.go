@@ -613,3 +613,22 @@ func TestCacheManifestOfAnotherEngine(t *testing.T) {
 	mustDo(t, writer, &ReadRequest{Ref: refOf("p", "keep"), Dest: dest, Verify: true})
 	checkAccounting(t, evictor, root)
 }
+
+// TestLookupNoAlloc: Engine.Lookup, its touch of the page cache included,
+// does not allocate.
+func TestLookupNoAlloc(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector makes sync.Pool drop items: allocations are not meaningful")
+	}
+	e := newEngine(t, Config{Workers: 1})
+	toks := convTokens(0, 4*cP, 1)
+	mustSavePages(t, e, "p", toks)
+	n := testing.AllocsPerRun(50, func() {
+		if got, _ := e.Lookup("p", "tiny", cP, toks); got != len(toks) {
+			panic(got)
+		}
+	})
+	if n != 0 {
+		t.Fatalf("Lookup allocates %v times", n)
+	}
+}

@@ -108,8 +108,14 @@ type Config struct {
 	// the background (ReasonShrink). A save that cannot make room (every
 	// page that could go is pinned, shared by a stored descendant, or
 	// protected by a quota) fails with ErrNoSpace, writes nothing and
-	// leaves every stored page intact. See ARCHITECTURE.md, "Bounded page
-	// cache".
+	// leaves every stored page intact. Pins (of loads, of saves' reused
+	// pages, of page manifests) are this engine's; what keeps a load of
+	// another process on the same root safe from this engine's evictions
+	// is the namespace's shared lock that load holds during its reads
+	// (evictions unlink only under the exclusive lock, as collect deletes),
+	// and a page manifest written by another process is found, under that
+	// lock, before its pages could be unlinked. See ARCHITECTURE.md,
+	// "Bounded page cache".
 	CapacityBytes int64
 	// HeadroomBytes is the minimum of free bytes (statvfs f_bavail ×
 	// f_frsize) to keep on the file system holding Root, for the other

@@ -152,6 +152,19 @@ func (l *Listing) Unreadable() int {
 // collect). Errors are those of listing a directory (a missing namespace
 // directory wraps fs.ErrNotExist); ErrNamespace when it is a symlink.
 func (n *Namespace) List(decode bool) (*Listing, error) {
+	return n.list(decode, true)
+}
+
+// ListSnapshots is List without descending into blocks/ and pages/ (their
+// presence is still reported: HasBlocksDir, HasPagesDir): the namespace's
+// snapshot files and manifests, temp files, lock and recency checkpoint,
+// at the cost of one directory read and an lstat and magic read per entry,
+// whatever the number of blocks and pages.
+func (n *Namespace) ListSnapshots(decode bool) (*Listing, error) {
+	return n.list(decode, false)
+}
+
+func (n *Namespace) list(decode, deep bool) (*Listing, error) {
 	if err := n.Check(); err != nil {
 		return nil, err
 	}
@@ -172,11 +185,17 @@ func (n *Namespace) List(decode bool) (*Listing, error) {
 			l.temp(path, e)
 		case name == layout.BlocksDirName && e.IsDir():
 			l.HasBlocksDir = true
+			if !deep {
+				continue
+			}
 			if err := l.listBlocks(fsys, path); err != nil {
 				return nil, err
 			}
 		case name == layout.PagesDirName && e.IsDir():
 			l.HasPagesDir = true
+			if !deep {
+				continue
+			}
 			if err := l.listPages(fsys, path); err != nil {
 				return nil, err
 			}

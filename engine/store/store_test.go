@@ -332,3 +332,24 @@ func TestSyncPolicy(t *testing.T) {
 		t.Errorf("%d directory fsyncs, want 3 (all of the root)", n)
 	}
 }
+
+// TestListSnapshotsShallow: ListSnapshots is List of the namespace
+// directory alone: snapshots, temps, lock and checkpoint as List has them,
+// blocks/ and pages/ reported present but not walked.
+func TestListSnapshotsShallow(t *testing.T) {
+	nsDir := filepath.Join(t.TempDir(), "ns")
+	k := strings.Repeat("c3", 32)
+	snap := testutil.WriteFile(t, filepath.Join(nsDir, "snap"), layout.Magic+"torn")
+	testutil.WriteFile(t, filepath.Join(nsDir, layout.RecencyName), "x")
+	testutil.WriteFile(t, filepath.Join(nsDir, "pages", k[:2], k), "page")
+	testutil.WriteFile(t, filepath.Join(nsDir, "blocks", k[:2], k), "block")
+	testutil.WriteFile(t, filepath.Join(nsDir, "pages", "zz", "junk"), "not walked")
+	l, err := store.NamespaceAt(nsDir, store.Options{}).ListSnapshots(false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(l.Snapshots) != 1 || l.Snapshots[0].Path != snap || !l.HasPagesDir || !l.HasBlocksDir || !l.HasRecency ||
+		len(l.Pages) != 0 || len(l.Blocks) != 0 || len(l.Skipped) != 0 {
+		t.Fatalf("listing %+v", l)
+	}
+}
