@@ -20,6 +20,10 @@
 // os.TempDir() unless it is tmpfs, else this package's directory. A fresh
 // subdirectory is made in it and removed at the end.
 //
+// BenchmarkRemoteUpload is the exception to the disk rule: it uploads 1 GiB
+// of new pages (32 MiB each) through remote.Uploader to a real SeaweedFS it
+// starts on loopback, beside the client's own PUTs of the same bytes.
+//
 // Run it with ./bench/run.sh (make bench), which writes
 // bench/results/<date>-<hostname>.txt.
 package bench

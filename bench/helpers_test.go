@@ -427,11 +427,16 @@ func rawWrite(path string, b []byte) error {
 // parallelFor runs fn(i) for i in [0, n) on GOMAXPROCS goroutines, the
 // limits' way of using every core, and returns the first error.
 func parallelFor(n int, fn func(i int) error) error {
+	return parallelForK(n, runtime.GOMAXPROCS(0), fn)
+}
+
+// parallelForK is parallelFor on k goroutines (joined before it returns).
+func parallelForK(n, k int, fn func(i int) error) error {
 	var next atomic.Int64
 	var first error
 	var once sync.Once
 	var wg sync.WaitGroup
-	for range min(runtime.GOMAXPROCS(0), n) {
+	for range min(k, n) {
 		wg.Go(func() {
 			for {
 				i := int(next.Add(1) - 1)

@@ -22,6 +22,9 @@
 #                           (each: 200 turns per loop at the tiny geometry,
 #                           50 at Qwen2.5-7B's, bounded and unbounded; about
 #                           10 s and 60 s on the project's VM)
+#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload
+#                           (1 GiB of pages to a SeaweedFS the benchmark
+#                           starts on loopback, built by `make weed` first)
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
 #                           temp dir unless tmpfs, else bench/); never tmpfs
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
@@ -39,6 +42,7 @@ RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
 COLD_BENCHTIME=${COLD_BENCHTIME:-3x}
 FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
 SERVING_BENCHTIME=${SERVING_BENCHTIME:-1x}
+REMOTE_BENCHTIME=${REMOTE_BENCHTIME:-1x}
 BENCHSTAT=${BENCHSTAT:-1}
 GO=${GO:-go}
 
@@ -76,6 +80,8 @@ run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
 run '^BenchmarkServing$' "$SERVING_BENCHTIME"
+"$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
+run '^BenchmarkRemoteUpload$/^MiB=1024$' "$REMOTE_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
 
@@ -102,6 +108,7 @@ function target(name) {
 	if (name ~ /^BenchmarkCollect/) return 0.5
 	if (name ~ /^BenchmarkEvict/) return 0.5
 	if (name ~ /^BenchmarkServing\//) return 0.9
+	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
 	return ""
 }
 /^Benchmark/ {
@@ -119,6 +126,7 @@ END {
 		if (has[n, "p99-ns"]) other = sprintf("%.0f ns/op, p99 %.0f ns, direct call %.0f ns", median(n SUBSEP "ns/op"), median(n SUBSEP "p99-ns"), median(n SUBSEP "direct-ns"))
 		if (has[n, "minio-GB/s"]) other = sprintf("sha256-simd %.2f GB/s, crypto/sha256 %.2f GB/s", median(n SUBSEP "minio-GB/s"), median(n SUBSEP "crypto-GB/s"))
 		if (has[n, "GB/s"]) other = sprintf("%.2f GB/s", median(n SUBSEP "GB/s"))
+		if (has[n, "limit-GB/s"]) other = other sprintf(", limit %.3f GB/s", median(n SUBSEP "limit-GB/s"))
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
 		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))

@@ -13,6 +13,7 @@ import (
 var testOnly = []string{
 	"github.com/kvpersist/kvpersist/internal/testutil",
 	"github.com/kvpersist/kvpersist/internal/seaweedfs",
+	"github.com/kvpersist/kvpersist/internal/faultproxy",
 	"testing",
 	"testing/fstest",
 	"testing/iotest",

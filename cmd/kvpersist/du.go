@@ -132,7 +132,7 @@ func duNamespace(ns *store.Listing) duRow {
 }
 
 func (c *cli) duCommand() *cobra.Command {
-	cmd := c.command("du ROOT", "disk usage per namespace: snapshots, logical and physical bytes, dedup ratio, what gc would free", `Per namespace of ROOT (sizes are file sizes, st_size, as 'du -b' counts them,
+	cmd := c.command("du ROOT | du --remote [NAMESPACE...]", "disk usage per namespace: snapshots, logical and physical bytes, dedup ratio, what gc would free", `Per namespace of ROOT (sizes are file sizes, st_size, as 'du -b' counts them,
 not allocated disk blocks):
 
   SNAPSHOTS    readable snapshot files and manifests (unreadable ones are
@@ -177,15 +177,39 @@ figures of 'kvpersist stats'):
                it). The system prompt's pages of conversations that share
                it are shared; each conversation's own pages are not.
 
-Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O errors.`,
-		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'",
-		cobra.ExactArgs(1))
+With --remote, du measures the object-store tier instead (sizes are object
+sizes): per namespace its manifests and pages, the bytes of pages a
+manifest names (LIVE), of unreferenced pages younger than --grace (YOUNG:
+machines may be uploading them for a manifest to come), and of the pages
+'gc --remote --grace' would delete (RECLAIMABLE). It lists the namespace
+and fetches every manifest (a dry run of gc --remote); a namespace holding
+an unreadable manifest is reported and counts no reclaimable bytes.
+
+Exit status: 0, 1 when some file (or remote manifest) is unreadable, 2 on
+usage or I/O errors.`,
+		"kvpersist du /var/lib/kvcache\nkvpersist du --json /var/lib/kvcache | jq '.namespaces[] | {namespace, dedupRatio}'\nkvpersist du --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a",
+		nil)
 	fs := cmd.Flags()
+	rf := addRemoteFlags(fs)
+	cmd.Args = rf.args(cobra.ExactArgs(1))
+	grace := fs.Duration("grace", time.Hour, "with --remote: unreferenced pages younger than this (by the store's clock) are not reclaimable")
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, namespaces: [row], total: row, skipped}, byte counts exact")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
 	var lim limitFlags
 	lim.register(fs)
 	runs(cmd, func(ctx context.Context, args []string) int {
+		if rf.on {
+			if lim.capacity != "" || lim.headroom != "" || len(lim.quotas) > 0 {
+				return c.usageError(cmd, "--capacity, --quota and --headroom are for a local store, not --remote")
+			}
+			return c.runRemoteDu(ctx, cmd, rf, args, *grace, *asJSON, *exact)
+		}
+		if msg := rf.check(cmd); msg != "" {
+			return c.usageError(cmd, "%s", msg)
+		}
+		if fs.Changed("grace") {
+			return c.usageError(cmd, "--grace needs --remote")
+		}
 		if err := lim.parse(); err != nil {
 			return c.usageError(cmd, "%v", err)
 		}

@@ -34,7 +34,7 @@ type gcReport struct {
 }
 
 func (c *cli) gcCommand() *cobra.Command {
-	cmd := c.command("gc ROOT",
+	cmd := c.command("gc ROOT | gc --remote [NAMESPACE...]",
 		"delete blocks no manifest names and stale temp files (collect); --dry-run lists them only", `Runs the engine's collect on every namespace of ROOT: it marks every block a
 readable manifest names and deletes the block files no manifest names, and
 temp files (of interrupted writes) older than --temp-grace. It holds each
@@ -47,16 +47,43 @@ remove the file, then run gc again. Entries kvpersist does not recognise
 are listed as skipped and never deleted. BYTES FREED counts block files;
 temp files are listed and counted apart.
 
+With --remote, gc collects the object-store tier instead, and is a DRY RUN
+unless --delete is given: the bucket is shared by every machine of the
+fleet, no lock excludes their uploads, and a deleted object cannot be
+restored, so the default only lists what would go. Per namespace it lists
+every object (the listing's Date header gives the store's clock), then
+fetches every manifest, then deletes each page that no manifest names and
+whose modification time is older than the store's clock minus --grace
+(default 1h, minimum 1m). Manifests and objects kvpersist does not write
+are never deleted. A namespace holding a manifest that cannot be read is
+not collected at all (the pages it names cannot be known). --grace must
+exceed the longest time between a machine uploading (or finding) a page
+and uploading the manifest that names it, plus the clock skew between the
+store's own nodes; the machines' clocks do not matter.
+
 Exit status: 0, 1 when a namespace was not swept because of an unreadable
-file, 2 on usage or I/O errors.`,
-		"kvpersist gc --dry-run /var/lib/kvcache\nkvpersist gc --block-grace 1h /var/lib/kvcache",
-		cobra.ExactArgs(1))
+file (or remote manifest), 2 on usage or I/O errors.`,
+		"kvpersist gc --dry-run /var/lib/kvcache\nkvpersist gc --block-grace 1h /var/lib/kvcache\nkvpersist gc --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a\nkvpersist gc --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a --grace 2h --delete",
+		nil)
 	fs := cmd.Flags()
+	rf := addRemoteFlags(fs)
+	cmd.Args = rf.args(cobra.ExactArgs(1))
+	grace := fs.Duration("grace", time.Hour, "with --remote: keep unreferenced pages younger than this, by the store's clock (minimum 1m)")
+	del := fs.Bool("delete", false, "with --remote: delete (without it gc --remote is a dry run)")
 	dryRun := fs.Bool("dry-run", false, "delete nothing; list what would be deleted")
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, dryRun, deleted, blocksDeleted, bytesFreed, tempRemoved, blocksKept, manifestsScanned, namespaces, unreadable, unsweptNamespaces, skipped}")
 	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "keep temp files younger than this (they may belong to a running write); 0 removes every temp file")
 	blockGrace := fs.Duration("block-grace", 0, "keep unreferenced blocks younger than this (for writers that do not take the namespace lock)")
 	runs(cmd, func(ctx context.Context, args []string) int {
+		if rf.on {
+			return c.runRemoteGC(ctx, cmd, rf, args, *grace, *del, *asJSON)
+		}
+		if msg := rf.check(cmd); msg != "" {
+			return c.usageError(cmd, "%s", msg)
+		}
+		if fs.Changed("grace") || fs.Changed("delete") {
+			return c.usageError(cmd, "--grace and --delete need --remote (a local gc deletes unless --dry-run)")
+		}
 		return c.runGC(ctx, cmd, args[0], *dryRun, *asJSON, *tempGrace, *blockGrace)
 	})
 	return cmd

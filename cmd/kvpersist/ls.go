@@ -142,7 +142,7 @@ func pagesRow(l *store.Listing, files bool) lsPages {
 }
 
 func (c *cli) lsCommand() *cobra.Command {
-	cmd := c.command("ls ROOT", "list every snapshot of a store: namespace, name, layout, tensors, logical bytes, modified time", `One row per snapshot file or manifest directly under ROOT/<namespace>/.
+	cmd := c.command("ls ROOT | ls --remote [NAMESPACE...]", "list every snapshot of a store: namespace, name, layout, tensors, logical bytes, modified time", `One row per snapshot file or manifest directly under ROOT/<namespace>/.
 LOGICAL is the sum of the snapshot's tensor bytes (what a restore fills);
 MODIFIED is the file's modification time. A file that does not decode is
 listed with its error.
@@ -154,11 +154,30 @@ KEY (the file's name, first 16 of 64 hex digits), PARENT (the parent page's
 key, or "-" for a first page), TOKENS (token ids in the page / the page size),
 BYTES (file size) and the identity. Entries kvpersist does not recognise are listed as
 skipped. Exit status: 0, 1 when some file is unreadable, 2 on usage or I/O
-errors.`, "kvpersist ls /var/lib/kvcache\nkvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'", cobra.ExactArgs(1))
+errors.
+
+With --remote, ls lists the object-store tier instead (one LIST request
+per 1,000 objects, nothing fetched): each namespace's manifests (name,
+object bytes, the store's modification time) and a line with its page
+count and bytes (--pages: every page's key, bytes and modification time).
+The arguments are then namespaces; none means every namespace under
+--prefix. Credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY
+(AWS_SESSION_TOKEN, AWS_REGION) or the AWS shared credentials file
+(AWS_PROFILE).`, "kvpersist ls /var/lib/kvcache\nkvpersist ls --json /var/lib/kvcache | jq '.snapshots[] | select(.error != null)'\nkvpersist ls --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a", nil)
 	fs := cmd.Flags()
+	rf := addRemoteFlags(fs)
+	cmd.Args = rf.args(cobra.ExactArgs(1))
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, snapshots: [{namespace, name, path, layout, legacy, tensors, logicalBytes, fileBytes, modified, error}], pages: [{namespace, pages, unreadable, tokens, logicalBytes, fileBytes, files}], skipped}")
 	pages := fs.Bool("pages", false, "also list every page file of the prefix page cache: key (first 16 hex digits), parent, tokens, bytes, identity")
-	runs(cmd, func(ctx context.Context, args []string) int { return c.runLs(ctx, args[0], *asJSON, *pages) })
+	runs(cmd, func(ctx context.Context, args []string) int {
+		if rf.on {
+			return c.runRemoteLs(ctx, cmd, rf, args, *asJSON, *pages)
+		}
+		if msg := rf.check(cmd); msg != "" {
+			return c.usageError(cmd, "%s", msg)
+		}
+		return c.runLs(ctx, args[0], *asJSON, *pages)
+	})
 	return cmd
 }
 

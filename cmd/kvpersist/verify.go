@@ -27,7 +27,7 @@ type verifyReport struct {
 }
 
 func (c *cli) verifyCommand() *cobra.Command {
-	cmd := c.command("verify ROOT|PATH", "re-read and re-hash a whole store (or one snapshot): headers, tensors, blocks, orphans, stale temp files", `Given a store ROOT (the directory above the namespaces), verify checks every
+	cmd := c.command("verify ROOT|PATH | verify --remote [NAMESPACE...]", "re-read and re-hash a whole store (or one snapshot): headers, tensors, blocks, orphans, stale temp files", `Given a store ROOT (the directory above the namespaces), verify checks every
 namespace; given a namespace directory (one holding blocks/, a .lock or a
 snapshot file, with or without blocks/), that namespace; given a snapshot
 file or manifest PATH, that snapshot only.
@@ -62,11 +62,24 @@ the page its name says), missing-block, missing-page (a page a page
 manifest names is not stored), block-size, orphan-block, stale-temp,
 io-error.
 
+With --remote, verify checks the object-store tier instead: it fetches
+every object of each namespace (--workers at a time, each through a temp
+file) and checks each page as above (header, key against its name and its
+chain step, every tensor's xxh3-64) and each manifest (a page manifest
+whose header decodes, its attachments re-hashed), then that every page a
+manifest names is stored and that its pages form its chain (parent keys,
+identity, page size, token count). Problem kinds: corrupt-page,
+unreadable (a manifest), missing-page, broken-chain. Objects deleted by a
+remote gc while verify runs are listed as vanished, not as problems.
+
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
-errors (io-error problems included).`,
-		"kvpersist verify /var/lib/kvcache\nkvpersist verify --json /var/lib/kvcache/conv-42/turn-7",
-		cobra.ExactArgs(1))
+errors (io-error problems included; with --remote, a request that fails
+after the client's retries).`,
+		"kvpersist verify /var/lib/kvcache\nkvpersist verify --json /var/lib/kvcache/conv-42/turn-7\nkvpersist verify --remote --endpoint s3.example.com --bucket kvcache --prefix fleet-a conv-42",
+		nil)
 	fs := cmd.Flags()
+	rf := addRemoteFlags(fs)
+	cmd.Args = rf.args(cobra.ExactArgs(1))
 	asJSON := fs.Bool("json", false, "print a JSON report: {target, clean, problems: [{kind, path, detail}], checked, notes, skipped}")
 	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "report temp files older than this as stale (0: every temp file)")
 	noLock := fs.Bool("no-lock", false, "do not wait for the namespace lock (writes in progress may then show as orphan blocks)")
@@ -74,6 +87,12 @@ errors (io-error problems included).`,
 	runs(cmd, func(ctx context.Context, args []string) int {
 		if *workers < 1 || *tempGrace < 0 {
 			return c.usageError(cmd, "--workers must be at least 1 and --temp-grace not negative")
+		}
+		if rf.on {
+			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON)
+		}
+		if msg := rf.check(cmd); msg != "" {
+			return c.usageError(cmd, "%s", msg)
 		}
 		target := args[0]
 		tg := *tempGrace

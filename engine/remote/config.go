@@ -84,7 +84,8 @@ type Config struct {
 	Prefix string
 	// AccessKey, SecretKey, SessionToken: when AccessKey is empty they are
 	// read from AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and
-	// AWS_SESSION_TOKEN.
+	// AWS_SESSION_TOKEN, and when those are unset from the AWS shared
+	// credentials file (see New).
 	AccessKey, SecretKey, SessionToken string
 	// Region: "" = AWS_REGION, else the client's default (us-east-1).
 	Region string

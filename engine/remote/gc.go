@@ -2,6 +2,7 @@ package remote
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -92,20 +93,27 @@ type CollectOptions struct {
 
 // CollectReport says what a Collect did. Byte counts are object sizes.
 type CollectReport struct {
-	Pages, Manifests     int
-	Live, Young          int // pages kept: named by a manifest; unreferenced but within Grace
-	Deleted              int
-	DeletedBytes         int64
-	Unknown              []string // names not recognised: skipped, never deleted
-	ServerNow, Threshold time.Time
+	Pages, Manifests         int
+	PageBytes, ManifestBytes int64
+	Live, Young              int // pages kept: named by a manifest; unreferenced but within Grace
+	LiveBytes, YoungBytes    int64
+	Deleted                  int
+	DeletedBytes             int64
+	DeletedNames             []string // the pages deleted (DryRun: that would be), in listing order
+	Refreshed                int      // unreferenced pages old in the listing but found younger than Grace just before their delete (kept)
+	Unknown                  []string // names not recognised: skipped, never deleted
+	ServerNow, Threshold     time.Time
 }
 
 // Collect deletes the pages of a namespace that no manifest names and
 // whose mtime is older than the store's clock at the listing minus Grace.
 // Order: list the namespace (which also reads the store's clock from the
-// listing's Date header), then call Live, then delete. Manifests and
-// unrecognised names are never deleted. If Live fails nothing is deleted.
-// The clock rule is in ARCHITECTURE.md ("Remote tier").
+// listing's Date header), then call Live, then, per page to delete, read
+// its mtime again (one HEAD: a page refreshed since the listing is kept,
+// counted in Refreshed) and delete it. Manifests and unrecognised names
+// are never deleted. If Live fails nothing is deleted. A dry run sends no
+// HEAD: it reports what the listing says. The clock rule is in
+// ARCHITECTURE.md ("Remote tier").
 func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, error) {
 	var rep CollectReport
 	if o.Grace == 0 {
@@ -131,9 +139,11 @@ func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, e
 		switch l.Kind {
 		case Manifest:
 			rep.Manifests++
+			rep.ManifestBytes += l.Size
 			manifests = append(manifests, l)
 		case Page:
 			rep.Pages++
+			rep.PageBytes += l.Size
 		default:
 			rep.Unknown = append(rep.Unknown, l.Name)
 		}
@@ -149,16 +159,33 @@ func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, e
 		switch {
 		case live[l.Key]:
 			rep.Live++
+			rep.LiveBytes += l.Size
 		case !l.ModTime.Before(rep.Threshold):
 			rep.Young++
+			rep.YoungBytes += l.Size
 		default:
 			if !o.DryRun {
+				// The listing's mtime may be stale: an uploader may have
+				// refreshed the page since (Store.Refresh), to name it in
+				// a manifest this collect has not read. Re-read it.
+				cur, err := s.Stat(ctx, l.Name)
+				if errors.Is(err, ErrNotFound) {
+					continue // deleted meanwhile (another collector)
+				}
+				if err != nil {
+					return rep, err
+				}
+				if !cur.ModTime.Before(rep.Threshold) {
+					rep.Refreshed++
+					continue
+				}
 				if err := s.Delete(ctx, l.Name); err != nil {
 					return rep, err
 				}
 			}
 			rep.Deleted++
 			rep.DeletedBytes += l.Size
+			rep.DeletedNames = append(rep.DeletedNames, l.Name)
 		}
 	}
 	return rep, nil

@@ -122,3 +122,46 @@ func TestCollect(t *testing.T) {
 		t.Fatalf("grace under the minimum: %v", err)
 	}
 }
+
+// TestCollectKeepsPageRefreshedAfterListing: an uploader that finds an
+// old unreferenced page present refreshes it (Store.Refresh) and then
+// names it in a manifest. If that happens after a collector listed the
+// namespace, the listing's mtime is stale; Collect re-reads the page's
+// mtime (one HEAD) before deleting it and keeps it, because it is now
+// younger than the grace. Live stands in for the race: it runs between
+// the listing and the deletes.
+func TestCollectKeepsPageRefreshedAfterListing(t *testing.T) {
+	defer remote.SetMinGrace(time.Second)()
+	s := newStore(t, nil)
+	ctx := context.Background()
+	refreshed, old := pageName(t, s, "ns", key("refreshed")), pageName(t, s, "ns", key("old"))
+	for _, n := range []string{refreshed, old} {
+		if _, err := s.Put(ctx, n, bytes.NewReader([]byte(n)), int64(len(n))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(3500 * time.Millisecond) // older than a 2 s grace at 1 s mtime resolution
+	rep, err := s.Collect(ctx, remote.CollectOptions{Namespace: "ns", Grace: 2 * time.Second,
+		Live: func(ctx context.Context, _ []remote.Listed) (map[string]bool, error) {
+			o, err := s.Stat(ctx, refreshed)
+			if err != nil {
+				return nil, err
+			}
+			if _, err := s.Refresh(ctx, refreshed, o.ETag); err != nil {
+				return nil, err
+			}
+			return map[string]bool{}, nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.Deleted != 1 || len(rep.DeletedNames) != 1 || rep.DeletedNames[0] != old || rep.Refreshed != 1 {
+		t.Fatalf("report %+v; want the old page deleted and the refreshed one kept", rep)
+	}
+	if _, err := s.Stat(ctx, refreshed); err != nil {
+		t.Fatalf("the page refreshed after the listing: %v, want kept", err)
+	}
+	if _, err := s.Stat(ctx, old); !errors.Is(err, remote.ErrNotFound) {
+		t.Fatalf("the old page: %v, want deleted", err)
+	}
+}

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -49,6 +51,7 @@ func TestConfigRules(t *testing.T) {
 	}
 	t.Setenv(remote.EnvAccessKey, "")
 	t.Setenv(remote.EnvSecretKey, "")
+	noFiles(t)
 	if _, err := remote.New(remote.Config{Endpoint: "s3.example.com", Bucket: "b"}); !errors.Is(err, remote.ErrConfig) || !strings.Contains(err.Error(), "credentials") {
 		t.Errorf("no credentials: %v", err)
 	}
@@ -59,6 +62,40 @@ func TestConfigRules(t *testing.T) {
 		t.Fatalf("credentials from the environment: %v", err)
 	}
 	s.Close()
+}
+
+// noFiles points the AWS shared files at paths that do not exist, so the
+// machine's own ~/.aws is never read by a test.
+func noFiles(t *testing.T) {
+	dir := t.TempDir()
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", filepath.Join(dir, "credentials"))
+	t.Setenv("AWS_CONFIG_FILE", filepath.Join(dir, "config"))
+	t.Setenv("AWS_PROFILE", "")
+}
+
+// TestCredentialsFile: with no keys in the config or the environment, the
+// store signs with the profile of the AWS shared credentials file
+// (AWS_PROFILE selects it), and the real server accepts the requests.
+func TestCredentialsFile(t *testing.T) {
+	t.Setenv(remote.EnvAccessKey, "")
+	t.Setenv(remote.EnvSecretKey, "")
+	noFiles(t)
+	file := os.Getenv("AWS_SHARED_CREDENTIALS_FILE")
+	ini := "[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[kvp]\naws_access_key_id = " + srv.AccessKey + "\naws_secret_access_key = " + srv.SecretKey + "\n"
+	if err := os.WriteFile(file, []byte(ini), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("AWS_PROFILE", "kvp")
+	s := newStore(t, func(c *remote.Config) { c.AccessKey, c.SecretKey = "", "" })
+	name := pageName(t, s, "ns", key("cred"))
+	if _, err := s.Put(context.Background(), name, strings.NewReader("x"), 1); err != nil {
+		t.Fatalf("Put signed with the profile's keys: %v", err)
+	}
+	t.Setenv("AWS_PROFILE", "")
+	s = newStore(t, func(c *remote.Config) { c.AccessKey, c.SecretKey = "", "" })
+	if _, err := s.Stat(context.Background(), name); err == nil || errors.Is(err, remote.ErrNotFound) {
+		t.Fatalf("Stat signed with the default profile's wrong keys: %v, want refused", err)
+	}
 }
 
 func TestNames(t *testing.T) {

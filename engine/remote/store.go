@@ -29,8 +29,14 @@ type Store struct {
 	clock  *serverClock
 }
 
-// New checks cfg and returns a Store. It sends no request (the bucket is
-// first used by the first call). Errors wrap ErrConfig.
+// New checks cfg and returns a Store. It sends no request to the store (the
+// bucket is first used by the first call). Credentials: cfg's, else the
+// environment's (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+// AWS_SESSION_TOKEN), else the profile AWS_PROFILE (default "default") of
+// the AWS shared files ($AWS_SHARED_CREDENTIALS_FILE or
+// ~/.aws/credentials, and $AWS_CONFIG_FILE or ~/.aws/config), read by
+// minio-go as the AWS CLI does (static keys, credential_process or SSO).
+// Errors wrap ErrConfig.
 func New(cfg Config) (*Store, error) {
 	c := cfg.withDefaults()
 	host, secure, err := c.endpoint()
@@ -43,8 +49,16 @@ func New(cfg Config) (*Store, error) {
 	if !validPrefix(c.Prefix) {
 		return nil, fmt.Errorf("%w: Prefix %q: want '/'-separated elements of [A-Za-z0-9._-], no empty, '.' or '..' element", ErrConfig, c.Prefix)
 	}
+	creds := credentials.NewStaticV4(c.AccessKey, c.SecretKey, c.SessionToken)
 	if c.AccessKey == "" || c.SecretKey == "" {
-		return nil, fmt.Errorf("%w: no credentials (set AccessKey and SecretKey or %s and %s)", ErrConfig, EnvAccessKey, EnvSecretKey)
+		// The AWS shared files, as the AWS CLI reads them.
+		creds = credentials.NewFileAWSCredentials("", "")
+		if v, err := creds.Get(); err != nil || v.AccessKeyID == "" {
+			if err == nil {
+				err = errors.New("no access key in the profile")
+			}
+			return nil, fmt.Errorf("%w: no credentials (set AccessKey and SecretKey, or %s and %s, or a profile in the AWS shared credentials file: %v)", ErrConfig, EnvAccessKey, EnvSecretKey, err)
+		}
 	}
 	if c.Concurrency < 1 || c.FetchChunkBytes < 1 || c.MaxObjectBytes < 1 || c.MaxRetries < 1 {
 		return nil, fmt.Errorf("%w: Concurrency, FetchChunkBytes, MaxObjectBytes and MaxRetries must be positive", ErrConfig)
@@ -64,7 +78,7 @@ func New(cfg Config) (*Store, error) {
 	}
 	clock := &serverClock{next: next}
 	cl, err := minio.New(host, &minio.Options{
-		Creds:        credentials.NewStaticV4(c.AccessKey, c.SecretKey, c.SessionToken),
+		Creds:        creds,
 		Secure:       secure,
 		Transport:    clock,
 		Region:       region,
