@@ -124,6 +124,7 @@ func TestStatsUsageErrors(t *testing.T) {
 		{[]string{"stats", "--quota", ".x=1", root}, []string{`--quota ".x=1"`}},
 		{[]string{"stats", "--quota", "a=1", "--quota", "a=2", root}, []string{`namespace "a" given twice`}},
 		{[]string{"du", "--capacity", "1PB", root}, []string{`--capacity "1PB"`}},
+		{[]string{"du", "--remote", "--endpoint", "127.0.0.1:1", "--bucket", "b", "--capacity", "1GiB"}, []string{"are for a local store, not --remote"}},
 	} {
 		out, errs := mustRunErr(t, c.args...)
 		first, _, _ := strings.Cut(errs, "\n")
