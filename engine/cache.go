@@ -198,7 +198,7 @@ func (pc *pageCache) rebuild(now time.Time) error {
 			continue
 		}
 		recs := pc.readCheckpoint(n)
-		var unreadable int
+		var unreadable, unrecorded int
 		for _, pg := range l.Pages {
 			var k evict.Key
 			_, _ = hex.Decode(k[:], []byte(pg.Key)) // 64 lowercase hex digits: the store checked
@@ -210,12 +210,17 @@ func (pc *pageCache) rebuild(now time.Time) error {
 				continue
 			}
 			p := evict.Page{Namespace: name, Key: k, Bytes: pf.AllocatedBytes, Access: pf.ModTime.UnixNano()}
-			if r, ok := findRecord(recs, k); ok {
+			r, recorded := findRecord(recs, k)
+			switch {
+			case recorded:
 				p.Parent, p.HasParent = r.Parent, r.HasParent
-			} else if snap, err := n.DecodePage(pg.Path); err == nil && snap.Page != nil {
-				p.Parent, p.HasParent = evict.Key(snap.Page.Parent), true
-			} else {
-				unreadable++ // accounted without a parent; a load finds it out
+			default:
+				unrecorded++
+				if snap, err := n.DecodePage(pg.Path); err == nil && snap.Page != nil {
+					p.Parent, p.HasParent = evict.Key(snap.Page.Parent), true
+				} else {
+					unreadable++ // accounted without a parent; a load finds it out
+				}
 			}
 			if err := pc.pol.Add(p); err != nil {
 				pc.log.Warn("kvpersist: page cache: page not accounted", "path", pg.Path, "err", err)
@@ -226,6 +231,9 @@ func (pc *pageCache) rebuild(now time.Time) error {
 		}
 		if len(recs) > 0 {
 			pc.pol.ApplyCheckpoint(name, recs, now.UnixNano())
+		}
+		if unrecorded > 0 {
+			pc.markDirty(name) // checkpointed at Close: the next start reads no header
 		}
 		pc.mu.Lock()
 		pc.scanManifestsLocked(n)
@@ -327,21 +335,12 @@ func (pc *pageCache) writeCheckpoint(ns string) error {
 	return nil
 }
 
-// checkpoint writes the checkpoint of every namespace marked dirty (all
-// when all is true).
-func (pc *pageCache) checkpoint(all bool) error {
+// checkpoint writes the checkpoint of every namespace marked dirty.
+func (pc *pageCache) checkpoint() error {
 	pc.mu.Lock()
 	var names []string
-	if all {
-		for _, u := range pc.pol.Usage().Namespaces {
-			if u.Pages > 0 {
-				names = append(names, u.Name)
-			}
-		}
-	} else {
-		for ns := range pc.dirty {
-			names = append(names, ns)
-		}
+	for ns := range pc.dirty {
+		names = append(names, ns)
 	}
 	clear(pc.dirty)
 	pc.mu.Unlock()
@@ -382,7 +381,7 @@ func (pc *pageCache) run() {
 			pc.shrink()
 		case <-tick.C:
 			pc.drainTouches()
-			if err := pc.checkpoint(false); err != nil {
+			if err := pc.checkpoint(); err != nil {
 				pc.log.Warn("kvpersist: page cache: checkpoint failed", "err", err)
 			}
 		}
@@ -455,13 +454,15 @@ func (pc *pageCache) shrink() {
 }
 
 // close stops the background goroutine (goroutines it waits for included)
-// and writes every namespace's checkpoint. Called by Engine.Close once no
-// job runs.
+// and writes the checkpoint of every namespace whose recency changed (or
+// that had pages its checkpoint did not name at start). Called by
+// Engine.Close once no job runs. An engine that changed nothing writes
+// nothing.
 func (pc *pageCache) close() error {
 	pc.bgStop()
 	close(pc.stop)
 	<-pc.done
-	return pc.checkpoint(true)
+	return pc.checkpoint()
 }
 
 // unlink removes the victims' page files, namespace by namespace, each

@@ -632,3 +632,35 @@ func TestLookupNoAlloc(t *testing.T) {
 		t.Fatalf("Lookup allocates %v times", n)
 	}
 }
+
+// TestCacheCheckpointOnlyWhenChanged: Close writes a namespace's recency
+// checkpoint when its pages were used or were found without one at start;
+// an engine that only opened and closed the store writes nothing.
+func TestCacheCheckpointOnlyWhenChanged(t *testing.T) {
+	root := t.TempDir()
+	ckpt := filepath.Join(root, "p", layout.RecencyName)
+	e := newEngine(t, Config{Root: root, Workers: 1})
+	mustSavePages(t, e, "p", convTokens(0, 2*cP, 1))
+	if err := e.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(ckpt)
+	if err != nil {
+		t.Fatalf("no checkpoint after a save: %v", err)
+	}
+	e2 := newEngine(t, Config{Root: root, Workers: 1})
+	if err := e2.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	if after, err := os.Stat(ckpt); err != nil || !os.SameFile(before, after) {
+		t.Fatalf("an engine that changed nothing rewrote the checkpoint (%v)", err)
+	}
+	e3 := newEngine(t, Config{Root: root, Workers: 1})
+	loadPages(t, e3, "p", convTokens(0, 2*cP, 1))
+	if err := e3.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	if after, err := os.Stat(ckpt); err != nil || os.SameFile(before, after) {
+		t.Fatalf("a load's recency was not checkpointed (%v)", err)
+	}
+}

@@ -173,7 +173,10 @@ func pageTokensOf(p int) int {
 // means layout.DefaultPageTokens), from the engine's index: a multiple of
 // pageTokens, or len(tokens) when the last, partial page was stored with
 // exactly the remaining tokens. It runs on the caller's goroutine without
-// I/O or allocation. The index reflects this engine's saves and what was
+// I/O or allocation, and records an access to the deepest page it found
+// for the page cache's eviction order (queued, applied by the engine's
+// background goroutine; no lock of the policy is taken here). With
+// Config.Metrics it counts a lookup job and its tokens hit and missed. The index reflects this engine's saves and what was
 // on disk when it started; a page another process removed since is found
 // missing by LoadPrefix (which then loads less, without error).
 //
