@@ -22,7 +22,7 @@
 #                           (each: 200 turns per loop at the tiny geometry,
 #                           50 at Qwen2.5-7B's, bounded and unbounded; about
 #                           10 s and 60 s on the project's VM)
-#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload
+#   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload and fetch
 #                           (1 GiB of pages to a SeaweedFS the benchmark
 #                           starts on loopback, built by `make weed` first)
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
@@ -80,8 +80,10 @@ run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
 run '^BenchmarkServing$' "$SERVING_BENCHTIME"
+# The object-store tier (each starts a SeaweedFS on loopback).
 "$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
 run '^BenchmarkRemoteUpload$/^MiB=1024$' "$REMOTE_BENCHTIME"
+run '^BenchmarkRemoteFetch$' "$REMOTE_BENCHTIME"
 echo "load-end: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$out"
 echo "elapsed-seconds: $(($(date +%s) - start))" >>"$out"
 
@@ -109,6 +111,7 @@ function target(name) {
 	if (name ~ /^BenchmarkEvict/) return 0.5
 	if (name ~ /^BenchmarkServing\//) return 0.9
 	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
+	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
 	return ""
 }
 /^Benchmark/ {

@@ -139,6 +139,7 @@ func waitFor(t testing.TB, what string, cond func() bool) {
 
 // sink is a MetricsSink that records the page cache's calls.
 type sink struct {
+	NopMetrics
 	mu       sync.Mutex
 	evicted  map[evict.Reason][2]int64
 	refused  map[evict.Reason]int

@@ -15,7 +15,6 @@ import (
 	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
-	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
@@ -25,14 +24,12 @@ import (
 // for them, evicting all the time.
 
 // evictCounter is a MetricsSink counting evicted pages.
-type evictCounter struct{ pages atomic.Int64 }
+type evictCounter struct {
+	engine.NopMetrics
+	pages atomic.Int64
+}
 
-func (*evictCounter) Job(labels.Kind, labels.Outcome, time.Duration, bool) {}
-func (*evictCounter) Bytes(int64, int64, int64)                            {}
-func (*evictCounter) DirectRead(int64)                                     {}
-func (*evictCounter) Lookup(int64, int64)                                  {}
-func (*evictCounter) Refused(evict.Reason)                                 {}
-func (c *evictCounter) Evicted(_ evict.Reason, pages, _ int64)             { c.pages.Add(pages) }
+func (c *evictCounter) Evicted(_ evict.Reason, pages, _ int64) { c.pages.Add(pages) }
 
 // cpPageBytes is the allocated bytes of one full page of the crash
 // test's conversations, measured on disk.

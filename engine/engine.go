@@ -86,6 +86,12 @@ type Config struct {
 	// supports them, with a buffered fallback).
 	ReadDepth int
 	NoDirect  bool
+	// Remote, when set, puts an object-store tier (any S3-compatible
+	// store) behind the local page cache: loads fetch the pages the store
+	// holds past the local prefix (LookupRemote tells how far), saves
+	// upload their pages in the background, and Close finishes or abandons
+	// the uploads within its context. See RemoteTier and remote_tier.go.
+	Remote *RemoteTier
 
 	// CapacityBytes bounds the prefix page cache: the allocated bytes
 	// (st_blocks × 512, vfs.AllocatedBytes) of every page file of every
@@ -154,9 +160,12 @@ type Engine struct {
 
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 
-	pages  *pageindex.Index // the prefix cache's index (prefix.go)
-	pc     *pageCache       // the bounded page cache: accounting, eviction, checkpoints (cache.go)
-	pcOnce sync.Once
+	pages *pageindex.Index // the prefix cache's index (prefix.go)
+	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
+	// tierOnce closes the tier once (Close may be called concurrently).
+	tierOnce sync.Once
+	pc       *pageCache // the bounded page cache: accounting, eviction, checkpoints (cache.go)
+	pcOnce   sync.Once
 }
 
 type stats struct {
@@ -248,9 +257,18 @@ func New(cfg Config) (*Engine, error) {
 	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
 		return nil, err
 	}
+	if cfg.Remote != nil {
+		if e.tier, err = newTier(e, cfg.Remote); err != nil {
+			_ = e.pc.close()
+			return nil, err
+		}
+	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
+		if e.tier != nil {
+			e.tier.close(context.Background())
+		}
 		_ = e.pc.close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
@@ -352,6 +370,10 @@ type Result struct {
 	// Prefix is the report of a SavePrefixRequest or LoadPrefixRequest
 	// (also on error, when the job got that far); nil for other kinds.
 	Prefix *PrefixResult
+	// Remote is what the object-store tier did for a LoadPrefixRequest
+	// (pages found, fetched, the first failure); nil for other kinds and
+	// without Config.Remote.
+	Remote *RemoteReport
 	Err    error
 }
 
@@ -585,6 +607,15 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.abortMu.Do(func() { close(e.abort) })
 		e.kick()
 		<-e.stopped
+	}
+	// Every job has been acked: no save enqueues an upload any more. The
+	// uploads finish, or are abandoned when ctx ends (the local pages stay).
+	if e.tier != nil {
+		e.tierOnce.Do(func() {
+			if terr := e.tier.close(ctx); terr != nil {
+				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", terr))
+			}
+		})
 	}
 	// No job runs any more: stop the page cache's background goroutine and
 	// write its recency checkpoints.

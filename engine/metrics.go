@@ -29,7 +29,50 @@ type MetricsSink interface {
 	Evicted(reason evict.Reason, pages, bytes int64)
 	// Refused records a save refused for want of space, by limit.
 	Refused(limit evict.Reason)
+	// Remote records one operation of the object-store tier (a lookup
+	// batch, a page fetch, an upload): its result, bytes (fetched and
+	// verified, or sent) and wall time.
+	Remote(op labels.RemoteOp, res labels.RemoteResult, bytes int64, d time.Duration)
+	// RemoteLookup records pages asked of the object store: found (hit)
+	// and not found (miss).
+	RemoteLookup(hitPages, missPages int64)
+	// RemoteQueue sets the upload queue's depth (waiting or in flight).
+	RemoteQueue(depth int64)
 }
+
+// NopMetrics is a MetricsSink that records nothing. Embed it in a sink of
+// your own to implement only the methods you need: methods added to
+// MetricsSink later then keep your sink compiling.
+type NopMetrics struct{}
+
+// Job does nothing.
+func (NopMetrics) Job(labels.Kind, labels.Outcome, time.Duration, bool) {}
+
+// Bytes does nothing.
+func (NopMetrics) Bytes(written, reused, read int64) {}
+
+// DirectRead does nothing.
+func (NopMetrics) DirectRead(n int64) {}
+
+// Lookup does nothing.
+func (NopMetrics) Lookup(hitTokens, missTokens int64) {}
+
+// Evicted does nothing.
+func (NopMetrics) Evicted(reason evict.Reason, pages, bytes int64) {}
+
+// Refused does nothing.
+func (NopMetrics) Refused(limit evict.Reason) {}
+
+// Remote does nothing.
+func (NopMetrics) Remote(labels.RemoteOp, labels.RemoteResult, int64, time.Duration) {}
+
+// RemoteLookup does nothing.
+func (NopMetrics) RemoteLookup(hitPages, missPages int64) {}
+
+// RemoteQueue does nothing.
+func (NopMetrics) RemoteQueue(depth int64) {}
+
+var _ MetricsSink = NopMetrics{}
 
 // metricsKind maps a job kind to its metrics label.
 func metricsKind(k Kind) (labels.Kind, bool) {

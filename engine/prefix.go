@@ -115,6 +115,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		})
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
+				e.tier.saved(r.Namespace, res.Prefix.Keys)
+			}
 		}
 	case *LoadPrefixRequest:
 		var dir string
@@ -134,6 +137,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			}
 			done(loaded, err == nil)
 		}()
+		if e.tier != nil { // read-through: remote pages into the local tier first
+			res.Remote = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+		}
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
 			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
 		})
@@ -231,6 +237,9 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	if err == nil {
 		e.pages.Add(w.Namespace, plan.Keys...)
 		e.pc.setManifest(w.Namespace, w.Name, evictKeys(plan.Keys))
+		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
+			e.tier.manifestWritten(w.Ref, plan.Keys)
+		}
 	}
 	return err
 }

@@ -122,7 +122,35 @@ type Recorder struct {
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
 	usage      func() evict.Usage
 	maxNS      int
+
+	// The object-store tier (see RemoteOp).
+	remoteOps     [labels.NumRemoteOps][labels.NumRemoteResults]atomic.Uint64
+	remoteLatency [labels.NumRemoteOps]histogram
+	remoteBytes   [labels.NumRemoteOps]atomic.Int64
+	remoteHit     atomic.Int64 // pages
+	remoteMiss    atomic.Int64 // pages
+	uploadQueue   atomic.Int64 // uploads waiting or in flight (a gauge)
+	remoteUsed    atomic.Bool  // a remote method was called: export the remote families
 }
+
+// RemoteOp and RemoteResult label the object-store tier's metrics
+// (defined in package labels).
+type (
+	RemoteOp     = labels.RemoteOp
+	RemoteResult = labels.RemoteResult
+)
+
+// Remote operations and results (see package labels).
+const (
+	RemoteLookup    = labels.RemoteLookup
+	RemoteFetch     = labels.RemoteFetch
+	RemoteUpload    = labels.RemoteUpload
+	RemoteOK        = labels.RemoteOK
+	RemoteExisted   = labels.RemoteExisted
+	RemoteCorrupt   = labels.RemoteCorrupt
+	RemoteError     = labels.RemoteError
+	RemoteAbandoned = labels.RemoteAbandoned
+)
 
 // histogram is a lock-free latency histogram: per-bucket counts (not
 // cumulative; the last one is +Inf) and the sum in nanoseconds.
@@ -160,7 +188,18 @@ func New(opts Options) (*Recorder, error) {
 	for k := range r.latency {
 		r.latency[k].counts = make([]atomic.Uint64, len(b)+1)
 	}
+	for k := range r.remoteLatency {
+		r.remoteLatency[k].counts = make([]atomic.Uint64, len(b)+1)
+	}
 	return r, nil
+}
+
+// observe adds one duration to h (whose buckets are r's).
+func (r *Recorder) observe(h *histogram, d time.Duration) {
+	ns := max(d.Nanoseconds(), 0)
+	i := sort.Search(len(r.boundsNs), func(i int) bool { return ns <= r.boundsNs[i] })
+	h.counts[i].Add(1)
+	h.sumNs.Add(ns)
 }
 
 // Job records a finished job of kind k with outcome o. ran says the job
@@ -174,11 +213,44 @@ func (r *Recorder) Job(k Kind, o Outcome, d time.Duration, ran bool) {
 	if !ran {
 		return
 	}
-	ns := max(d.Nanoseconds(), 0)
-	h := &r.latency[k]
-	i := sort.Search(len(r.boundsNs), func(i int) bool { return ns <= r.boundsNs[i] })
-	h.counts[i].Add(1)
-	h.sumNs.Add(ns)
+	r.observe(&r.latency[k], d)
+}
+
+// Remote records one operation of the object-store tier: a lookup batch,
+// a page fetch (bytes: the object's bytes fetched, counted only when
+// verified and published) or an upload (bytes: the bytes sent by the
+// attempt that created the object; 0 when it existed), its result and its
+// wall time d (for an upload, from its first attempt to its end, retries
+// included).
+func (r *Recorder) Remote(op RemoteOp, res RemoteResult, bytes int64, d time.Duration) {
+	if r == nil || op >= labels.NumRemoteOps || res >= labels.NumRemoteResults {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.remoteOps[op][res].Add(1)
+	r.remoteBytes[op].Add(bytes)
+	r.observe(&r.remoteLatency[op], d)
+}
+
+// RemoteLookup records the pages a remote lookup asked the store for:
+// found (hit) and not found (miss). Pages found in the local tier are not
+// counted here (see Lookup).
+func (r *Recorder) RemoteLookup(hitPages, missPages int64) {
+	if r == nil {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.remoteHit.Add(hitPages)
+	r.remoteMiss.Add(missPages)
+}
+
+// RemoteQueue sets the upload queue's depth: uploads waiting or in flight.
+func (r *Recorder) RemoteQueue(depth int64) {
+	if r == nil {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.uploadQueue.Store(depth)
 }
 
 // Bytes adds bytes written to disk (new data and headers), reused (dedup:
@@ -262,12 +334,23 @@ var (
 		"Pages stored in a namespace.", []string{"namespace"}, nil)
 	descQuota = prometheus.NewDesc("kvpersist_cache_quota_bytes",
 		"A namespace's quota in allocated bytes (namespaces with a quota only).", []string{"namespace"}, nil)
+	descRemoteOps = prometheus.NewDesc("kvpersist_remote_ops_total",
+		"Object-store tier operations (lookup batches, page fetches, uploads), by op and result.", []string{"op", "result"}, nil)
+	descRemoteLatency = prometheus.NewDesc("kvpersist_remote_duration_seconds",
+		"Wall time of object-store tier operations, in seconds, by op (an upload's includes its retries).", []string{"op"}, nil)
+	descRemoteBytes = prometheus.NewDesc("kvpersist_remote_bytes_total",
+		"Bytes fetched from (verified) and uploaded to the object store, by op.", []string{"op"}, nil)
+	descRemoteLookup = prometheus.NewDesc("kvpersist_remote_lookup_pages_total",
+		"Pages a remote lookup asked the object store for, hit (stored) or miss.", []string{"result"}, nil)
+	descUploadQueue = prometheus.NewDesc("kvpersist_remote_upload_queue",
+		"Uploads to the object store waiting or in flight.", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descLookup,
-		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota} {
+		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
+		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue} {
 		ch <- d
 	}
 }
@@ -294,15 +377,7 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 		}
 	}
 	for _, l := range r.latencies() {
-		buckets := make(map[float64]uint64, len(l.Buckets))
-		for _, b := range l.Buckets {
-			buckets[b.LE] = b.Count
-		}
-		m, err := prometheus.NewConstHistogram(descLatency, l.Count, l.SumSeconds, buckets, l.Kind)
-		if err != nil {
-			m = prometheus.NewInvalidMetric(descLatency, err)
-		}
-		ch <- m
+		ch <- constHistogram(descLatency, l)
 	}
 	emit(descWritten, prometheus.CounterValue, float64(r.written.Load()))
 	emit(descReused, prometheus.CounterValue, float64(r.reused.Load()))
@@ -316,6 +391,9 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	}
 	for _, limit := range refusedLimits {
 		emit(descRefused, prometheus.CounterValue, float64(r.refused[limit].Load()), limit.String())
+	}
+	if r.remoteUsed.Load() {
+		r.collectRemote(ch, emit)
 	}
 	if r.usage == nil {
 		return
@@ -357,6 +435,37 @@ func boundNamespaces(nss []evict.NamespaceUsage, max int) []evict.NamespaceUsage
 	return append(s, other)
 }
 
+// constHistogram is l as a histogram of d labelled with l.Kind.
+func constHistogram(d *prometheus.Desc, l Latency) prometheus.Metric {
+	buckets := make(map[float64]uint64, len(l.Buckets))
+	for _, b := range l.Buckets {
+		buckets[b.LE] = b.Count
+	}
+	m, err := prometheus.NewConstHistogram(d, l.Count, l.SumSeconds, buckets, l.Kind)
+	if err != nil {
+		return prometheus.NewInvalidMetric(d, err)
+	}
+	return m
+}
+
+// collectRemote emits the object-store tier's families (every op ×
+// result, zeros included, once the tier reported anything).
+func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prometheus.Desc, t prometheus.ValueType, v float64, labels ...string)) {
+	for op := range labels.NumRemoteOps {
+		for res := range labels.NumRemoteResults {
+			emit(descRemoteOps, prometheus.CounterValue, float64(r.remoteOps[op][res].Load()), op.String(), res.String())
+		}
+	}
+	for _, l := range r.histograms(r.remoteLatency[:], func(i int) string { return labels.RemoteOp(i).String() }) {
+		ch <- constHistogram(descRemoteLatency, l)
+	}
+	emit(descRemoteBytes, prometheus.CounterValue, float64(r.remoteBytes[RemoteFetch].Load()), RemoteFetch.String())
+	emit(descRemoteBytes, prometheus.CounterValue, float64(r.remoteBytes[RemoteUpload].Load()), RemoteUpload.String())
+	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteHit.Load()), "hit")
+	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteMiss.Load()), "miss")
+	emit(descUploadQueue, prometheus.GaugeValue, float64(r.uploadQueue.Load()))
+}
+
 // Snapshot is the recorder's figures as a plain struct (JSON-ready, field
 // names in camelCase). Lists leave out zero counts; Cache is nil without
 // Options.Usage.
@@ -372,6 +481,28 @@ type Snapshot struct {
 	Evicted          []EvictedCount `json:"evicted"`
 	Refused          []RefusedCount `json:"refused"`
 	Cache            *evict.Usage   `json:"cache,omitempty"`
+	// Remote is the object-store tier's figures; nil until the engine's
+	// tier reported anything (an engine without Config.Remote never does).
+	Remote *RemoteSnapshot `json:"remote,omitempty"`
+}
+
+// RemoteSnapshot is the object-store tier's figures (see Recorder.Remote).
+type RemoteSnapshot struct {
+	Ops []RemoteCount `json:"ops"` // zero counts left out
+	// Latency per op that ran; Latency.Kind holds the op.
+	Latency          []Latency `json:"latency"`
+	FetchBytes       int64     `json:"fetchBytes"`
+	UploadBytes      int64     `json:"uploadBytes"`
+	LookupHitPages   int64     `json:"lookupHitPages"`
+	LookupMissPages  int64     `json:"lookupMissPages"`
+	UploadQueueDepth int64     `json:"uploadQueueDepth"`
+}
+
+// RemoteCount is kvpersist_remote_ops_total for one op and result.
+type RemoteCount struct {
+	Op     string `json:"op"`
+	Result string `json:"result"`
+	Count  uint64 `json:"count"`
 }
 
 // JobCount is kvpersist_jobs_total for one kind and outcome.
@@ -414,10 +545,16 @@ type RefusedCount struct {
 // the sum of the bucket counts read, so a histogram is self-consistent
 // even while jobs finish (the sum may lag by the observations in flight).
 func (r *Recorder) latencies() []Latency {
+	return r.histograms(r.latency[:], func(i int) string { return Kind(i).String() })
+}
+
+// histograms reads each histogram of hs that has observations, labelled
+// by name(index).
+func (r *Recorder) histograms(hs []histogram, name func(int) string) []Latency {
 	var out []Latency
-	for k := range numKinds {
-		h := &r.latency[k]
-		l := Latency{Kind: k.String(), Buckets: make([]Bucket, len(r.boundsSec))}
+	for k := range hs {
+		h := &hs[k]
+		l := Latency{Kind: name(k), Buckets: make([]Bucket, len(r.boundsSec))}
 		var cum uint64
 		for i := range h.counts {
 			cum += h.counts[i].Load()
@@ -467,5 +604,20 @@ func (r *Recorder) Snapshot() Snapshot {
 		u := r.usage()
 		s.Cache = &u
 	}
+	if !r.remoteUsed.Load() {
+		return s
+	}
+	s.Remote = &RemoteSnapshot{}
+	for op := range labels.NumRemoteOps {
+		for res := range labels.NumRemoteResults {
+			if n := r.remoteOps[op][res].Load(); n > 0 {
+				s.Remote.Ops = append(s.Remote.Ops, RemoteCount{Op: op.String(), Result: res.String(), Count: n})
+			}
+		}
+	}
+	s.Remote.Latency = r.histograms(r.remoteLatency[:], func(i int) string { return labels.RemoteOp(i).String() })
+	s.Remote.FetchBytes, s.Remote.UploadBytes = r.remoteBytes[RemoteFetch].Load(), r.remoteBytes[RemoteUpload].Load()
+	s.Remote.LookupHitPages, s.Remote.LookupMissPages = r.remoteHit.Load(), r.remoteMiss.Load()
+	s.Remote.UploadQueueDepth = r.uploadQueue.Load()
 	return s
 }

@@ -96,8 +96,9 @@ func checkHashes(r io.ReaderAt, snap *layout.Snapshot) error {
 // lowercase hex digits): its header decodes (layout.Decode, which also
 // checks that the page's key is the chain step from its parent key over
 // its token ids), it is a page (FormatPage) whose key is key, and every
-// tensor's xxh3-64 equals its header hash. If out is not nil it receives
-// the decoded page. A fetch whose bytes fail it is ErrCorrupt.
+// tensor's xxh3-64 equals its header hash, and the object ends exactly
+// where its last tensor ends. If out is not nil it receives the decoded
+// page. A fetch whose bytes fail it is ErrCorrupt.
 func VerifyPage(key string, out **layout.Page) VerifyFunc {
 	return func(r io.ReaderAt, size int64) error {
 		snap, err := Decode(r, size, "page "+key)
@@ -109,6 +110,18 @@ func VerifyPage(key string, out **layout.Page) VerifyFunc {
 		}
 		if got := snap.Page.Key.String(); got != key {
 			return fmt.Errorf("holds the page of key %s, not of its name", got)
+		}
+		// A page file ends exactly where its last tensor ends (the
+		// single-file rule writers follow): a longer object is not the
+		// file that was uploaded.
+		end := int64(snap.DataStart)
+		for _, t := range snap.Header.Caches[0].Tensors {
+			if t.Bytes > 0 {
+				end = max(end, int64(snap.DataStart)+t.Off+t.Bytes)
+			}
+		}
+		if end != size {
+			return fmt.Errorf("%d bytes, its last tensor ends at %d", size, end)
 		}
 		if err := checkHashes(r, snap); err != nil {
 			return err

@@ -24,6 +24,13 @@ type Upload struct {
 	Name string                       // object name (Store.PageName, Store.ManifestName)
 	Size int64                        // bytes
 	Open func() (ReadAtCloser, error) // the source; an error is permanent (the local file is gone)
+	// Wait, if set, is called once by the worker before the first attempt,
+	// with a context cancelled when Close gives up; an error ends the
+	// upload (reported to OnDone; ErrAbandoned when that context ended).
+	// A manifest waits here for the pages it names: queue them before it,
+	// so that they leave the queue first (FIFO) and Wait never waits for
+	// an upload queued behind it.
+	Wait func(ctx context.Context) error
 }
 
 // UploadResult reports one finished (or given up) upload to OnDone.
@@ -33,6 +40,9 @@ type UploadResult struct {
 	Bytes    int64 // bytes sent by the successful attempt
 	Attempts int
 	Err      error // nil, ErrAbandoned (Close's context ended), ErrConflict, or the source's error
+	// Existing is the object found when Created is false and Err is nil
+	// (its ModTime says how close it is to remote GC's grace period).
+	Existing Object
 }
 
 // UploaderConfig bounds an Uploader.
@@ -50,6 +60,12 @@ type UploaderConfig struct {
 	// OnDone, if set, is called once per upload that leaves the queue, on
 	// the worker's goroutine (keep it short).
 	OnDone func(UploadResult)
+	// StatFirst makes every attempt HEAD the object before its PUT: an
+	// object already stored with the upload's size is reported existing
+	// without sending its bytes (a create-only PUT sends the whole body
+	// before the store can answer 412). For uploaders whose objects are
+	// often already stored, e.g. pages shared by many machines.
+	StatFirst bool
 }
 
 // UploaderStats are counters since the Uploader started.
@@ -200,6 +216,15 @@ func (u *Uploader) work() {
 // uploader's context is cancelled.
 func (u *Uploader) upload(up Upload) UploadResult {
 	res := UploadResult{Name: up.Name}
+	if up.Wait != nil {
+		if err := up.Wait(u.ctx); err != nil {
+			if u.ctx.Err() != nil {
+				err = fmt.Errorf("%w: %s before its first attempt: %w", ErrAbandoned, up.Name, err)
+			}
+			res.Err = err
+			return res
+		}
+	}
 	wait := u.cfg.BackoffMin
 	for {
 		if u.ctx.Err() != nil {
@@ -212,10 +237,25 @@ func (u *Uploader) upload(up Upload) UploadResult {
 			res.Err = fmt.Errorf("remote: upload %s: opening the source: %w", up.Name, err)
 			return res
 		}
-		pr, err := u.store.Put(u.ctx, up.Name, src, up.Size)
+		var pr PutResult
+		if u.cfg.StatFirst {
+			var o Object
+			if o, err = u.store.Stat(u.ctx, up.Name); err == nil {
+				if o.Size != up.Size {
+					err = &OpError{Op: "put", Name: up.Name, Err: fmt.Errorf("%w: stored %d bytes, ours %d", ErrConflict, o.Size, up.Size)}
+				} else {
+					pr.Existing = o
+				}
+			} else if errors.Is(err, ErrNotFound) {
+				err = nil
+				pr, err = u.store.Put(u.ctx, up.Name, src, up.Size)
+			}
+		} else {
+			pr, err = u.store.Put(u.ctx, up.Name, src, up.Size)
+		}
 		src.Close()
 		if err == nil {
-			res.Created, res.Bytes = pr.Created, pr.Bytes
+			res.Created, res.Bytes, res.Existing = pr.Created, pr.Bytes, pr.Existing
 			return res
 		}
 		if errors.Is(err, ErrConflict) || errors.Is(err, ErrBadName) || errors.Is(err, ErrConfig) {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -234,4 +235,66 @@ func TestUploaderServerKilled(t *testing.T) {
 		}
 	}
 	checkObjects(t, s, objs)
+}
+
+// TestUploaderStatFirstAndWait: with StatFirst an object already stored
+// is reported existing (its Existing filled in) and no body is sent (no
+// PUT request at all); an upload whose Wait fails ends with that error and
+// creates nothing; one whose Wait blocks is abandoned when Close's context
+// ends (ErrAbandoned), its object never created.
+func TestUploaderStatFirstAndWait(t *testing.T) {
+	frt := newFaultRT(http.DefaultTransport.(*http.Transport).Clone())
+	s := newStore(t, func(c *remote.Config) { c.Transport = frt })
+	var res results
+	u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 2, StatFirst: true, OnDone: res.add})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	present := pageName(t, s, "ns", key("present"))
+	body := randBytes(7, 5000)
+	if _, err := s.Put(ctx, present, bytes.NewReader(body), int64(len(body))); err != nil {
+		t.Fatal(err)
+	}
+	puts := frt.count("put")
+	failing := pageName(t, s, "ns", key("wait-fails"))
+	blocked := pageName(t, s, "ns", key("wait-blocks"))
+	errWait := errors.New("a page of the manifest failed")
+	release := make(chan struct{})
+	for _, up := range []remote.Upload{
+		{Name: present, Size: int64(len(body)), Open: source(body)},
+		{Name: failing, Size: 10, Open: source(make([]byte, 10)), Wait: func(context.Context) error { return errWait }},
+		{Name: blocked, Size: 10, Open: source(make([]byte, 10)), Wait: func(ctx context.Context) error {
+			close(release)
+			<-ctx.Done()
+			return ctx.Err()
+		}},
+	} {
+		if err := u.Enqueue(up); err != nil {
+			t.Fatal(err)
+		}
+	}
+	<-release // the blocked upload is waiting
+	// Close can finish nothing more: its context ends the wait.
+	cctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if err := u.Close(cctx); !errors.Is(err, remote.ErrAbandoned) {
+		t.Fatalf("Close: %v, want ErrAbandoned", err)
+	}
+	got := res.get()
+	if r := got[present]; r.Err != nil || r.Created || r.Bytes != 0 || r.Existing.Size != int64(len(body)) {
+		t.Fatalf("present: %+v, want existing, nothing sent", r)
+	}
+	if frt.count("put") != puts {
+		t.Fatalf("%d PUTs sent for an object already stored", frt.count("put")-puts)
+	}
+	if r := got[failing]; !errors.Is(r.Err, errWait) || r.Attempts != 0 {
+		t.Fatalf("failing Wait: %+v", r)
+	}
+	if r := got[blocked]; !errors.Is(r.Err, remote.ErrAbandoned) {
+		t.Fatalf("blocked Wait: %+v, want ErrAbandoned", r)
+	}
+	if ok, err := s.Exists(ctx, []string{failing, blocked}); err != nil || ok[0] || ok[1] {
+		t.Fatalf("objects of uploads that never attempted exist: %v %v", ok, err)
+	}
 }

@@ -85,3 +85,65 @@ func OutcomeOf(err error) Outcome {
 	}
 	return OutcomeError
 }
+
+// RemoteOp is a request kind of the object-store tier, the `op` label of
+// the remote metrics.
+type RemoteOp uint8
+
+// Remote operations.
+const (
+	// RemoteLookup: a batch of existence checks (HEADs) of page keys.
+	RemoteLookup RemoteOp = iota
+	// RemoteFetch: one page fetched (ranged GETs), verified and published
+	// to the local tier.
+	RemoteFetch
+	// RemoteUpload: one page or manifest uploaded (write-behind).
+	RemoteUpload
+	// NumRemoteOps is the number of operations.
+	NumRemoteOps
+)
+
+var remoteOpNames = [NumRemoteOps]string{"lookup", "fetch", "upload"}
+
+// String is the label value: "lookup", "fetch" or "upload".
+func (o RemoteOp) String() string {
+	if o < NumRemoteOps {
+		return remoteOpNames[o]
+	}
+	return fmt.Sprintf("RemoteOp(%d)", int(o))
+}
+
+// RemoteResult is how one remote operation ended, the `result` label.
+type RemoteResult uint8
+
+// Remote results.
+const (
+	// RemoteOK: done (a lookup batch answered, a page fetched and
+	// verified, an object created).
+	RemoteOK RemoteResult = iota
+	// RemoteExisted: an upload found the object already stored and sent
+	// no bytes.
+	RemoteExisted
+	// RemoteCorrupt: a fetched object failed verification (short, long,
+	// replaced, a bad header, key chain or tensor hash): a miss, never
+	// loaded.
+	RemoteCorrupt
+	// RemoteError: a network or server error (after the retries), or a
+	// local error publishing a fetched page.
+	RemoteError
+	// RemoteAbandoned: an upload given up when the engine closed.
+	RemoteAbandoned
+	// NumRemoteResults is the number of results.
+	NumRemoteResults
+)
+
+var remoteResultNames = [NumRemoteResults]string{"ok", "existed", "corrupt", "error", "abandoned"}
+
+// String is the label value: "ok", "existed", "corrupt", "error" or
+// "abandoned".
+func (r RemoteResult) String() string {
+	if r < NumRemoteResults {
+		return remoteResultNames[r]
+	}
+	return fmt.Sprintf("RemoteResult(%d)", int(r))
+}

@@ -1,0 +1,199 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/gather"
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/seaweedfs"
+)
+
+// remoteFetchInFlight is how many GETs the limit keeps in flight: the
+// engine's default read-through keeps FetchPages (16) pages in flight,
+// each one GET when it fits in FetchChunkBytes (64 MiB by the engine's
+// default; a page here is 32 MiB and 16 KiB), so 16 in all.
+const remoteFetchInFlight = 16
+
+// BenchmarkRemoteFetch: the object-store tier's read-through row (issue
+// 15). A 1 GiB prefix (Llama-3.1-8B geometry, 8,192 tokens, 32 pages of
+// 256 tokens) is saved on engine A and uploaded to a real SeaweedFS on
+// loopback (untimed). Each iteration, a fresh engine B with an empty local
+// root and the tier's defaults loads the prompt: it asks the store which
+// pages it holds (HEADs), fetches them (16 pages in flight), verifies each
+// against the key chain and its tensor hashes, publishes it durably to
+// its local tier (temp, fdatasync, rename) and loads it, verified, into
+// capacity-padded destinations. The limit, measured in the same run, is
+// the client's own GETs of the same 32 objects into memory with 16 in
+// flight. Target x-limit >= 0.8; GB/s reported for both. The loaded bytes
+// are compared with the cache's at the end.
+func BenchmarkRemoteFetch(b *testing.B) {
+	srv := seaweedfs.StartTB(b) // fails (never skips) when weed cannot be built
+	w := getWorkload(b, benchModel, prefixTokens)
+	m := w.model
+	cfg := engine.RemoteConfig{Endpoint: srv.Endpoint, Bucket: srv.Bucket, Prefix: "bench-fetch",
+		AccessKey: srv.AccessKey, SecretKey: srv.SecretKey}
+	toks := tokenIDs(prefixTokens, 15)
+
+	// Engine A saves and uploads (Close waits for the uploads).
+	a, err := engine.New(engine.Config{Root: mkdir(b, "remote-a"), Logger: quietLogger, Remote: &engine.RemoteTier{Store: cfg}})
+	if err != nil {
+		b.Fatal(err)
+	}
+	saved := do(b, a, savePrefixReq(w.cache, toks))
+	if err := a.Close(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+
+	// The limit's objects and buffers.
+	st, err := remote.New(cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer st.Close()
+	names := make([]string, len(saved.Prefix.Keys))
+	sizes := make([]int64, len(names))
+	var objBytes int64
+	for i, k := range saved.Prefix.Keys {
+		if names[i], err = st.PageName("ns", k.String()); err != nil {
+			b.Fatal(err)
+		}
+		o, err := st.Stat(context.Background(), names[i])
+		if err != nil {
+			b.Fatal(err)
+		}
+		sizes[i] = o.Size
+		objBytes += o.Size
+	}
+	limMem, err := newArena(int(objBytes) + len(names)*pageBytes)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = limMem.free() }()
+	limBufs := make([][]byte, len(names))
+	for i := range names {
+		limBufs[i] = limMem.alloc(int(sizes[i]))
+	}
+
+	// Destinations: capacity-padded (8,448 tokens), mmap'd.
+	capT := kvgen.Capacity(prefixTokens)
+	tb := m.TensorBytes(capT)
+	mem, err := newArena(2 * m.Layers * alignPage(tb))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = mem.free() }()
+	dest := make([]jobs.TensorSpec, 2*m.Layers)
+	for i := range dest {
+		dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{
+			Base: mem.alloc(tb), Shape: []int{1, m.KVHeads, capT, m.HeadDim},
+			Strides: []int{m.KVHeads * capT * m.HeadDim, capT * m.HeadDim, m.HeadDim, 1}, ItemSize: m.ItemSize,
+		}}
+	}
+	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest, Verify: true}
+
+	var e *engine.Engine
+	var root string
+	b.SetBytes(objBytes)
+	b.ReportAllocs()
+	mm := alternate(b, steps{
+		prepOurs: func(i int) {
+			root = mkdir(b, fmt.Sprintf("remote-b-%d", i))
+			if e, err = engine.New(engine.Config{Root: root, Logger: quietLogger, Remote: &engine.RemoteTier{Store: cfg}}); err != nil {
+				b.Fatal(err)
+			}
+		},
+		ours: func(int) {
+			res := do(b, e, req)
+			if res.Prefix.Tokens != prefixTokens || res.Remote == nil || res.Remote.Err != nil || res.Remote.BytesFetched != objBytes {
+				b.Fatalf("load: %+v, remote %+v", res.Prefix, res.Remote)
+			}
+		},
+		limit: func(int) {
+			if err := getAll(st, names, limBufs); err != nil {
+				b.Fatal(err)
+			}
+		},
+		cleanup: func(int) {
+			closeEngine(b, e)
+			removeAll(b, root)
+		},
+	})
+	mm.report(b, objBytes)
+	if mm.ours > 0 {
+		b.ReportMetric(float64(objBytes)*float64(mm.n)/mm.ours.Seconds()/1e9, "GB/s")
+	}
+	if mm.limit > 0 {
+		b.ReportMetric(float64(objBytes)*float64(mm.n)/mm.limit.Seconds()/1e9, "limit-GB/s")
+	}
+	// The loaded bytes are the cache's, head row by head row.
+	row := m.HeadDim * m.ItemSize
+	for i, d := range dest {
+		want := w.slots[i]
+		for h := range m.KVHeads {
+			got := d.View.Base[h*capT*row:][:prefixTokens*row]
+			if !bytes.Equal(got, want[h*prefixTokens*row:][:prefixTokens*row]) {
+				b.Fatalf("tensor %d head %d: loaded bytes differ from the cache's", i, h)
+			}
+		}
+	}
+}
+
+// getAll is the remote fetch limit: a plain GET of every object through
+// the same minio client, remoteFetchInFlight at a time, each body read
+// whole into its buffer.
+func getAll(st *remote.Store, names []string, bufs [][]byte) error {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	var (
+		wg    sync.WaitGroup
+		mu    sync.Mutex
+		next  int
+		first error
+	)
+	for range min(remoteFetchInFlight, len(names)) {
+		wg.Go(func() {
+			for {
+				mu.Lock()
+				i := next
+				next++
+				stop := i >= len(names) || first != nil
+				mu.Unlock()
+				if stop {
+					return
+				}
+				err := func() error {
+					o, err := st.Client().GetObject(ctx, st.Bucket(), names[i], minio.GetObjectOptions{})
+					if err != nil {
+						return err
+					}
+					defer o.Close()
+					if _, err := io.ReadFull(o, bufs[i]); err != nil {
+						return fmt.Errorf("get %s: %w", names[i], err)
+					}
+					return nil
+				}()
+				if err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return first
+}

@@ -1,0 +1,720 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/metrics/labels"
+	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// The object-store tier behind the local page cache (issue 15), wired into
+// the engine: read-through on loads (and LookupRemote), write-behind after
+// saves. See ARCHITECTURE.md, "Remote tier (object store)", for the data
+// flow and the invariants.
+
+// RemoteConfig says where the object-store tier lives: endpoint (TLS by
+// default; plain http only for a loopback host), bucket, prefix,
+// credentials (from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY when
+// empty) and the client's bounds. See remote.Config.
+type RemoteConfig = remote.Config
+
+// RemoteConfigFromEnv is remote.ConfigFromEnv: endpoint, bucket and prefix
+// given, credentials and region from the standard environment variables.
+func RemoteConfigFromEnv(endpoint, bucket, prefix string) RemoteConfig {
+	return remote.ConfigFromEnv(endpoint, bucket, prefix)
+}
+
+// Sentinels of the object-store tier, re-exported for errors.Is.
+var (
+	// ErrRemoteCorrupt: a fetched object was not the page its name and the
+	// prompt's key chain say (short, long, replaced during the fetch, a bad
+	// header, key, parent, identity, tokens or tensor hash). A miss: it is
+	// never published locally nor loaded (RemoteReport.Err).
+	ErrRemoteCorrupt = remote.ErrCorrupt
+	// ErrUploadsAbandoned: Close's context ended with uploads pending; they
+	// were given up (the local pages are intact).
+	ErrUploadsAbandoned = remote.ErrAbandoned
+)
+
+// RemoteTier configures the object-store tier of an engine (Config.Remote).
+// The engine opens the store from Store, owns it and its uploader, and
+// closes both in Close; a caller needs nothing but package engine.
+type RemoteTier struct {
+	// Store: endpoint, bucket, prefix, credentials (RemoteConfig).
+	Store RemoteConfig
+	// UploadWorkers: uploads in flight at once (goroutines owned by the
+	// engine until Close); default 4.
+	UploadWorkers int
+	// UploadQueue: uploads waiting (descriptors, never bytes: the local
+	// page file is re-opened for each attempt); default 4096. A save whose
+	// pages find the queue full does not wait: those pages are not
+	// uploaded now (counted as errors and logged) and are enqueued again by
+	// the next save that names them.
+	UploadQueue int
+	// FetchPages: pages of one load fetched at once; default 16. Each page
+	// is one GET when it fits in Store.FetchChunkBytes, else ranged GETs
+	// of that size, up to Store.Concurrency in flight. Store.FetchChunkBytes
+	// left 0 means 64 MiB here (not remote's 8 MiB): on SeaweedFS a 1 GiB
+	// prefix of 32 MiB pages loaded at 0.25 GB/s with one GET per page and
+	// 16 pages in flight, at 0.11-0.13 GB/s with 8 MiB ranges and 4 or 8
+	// pages in flight (BenchmarkRemoteFetch, loaded 2-core machine).
+	FetchPages int
+	// UploadBackoffMin and UploadBackoffMax bound the wait between the
+	// attempts of one upload (full jitter, doubling); defaults 100 ms and
+	// 5 s (remote.UploaderConfig).
+	UploadBackoffMin, UploadBackoffMax time.Duration
+	// RefreshAge: before a page manifest is uploaded, every page it names
+	// whose mtime (the store's clock) is older than this is refreshed
+	// (Store.Refresh), so that remote GC keeps it. It must be at most half
+	// the grace period of every remote gc run on the bucket. Default 30
+	// minutes (remote GC's default grace is 1 hour).
+	RefreshAge time.Duration
+}
+
+// RemoteReport says what the object-store tier did for one load (Result.
+// Remote; nil when the engine has no remote tier).
+type RemoteReport struct {
+	// PagesAsked: pages after the local prefix whose existence was asked of
+	// the store (HEADs); PagesFound: those it holds, in chain order up to
+	// the first it does not.
+	PagesAsked, PagesFound int
+	// PagesFetched, BytesFetched: pages fetched, verified and published to
+	// the local tier by this load (object bytes).
+	PagesFetched int
+	BytesFetched int64
+	// Err is the first failure of the tier for this load: a lookup or
+	// fetch error (network, server, local I/O), or a corrupt object
+	// (errors.Is ErrRemoteCorrupt). The prefix ends before the page it
+	// names; the load itself still succeeds with what it found. nil when
+	// every page asked for was found or missing cleanly.
+	Err error
+}
+
+// PrefixHit is LookupRemote's answer, in tokens.
+type PrefixHit struct {
+	// Local: the longest prefix stored in the local tier (what Lookup
+	// returns).
+	Local int
+	// Total: the longest prefix stored in the local tier and the object
+	// store together (>= Local): pages after the local prefix that a load
+	// would fetch. Like Local, a multiple of the page size or the prompt's
+	// length.
+	Total int
+}
+
+// tier is the engine's object-store tier.
+type tier struct {
+	e          *Engine
+	st         *remote.Store
+	up         *remote.Uploader
+	window     int // keys asked per Exists round trip (Store.Concurrency)
+	fetchPages int
+	refreshAge time.Duration
+
+	mu      sync.Mutex
+	known   map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
+	pending map[string]*pendingUpload              // object name -> upload queued or in flight
+}
+
+type pendingUpload struct {
+	ns       string
+	key      layout.PageKey // a page's; zero for a manifest
+	manifest bool
+	start    time.Time     // first attempt (zero before it)
+	done     chan struct{} // closed when the upload ended; err is then set
+	err      error
+}
+
+// newTier opens the store and starts the uploader (cfg.Remote set).
+func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
+	sc := rc.Store
+	if sc.FetchChunkBytes == 0 {
+		sc.FetchChunkBytes = 64 << 20 // a page is one GET up to 64 MiB
+	}
+	st, err := remote.New(sc)
+	if err != nil {
+		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
+	}
+	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
+		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{}}
+	if t.window == 0 {
+		t.window = 16 // remote.Config's default Concurrency
+	}
+	if t.fetchPages == 0 {
+		t.fetchPages = 16
+	}
+	t.refreshAge = rc.RefreshAge
+	if t.refreshAge == 0 {
+		t.refreshAge = 30 * time.Minute
+	}
+	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 {
+		st.Close()
+		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0)", ErrConfig, rc.FetchPages, rc.RefreshAge)
+	}
+	t.up, err = remote.NewUploader(st, remote.UploaderConfig{
+		Workers: rc.UploadWorkers, QueueLen: rc.UploadQueue,
+		BackoffMin: rc.UploadBackoffMin, BackoffMax: rc.UploadBackoffMax,
+		StatFirst: true, OnDone: t.uploaded,
+	})
+	if err != nil {
+		st.Close()
+		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
+	}
+	t.queueDepth() // the remote metrics are exported from now on
+	return t, nil
+}
+
+// close finishes or abandons the uploads within ctx, then closes the
+// store's idle connections. Called by Engine.Close after every job acked,
+// so no save enqueues meanwhile.
+func (t *tier) close(ctx context.Context) error {
+	err := t.up.Close(ctx)
+	t.st.Close()
+	t.queueDepth()
+	return err
+}
+
+func (t *tier) metrics() MetricsSink { return t.e.cfg.Metrics }
+
+func (t *tier) queueDepth() {
+	if m := t.metrics(); m != nil {
+		s := t.up.Stats()
+		m.RemoteQueue(int64(s.Queued + s.InFlight))
+	}
+}
+
+func (t *tier) isKnown(ns string, k layout.PageKey) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	_, ok := t.known[ns][k]
+	return ok
+}
+
+func (t *tier) markKnown(ns string, k layout.PageKey) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m := t.known[ns]
+	if m == nil {
+		m = map[layout.PageKey]struct{}{}
+		t.known[ns] = m
+	}
+	m[k] = struct{}{}
+}
+
+// saved enqueues the pages of a durable save (keys, in chain order) for
+// upload, except those known stored remotely or already queued. It never
+// blocks: it lstats each page file (for its size) and queues a
+// descriptor. Pages are enqueued in chain order, so a page is created
+// before its descendants unless a retry reorders them (harmless: a lookup
+// walks the chain and stops at the first page the store lacks).
+func (t *tier) saved(ns string, keys []layout.PageKey) {
+	t.enqueuePages(ns, keys)
+	t.queueDepth()
+}
+
+// enqueuePages queues the pages keys of ns not known stored and returns
+// the uploads of those it queued or found queued (a manifest waits for
+// them).
+func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
+	n, err := t.e.store.Namespace(ns)
+	if err != nil {
+		return nil
+	}
+	var out []*pendingUpload
+	for _, k := range keys {
+		if t.isKnown(ns, k) {
+			continue
+		}
+		name, err := t.st.PageName(ns, k.String())
+		if err != nil {
+			continue
+		}
+		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k}, nil); p != nil {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+// enqueueFile queues the upload of the local file path as object name
+// (p describes it), unless name is queued already (that upload is
+// returned). It returns nil when nothing is queued: the file is gone or
+// the queue is full (logged, counted as an upload error). The source is
+// re-opened for each attempt and must still be the file lstat'd now (same
+// size and mtime): a manifest rewritten under its name meanwhile is not
+// uploaded with the wrong bytes.
+func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
+	fsys := t.e.store.FS()
+	fi, err := fsys.Lstat(path)
+	if err != nil || !fi.Mode().IsRegular() {
+		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
+		return nil
+	}
+	t.mu.Lock()
+	if q := t.pending[name]; q != nil {
+		t.mu.Unlock()
+		return q
+	}
+	p.done = make(chan struct{})
+	t.pending[name] = p
+	t.mu.Unlock()
+	size, mtime := fi.Size(), fi.ModTime()
+	err = t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Open: func() (remote.ReadAtCloser, error) {
+		t.mu.Lock()
+		if p.start.IsZero() {
+			p.start = time.Now()
+		}
+		t.mu.Unlock()
+		f, err := fsys.Open(path)
+		if err != nil {
+			return nil, err
+		}
+		if st, err := f.Stat(); err != nil || st.Size() != size || !st.ModTime().Equal(mtime) {
+			f.Close()
+			return nil, fmt.Errorf("engine: %s changed since it was queued for upload", path)
+		}
+		return f, nil
+	}})
+	if err != nil {
+		t.mu.Lock()
+		delete(t.pending, name)
+		t.mu.Unlock()
+		p.err = err
+		close(p.done)
+		if m := t.metrics(); m != nil {
+			m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
+		}
+		t.e.logSafe(slog.LevelWarn, "kvpersist: not queued for upload", "file", path, "err", err)
+		return nil
+	}
+	return p
+}
+
+// manifestWritten queues the upload of a page manifest (a named snapshot
+// in the Pages layout) after the pages it names: the pages are queued
+// first, and the manifest's Wait (run by an uploader worker before its
+// first attempt) waits for their uploads, then makes sure every page is
+// stored and young enough for remote GC (manifestReady). So a listable
+// manifest never names a page the store lacks, nor one that a collector
+// may delete before the manifest protects it.
+func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
+	defer t.queueDepth()
+	pages := t.enqueuePages(ref.Namespace, keys)
+	path, err := t.e.Path(ref)
+	if err != nil {
+		return
+	}
+	name, err := t.st.ManifestName(ref.Namespace, ref.Name)
+	if err != nil {
+		return
+	}
+	t.enqueueFile(name, path, &pendingUpload{ns: ref.Namespace, manifest: true}, func(ctx context.Context) error {
+		for _, p := range pages {
+			select {
+			case <-p.done:
+				if p.err != nil {
+					return fmt.Errorf("engine: a page of manifest %s was not uploaded: %w", name, p.err)
+				}
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		return t.manifestReady(ctx, ref.Namespace, keys)
+	})
+}
+
+// manifestReady checks that every page keys names is stored (one HEAD
+// each, Concurrency in flight) and refreshes each whose mtime is older
+// than the store's clock minus RemoteTier.RefreshAge (Store.Refresh: a
+// server-side copy onto itself, the bytes unchanged), so that remote GC,
+// whose grace must be at least twice RefreshAge, keeps it until the
+// manifest is listable (ARCHITECTURE.md, "Remote garbage collection and
+// its clocks").
+func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageKey) error {
+	for _, k := range keys {
+		name, err := t.st.PageName(ns, k.String())
+		if err != nil {
+			return err
+		}
+		o, err := t.st.Stat(ctx, name)
+		if err != nil {
+			return err
+		}
+		if o.ModTime.Before(t.st.ServerTime().Add(-t.refreshAge)) {
+			if _, err := t.st.Refresh(ctx, name, o.ETag); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// uploaded is the uploader's OnDone: it marks a stored page known and
+// feeds the metrics. It runs on an uploader goroutine.
+func (t *tier) uploaded(r remote.UploadResult) {
+	t.mu.Lock()
+	p := t.pending[r.Name]
+	delete(t.pending, r.Name)
+	t.mu.Unlock()
+	if p != nil {
+		defer func() { p.err = r.Err; close(p.done) }()
+	}
+	var d time.Duration
+	if p != nil && !p.start.IsZero() {
+		d = time.Since(p.start)
+	}
+	res := labels.RemoteOK
+	switch {
+	case errors.Is(r.Err, remote.ErrAbandoned):
+		res = labels.RemoteAbandoned
+	case r.Err != nil:
+		res = labels.RemoteError
+		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
+	case !r.Created:
+		res = labels.RemoteExisted
+	}
+	if r.Err == nil && p != nil && !p.manifest {
+		t.markKnown(p.ns, p.key)
+	}
+	if m := t.metrics(); m != nil {
+		m.Remote(labels.RemoteUpload, res, r.Bytes, d)
+	}
+	t.queueDepth()
+}
+
+// remoteCandidates returns the keys of tokens' chain after the local
+// prefix (per the index), up to where the store lacks one, and which of
+// them are in the local tier already. It asks the store about the keys
+// not in the local index, Store.Concurrency keys per round trip (one
+// HEAD each, all in flight at once), stopping at the first window holding
+// a key the store lacks: a prompt of n pages past its local prefix costs
+// at most ceil(n/Concurrency) round trips (a 32,768-token prompt at 256
+// tokens per page: 128 pages, at most 8 round trips at the default
+// Concurrency of 16), and one when its first remote page is missing.
+// A leaf (the partial last page) counts only when every full page before
+// it is stored, as in Lookup.
+//
+// start is the position in keys of the first candidate (the first key the
+// index lacks); cands are keys[start:start+len(cands)].
+func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *RemoteReport) (start int, cands []layout.PageKey, local []bool) {
+	i := 0
+	for i < len(keys) && t.e.pages.Has(ns, keys[i]) {
+		i++
+	}
+	start = i
+	for i < len(keys) {
+		var names []string
+		var asked []int // positions in keys of the names
+		j := i
+		for ; j < len(keys) && len(names) < t.window; j++ {
+			if t.e.pages.Has(ns, keys[j]) {
+				continue
+			}
+			name, err := t.st.PageName(ns, keys[j].String())
+			if err != nil {
+				rep.Err = err
+				return start, cands, local
+			}
+			names = append(names, name)
+			asked = append(asked, j)
+		}
+		present := map[int]bool{}
+		if len(names) > 0 {
+			began := time.Now()
+			ok, err := t.st.Exists(ctx, names)
+			m := t.metrics()
+			if err != nil {
+				if m != nil {
+					m.Remote(labels.RemoteLookup, labels.RemoteError, 0, time.Since(began))
+				}
+				rep.Err = err
+				return start, cands, local
+			}
+			if m != nil {
+				m.Remote(labels.RemoteLookup, labels.RemoteOK, 0, time.Since(began))
+			}
+			rep.PagesAsked += len(names)
+			hits := 0
+			for a, pos := range asked {
+				present[pos] = ok[a]
+				if ok[a] {
+					hits++
+				}
+			}
+			if m != nil {
+				m.RemoteLookup(int64(hits), int64(len(names)-hits))
+			}
+		}
+		for ; i < j; i++ {
+			isLocal := t.e.pages.Has(ns, keys[i])
+			if !isLocal && !present[i] {
+				return start, cands, local
+			}
+			if !isLocal {
+				rep.PagesFound++
+				t.markKnown(ns, keys[i])
+			}
+			cands = append(cands, keys[i])
+			local = append(local, isLocal)
+		}
+	}
+	return start, cands, local
+}
+
+// readThrough runs before a prefix load: the pages of tokens' chain after
+// the local prefix that the store holds are fetched (FetchPages at once,
+// each with ranged GETs in flight), verified against the key chain the
+// prompt implies and their tensor hashes, and published to the local tier
+// (publishFetched); the load then finds them locally. The prefix the load
+// can see ends at the first page that is missing remotely, fails to fetch
+// or fails verification (reported in the RemoteReport, never an error of
+// the load). Nothing local is changed except new, verified page files.
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) *RemoteReport {
+	rep := &RemoteReport{}
+	if p == 0 {
+		p = layout.DefaultPageTokens
+	}
+	keys, _, err := layout.PageChain(identity, p, tokens)
+	if err != nil || len(tokens) == 0 {
+		return rep // the load reports the invalid request
+	}
+	if l, err := t.e.pages.Lookup(ns, identity, p, tokens); err != nil || l == len(tokens) {
+		return rep
+	}
+	first, cands, local := t.remoteCandidates(ctx, ns, keys, rep)
+	var fetch []int // positions in keys
+	for c := range cands {
+		if !local[c] {
+			fetch = append(fetch, first+c)
+		}
+	}
+	if len(fetch) == 0 {
+		return rep
+	}
+	n, err := t.e.store.Namespace(ns)
+	if err != nil {
+		rep.Err = err
+		return rep
+	}
+	// As a save: the namespace durably, its lock shared (no gc of another
+	// process sweeps meanwhile), pages/ and the fan-out directories.
+	if err := n.Create(); err != nil {
+		rep.Err = err
+		return rep
+	}
+	unlock, err := n.Lock(ctx, false)
+	if err != nil {
+		rep.Err = err
+		return rep
+	}
+	defer unlock()
+	if err := n.CreatePagesDir(); err != nil {
+		rep.Err = err
+		return rep
+	}
+	dirs := map[string]bool{}
+	for _, pos := range fetch {
+		d := filepath.Dir(n.PagePath(keys[pos]))
+		if !dirs[d] {
+			if err := n.CreateFanout(d); err != nil {
+				rep.Err = err
+				return rep
+			}
+			dirs[d] = true
+		}
+	}
+	if t.e.store.Durable() { // the fan-out directories' entries in pages/
+		if err := t.e.store.SyncDir(n.PagesDir()); err != nil {
+			rep.Err = err
+			return rep
+		}
+	}
+	// Fetch, FetchPages at once; results by position.
+	errs := make([]error, len(fetch))
+	sizes := make([]int64, len(fetch))
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	next := 0
+	for range min(t.fetchPages, len(fetch)) {
+		wg.Go(func() {
+			for {
+				mu.Lock()
+				f := next
+				next++
+				mu.Unlock()
+				if f >= len(fetch) {
+					return
+				}
+				pos := fetch[f]
+				if ctx.Err() != nil {
+					errs[f] = ctx.Err()
+					continue
+				}
+				parent := layout.PageRoot(identity, p)
+				if pos > 0 {
+					parent = keys[pos-1]
+				}
+				want := &layout.Page{Key: keys[pos], Parent: parent, Identity: identity, PageTokens: p,
+					Tokens: tokens[pos*p : min(len(tokens), (pos+1)*p)]}
+				sizes[f], errs[f] = t.fetchPage(ctx, n, want)
+			}
+		})
+	}
+	wg.Wait()
+	for f, pos := range fetch {
+		if errs[f] != nil {
+			if rep.Err == nil {
+				rep.Err = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, keys[pos], ns, errs[f])
+			}
+			t.e.logSafe(slog.LevelWarn, "kvpersist: remote page not fetched", "namespace", ns, "page", keys[pos].String(), "err", errs[f])
+			continue
+		}
+		rep.PagesFetched++ // published even past a failed page: each is valid alone
+		rep.BytesFetched += sizes[f]
+	}
+	return rep
+}
+
+// fetchPage fetches the page want.Key of namespace n into a temp file
+// beside its local path, verifies it (verifyPage) and publishes it
+// (publishFetched); it adds it to the index. A page published meanwhile by
+// a save is simply replaced by the same bytes (same key, same content).
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page) (int64, error) {
+	start := time.Now()
+	name, err := t.st.PageName(n.Name(), want.Key.String())
+	if err != nil {
+		return 0, err
+	}
+	path := n.PagePath(want.Key)
+	sf, err := layout.Stage(t.e.store.FS(), path, 0)
+	if err != nil {
+		return 0, err
+	}
+	fsys := t.e.store.FS()
+	size, err := t.st.Fetch(ctx, name, sf.File, func(_ io.ReaderAt, size int64) error {
+		// The temp file is open for writing only: verify through a
+		// read-only descriptor of it.
+		f, err := fsys.Open(sf.Tmp)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		return verifyPage(f, name, want, size)
+	})
+	if err == nil {
+		err = t.publishFetched(sf, size)
+	} else {
+		sf.Abort()
+	}
+	res := labels.RemoteOK
+	switch {
+	case errors.Is(err, remote.ErrCorrupt):
+		res = labels.RemoteCorrupt
+	case err != nil:
+		res = labels.RemoteError
+	}
+	if m := t.metrics(); m != nil {
+		var b int64
+		if err == nil {
+			b = size
+		}
+		m.Remote(labels.RemoteFetch, res, b, time.Since(start))
+	}
+	if err != nil {
+		return 0, err
+	}
+	t.e.pages.Add(n.Name(), want.Key)
+	t.markKnown(n.Name(), want.Key)
+	return size, nil
+}
+
+// publishFetched is the one place a fetched page enters the local tier:
+// fdatasync of the verified temp file, rename onto the page's path, fsync
+// of its fan-out directory (under the store's sync policy), as a save
+// publishes its pages. (A capacity reservation of the bounded cache wraps
+// this call.)
+func (t *tier) publishFetched(sf *layout.Staged, size int64) error {
+	return sf.Commit(t.e.store.PublishOptions(true, 0))
+}
+
+// verifyPage checks a fetched page file before it may be published:
+// remote.VerifyPage (it decodes: every single-file rule, the header hash,
+// the page object, whose key must equal SHA-256(parent ‖ tokens); its key
+// is the one named; every tensor's xxh3-64 matches; it ends exactly where
+// its last tensor ends, so a short or long object fails), and it is
+// exactly the page the prompt's chain expects at its position: parent,
+// identity, page size and token ids.
+func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
+	var pg *layout.Page
+	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	switch {
+	case pg.Parent != want.Parent:
+		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)
+	case pg.Identity != want.Identity || pg.PageTokens != want.PageTokens:
+		return fmt.Errorf("%s has identity %q and %d tokens per page, the load %q and %d", name, pg.Identity, pg.PageTokens, want.Identity, want.PageTokens)
+	case !slices.Equal(pg.Tokens, want.Tokens):
+		return fmt.Errorf("%s holds other token ids than the prompt's", name)
+	}
+	return nil
+}
+
+// LookupRemote is Lookup through both tiers: Local is Lookup's answer
+// (the engine's index, no I/O), Total the longest prefix stored in the
+// local tier and the object store together, which a LoadPrefixRequest
+// would load (fetching the remote pages first). It asks the store about
+// the pages after the local prefix that the local index lacks, in batches
+// of Store.Concurrency HEADs all in flight (one round trip each), and
+// stops at the first batch holding a page the store lacks: a prompt of n
+// pages past its local prefix costs at most ceil(n/Concurrency) round
+// trips (a 32,768-token prompt at 256 tokens per page, nothing local: 128
+// HEADs in 8 round trips at the default Concurrency of 16).
+//
+// Lookup stays local-only on purpose: a scheduler calls it on its hot
+// path for every request and needs an answer in microseconds without
+// allocation or failure; LookupRemote costs network round trips and can
+// fail, so the scheduler calls it when the local answer is short and
+// decides whether fetching beats recomputing. Without a remote tier,
+// Total equals Local.
+//
+// Errors: those of Lookup, ctx's, or the store's (a *remote.OpError; Local
+// is still set and Total = Local).
+func (e *Engine) LookupRemote(ctx context.Context, namespace, identity string, pageTokens int, tokens []uint32) (PrefixHit, error) {
+	local, err := e.Lookup(namespace, identity, pageTokens, tokens)
+	if err != nil || e.tier == nil || local == len(tokens) {
+		return PrefixHit{Local: local, Total: local}, err
+	}
+	if pageTokens == 0 {
+		pageTokens = layout.DefaultPageTokens
+	}
+	keys, _, err := layout.PageChain(identity, pageTokens, tokens)
+	if err != nil {
+		return PrefixHit{Local: local, Total: local}, err
+	}
+	var rep RemoteReport
+	_, cands, _ := e.tier.remoteCandidates(ctx, namespace, keys, &rep)
+	total := local
+	if len(cands) > 0 {
+		last := local/pageTokens + len(cands) // pages of the prefix
+		full := len(tokens) / pageTokens
+		switch {
+		case last <= full:
+			total = last * pageTokens
+		default: // the leaf: the whole prompt
+			total = len(tokens)
+		}
+	}
+	return PrefixHit{Local: local, Total: total}, rep.Err
+}
