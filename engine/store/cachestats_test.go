@@ -37,8 +37,8 @@ func TestCacheStatsRecency(t *testing.T) {
 	if err := os.MkdirAll(nsDir, 0o750); err != nil {
 		t.Fatal(err)
 	}
-	res, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true},
-		&jobs.SavePrefixSpec{NSDir: nsDir, Identity: "id", Tokens: toks, Tensors: tensors, PageTokens: 16})
+	res, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true, Root: root},
+		&jobs.SavePrefixRequest{Namespace: "ns", Identity: "id", Tokens: toks, Tensors: tensors, PageTokens: 16})
 	if err != nil {
 		t.Fatal(err)
 	}
