@@ -46,9 +46,11 @@ type NamespaceUsage = evict.NamespaceUsage
 // Usage returns the page cache's accounting: capacity, used, reserved and
 // evicting bytes (allocated bytes, st_blocks × 512), pages, and the same
 // per namespace with its quota. It takes one short lock and does no I/O,
-// so it suits metrics.Options{Usage: eng.Usage}, read at each scrape.
+// so it suits metrics.Options{Usage: eng.Usage}, read at each scrape. A
+// nil *Engine (a scrape before engine.New returned, or after it failed)
+// reports a zero Usage.
 func (e *Engine) Usage() Usage {
-	if e.pc == nil {
+	if e == nil || e.pc == nil {
 		return Usage{}
 	}
 	return e.pc.pol.Usage()

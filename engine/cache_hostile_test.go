@@ -203,3 +203,15 @@ func TestCacheHostilePagesEntries(t *testing.T) {
 		}
 	}
 }
+
+// TestUsageOfNilEngine: the README's metrics set-up reads Engine.Usage
+// through a variable assigned by engine.New (metrics.Options{Usage: func()
+// evict.Usage { return e.Usage() }}); a scrape before New returned, or
+// after it failed, calls Usage on a nil *Engine. It must report nothing,
+// not panic (a panic in a collector takes the process down).
+func TestUsageOfNilEngine(t *testing.T) {
+	var e *Engine
+	if u := e.Usage(); u.UsedBytes != 0 || u.Pages != 0 || len(u.Namespaces) != 0 {
+		t.Fatalf("usage of a nil engine: %+v", u)
+	}
+}
