@@ -215,3 +215,44 @@ func TestUsageOfNilEngine(t *testing.T) {
 		t.Fatalf("usage of a nil engine: %+v", u)
 	}
 }
+
+// TestCacheBoundWithBackgroundVictims: the bound on Config.CapacityBytes
+// has a term E for the background eviction's victims not yet unlinked. A
+// quota lowered while a load of the namespace holds its shared lock
+// leaves 3 victims waiting for the exclusive lock; their bytes count as
+// freed, so a save of 5 pages in another namespace writes without
+// evicting: the page tree holds 11 pages for a capacity of 8 with no save
+// in flight (D = CapacityBytes + E). Once the load is done the victims go
+// and the tree is back to 8 pages.
+func TestCacheBoundWithBackgroundVictims(t *testing.T) {
+	pb := pageBytes(t)
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2, CapacityBytes: 8 * pb})
+	mustSavePages(t, e, "a", convTokens(0, 4*cP, 1))
+	mustSavePages(t, e, "b", convTokens(0, 2*cP, 2))
+	n, err := e.store.Namespace("a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := n.Lock(bg, false) // a load of namespace a, held
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.SetQuota("a", pb); err != nil {
+		unlock()
+		t.Fatal(err)
+	}
+	waitFor(t, "the background victims", func() bool { return e.Usage().EvictingBytes == 3*pb })
+	mustSavePages(t, e, "b", convTokens(0, 5*cP, 3))
+	d, _, _ := pageTree(t, root)
+	evicting := e.Usage().EvictingBytes
+	unlock()
+	if d != 11*pb || evicting != 3*pb {
+		t.Fatalf("with the victims behind the lock: the page tree holds %d bytes (%d pages), evicting %d bytes; want 11 pages, 3 evicting", d, d/pb, evicting)
+	}
+	waitFor(t, "the victims' unlink", func() bool { return e.Usage().EvictingBytes == 0 })
+	if d, _, _ := pageTree(t, root); d != 8*pb {
+		t.Fatalf("after the load: %d pages on disk, want 8", d/pb)
+	}
+	checkAccounting(t, e, root)
+}

@@ -104,17 +104,21 @@ type Config struct {
 	// every instant the allocated bytes D of the page tree (published and
 	// temp page files) satisfy
 	//
-	//	D ≤ CapacityBytes + S × P
+	//	D ≤ CapacityBytes + S × P + E
 	//
 	// where S is the number of saves in flight at that instant and P the
-	// largest page file's allocated bytes: a save's victims may free up to
+	// largest page file's allocated bytes (a save's victims may free up to
 	// one page more than it needs, and another save may use that room
-	// while the victim is still being unlinked. Pages found on disk beyond
-	// the capacity at New (or written by another process) are evicted in
-	// the background (ReasonShrink). A save that cannot make room (every
-	// page that could go is pinned, shared by a stored descendant, or
-	// protected by a quota) fails with ErrNoSpace, writes nothing and
-	// leaves every stored page intact. Pins (of loads, of saves' reused
+	// while the victim is still being unlinked), and E the allocated bytes
+	// of the background eviction's victims not yet unlinked: 0 except
+	// after SetQuota lowers a quota or pages are found beyond the limits;
+	// those victims count as freed but wait for their namespace's
+	// exclusive lock, which loads of that namespace may keep busy. Pages
+	// found on disk beyond the capacity at New (or written by another
+	// process) are evicted in the background (ReasonShrink). A save that
+	// cannot make room (every page that could go is pinned, shared by a
+	// stored descendant, or protected by a quota) fails with ErrNoSpace,
+	// writes nothing and leaves every stored page intact. Pins (of loads, of saves' reused
 	// pages, of page manifests) are this engine's; what keeps a load of
 	// another process on the same root safe from this engine's evictions
 	// is the namespace's shared lock that load holds during its reads
