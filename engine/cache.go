@@ -736,7 +736,9 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // publishes pages of keys (it takes the namespace's shared lock itself).
 //
 // In order: (1) the keys already tracked are pinned (they are reused, cost
-// nothing, and cannot be evicted while write runs); (2) the allocated bytes
+// nothing, and cannot be evicted while write runs); a key that is a victim
+// whose unlink is pending is waited for (waitVictim, until ctx ends) and
+// then written again, never reused; (2) the allocated bytes
 // of the others (each length rounded up to the file system's block size)
 // are reserved, after a statvfs of the root when a headroom is set (when
 // no room can be made, the page manifests of namespaces whose directory
@@ -758,19 +760,35 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 	ek := evictKeys(keys)
 	pinned := make([]bool, len(ek))
 	var pins []evict.Key
+	defer func() {
+		if uerr := pc.pol.UnpinAll(ns, pins); uerr != nil {
+			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
+		}
+	}()
 	for i := 0; i < len(ek); {
 		k := pc.pol.PinPrefix(ns, ek[i:])
 		for j := i; j < i+k; j++ {
 			pinned[j] = true
 		}
 		pins = append(pins, ek[i:i+k]...)
-		i += k + 1
-	}
-	defer func() {
-		if uerr := pc.pol.UnpinAll(ns, pins); uerr != nil {
-			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
+		i += k
+		if i == len(ek) {
+			break
 		}
-	}()
+		// ek[i] is not tracked, or is a victim whose unlink is pending
+		// (another save's, or the background shrink's, waiting for the
+		// namespace's exclusive lock). A victim must not be reused: its
+		// unlink would follow the save and cut the chain after it. Wait
+		// for it to be gone (the save writes it again) or abandoned (then
+		// pin it).
+		if pc.pol.Evicting(ns, ek[i]) {
+			if err := pc.waitVictim(ctx, ns, ek[i]); err != nil {
+				return fmt.Errorf("engine: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
+			}
+			continue
+		}
+		i++
+	}
 	var want int64
 	for i := range ek {
 		if pinned[i] {
@@ -861,6 +879,25 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
 	}()
 	return write()
+}
+
+// waitVictim waits until page k of namespace ns is no longer a victim
+// whose unlink is pending (Removed or Abandoned), or ctx ends (its error).
+// The unlink it waits for needs the namespace's exclusive lock; the caller
+// holds no lock of the namespace.
+func (pc *pageCache) waitVictim(ctx context.Context, ns string, k evict.Key) error {
+	d := time.Millisecond
+	for pc.pol.Evicting(ns, k) {
+		t := time.NewTimer(d)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+		d = min(2*d, 20*time.Millisecond)
+	}
+	return nil
 }
 
 // unlinkWorkers bounds the unlinks in flight in one namespace: they only

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -253,6 +254,68 @@ func TestCacheBoundWithBackgroundVictims(t *testing.T) {
 	waitFor(t, "the victims' unlink", func() bool { return e.Usage().EvictingBytes == 0 })
 	if d, _, _ := pageTree(t, root); d != 8*pb {
 		t.Fatalf("after the load: %d pages on disk, want 8", d/pb)
+	}
+	checkAccounting(t, e, root)
+}
+
+// TestCacheSaveWaitsForAVictimItWouldReuse: conversation 1's leaf is a
+// victim of the background shrink (a quota lowered), its unlink waiting
+// for the namespace's exclusive lock while a load holds it shared. The
+// conversation's next turn is saved meanwhile: it must not reuse the
+// victim (the unlink would follow and leave the new page without its
+// parent: before the fix the save succeeded and the conversation then
+// had 1 page of 3 stored). It waits for the unlink, writes the page
+// again, and the whole conversation is stored.
+func TestCacheSaveWaitsForAVictimItWouldReuse(t *testing.T) {
+	pb := pageBytes(t)
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2, CapacityBytes: 6 * pb})
+	conv1 := convTokens(0, 3*cP, 1)
+	mustSavePages(t, e, "p", conv1[:2*cP])
+	mustSavePages(t, e, "p", convTokens(0, 2*cP, 2))
+	n, err := e.store.Namespace("p")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := n.Lock(bg, false) // a load of p, held
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.SetQuota("p", 3*pb); err != nil {
+		unlock()
+		t.Fatal(err)
+	}
+	waitFor(t, "the background victim", func() bool { return e.Usage().EvictingBytes == pb })
+	keys, _, _ := layout.PageChain("tiny", cP, conv1)
+	if !e.pc.pol.Evicting("p", evict.Key(keys[1])) {
+		unlock()
+		t.Fatalf("the victim is not conversation 1's leaf")
+	}
+	if err := e.SetQuota("p", 0); err != nil {
+		unlock()
+		t.Fatal(err)
+	}
+	saved := make(chan Result, 1)
+	go func() { saved <- savePages(e, "p", conv1) }() // the next turn
+	select {
+	case r := <-saved:
+		unlock()
+		t.Fatalf("the save reused a victim whose unlink is pending: %+v %v", r.Prefix, r.Err)
+	case <-time.After(50 * time.Millisecond): // waiting, as it must (not a timing assertion: a wrong early return fails above)
+	}
+	unlock()
+	r := recv(t, saved)
+	if r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	if r.Prefix.PagesWritten != 2 || r.Prefix.PagesReused != 1 {
+		t.Fatalf("the next turn: %d pages written, %d reused; want 2 (the evicted leaf again, and the new page) and 1", r.Prefix.PagesWritten, r.Prefix.PagesReused)
+	}
+	if got, _ := e.Lookup("p", "tiny", cP, conv1); got != 3*cP {
+		t.Fatalf("conversation 1 after its save: %d tokens stored, want %d", got, 3*cP)
+	}
+	if got := loadPages(t, e, "p", conv1); got != 3*cP {
+		t.Fatalf("conversation 1 loads %d tokens, want %d", got, 3*cP)
 	}
 	checkAccounting(t, e, root)
 }

@@ -899,6 +899,22 @@ func (c *Cache) Usage() Usage {
 	return u
 }
 
+// Evicting reports whether a tracked page is a victim chosen but not yet
+// Removed or Abandoned (its unlink is pending). A save must not reuse such
+// a page (Pin refuses it): its unlink would leave the save's later pages
+// without their parent. The engine waits for it to be gone, then writes it
+// again.
+func (c *Cache) Evicting(ns string, key Key) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.ns(ns, false)
+	if s == nil {
+		return false
+	}
+	n := s.nodes[key]
+	return n != nil && n.present && n.evicting
+}
+
 // Lookup returns a tracked page's record (Bytes and Access current) and
 // whether it is tracked.
 func (c *Cache) Lookup(ns string, key Key) (Page, bool) {
