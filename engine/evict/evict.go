@@ -907,12 +907,16 @@ func (c *Cache) Usage() Usage {
 func (c *Cache) Evicting(ns string, key Key) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	s := c.ns(ns, false)
-	if s == nil {
-		return false
-	}
-	n := s.nodes[key]
+	n := c.nodeLocked(ns, key)
 	return n != nil && n.present && n.evicting
+}
+
+// nodeLocked is the node of key in namespace ns, or nil. c.mu held.
+func (c *Cache) nodeLocked(ns string, key Key) *node {
+	if s := c.ns(ns, false); s != nil {
+		return s.nodes[key]
+	}
+	return nil
 }
 
 // Lookup returns a tracked page's record (Bytes and Access current) and
@@ -920,11 +924,7 @@ func (c *Cache) Evicting(ns string, key Key) bool {
 func (c *Cache) Lookup(ns string, key Key) (Page, bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	s := c.ns(ns, false)
-	if s == nil {
-		return Page{}, false
-	}
-	n := s.nodes[key]
+	n := c.nodeLocked(ns, key)
 	if n == nil || !n.present {
 		return Page{}, false
 	}
