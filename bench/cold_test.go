@@ -211,6 +211,12 @@ type coldState struct {
 
 func newColdState(b *testing.B, snap *layout.Snapshot, path string, logical int64) *coldState {
 	files, exts := snapshotFiles(snap, path)
+	return coldStateOf(b, files, exts, logical)
+}
+
+// coldStateOf is the cold rows' state for reading exts (logical bytes in
+// all) of files.
+func coldStateOf(b *testing.B, files []string, exts []extent, logical int64) *coldState {
 	var n int64
 	for _, e := range exts {
 		n += e.len
@@ -226,8 +232,24 @@ func newColdState(b *testing.B, snap *layout.Snapshot, path string, logical int6
 	return &coldState{files: files, exts: exts, bufs: mem, perQD: map[int]time.Duration{}, logical: logical}
 }
 
-// limit runs the O_DIRECT limit at every depth and returns the best time.
-// Timed runs (count) add to the per-depth totals.
+// best is the limit over the timed runs: the total time of the queue
+// depth whose runs took least in all (the depth that maximises throughput
+// on this disk over the benchmark), and that depth. Taking instead the
+// fastest depth of each iteration (minLimit) compares one run of the
+// engine against the best of four noisy runs, which favours the limit.
+func (c *coldState) best() (time.Duration, int) {
+	var best time.Duration
+	qd := 0
+	for _, d := range directDepths {
+		if t := c.perQD[d]; t > 0 && (best == 0 || t < best) {
+			best, qd = t, d
+		}
+	}
+	return best, qd
+}
+
+// limit runs the O_DIRECT limit at every depth and returns the fastest
+// run's time. Timed runs (count) add to the per-depth totals.
 func (c *coldState) limit(b *testing.B, count bool) time.Duration {
 	bufs := make([][]byte, slices.Max(directDepths))
 	c.bufs.off = 0
@@ -276,8 +298,12 @@ func (c *coldState) report(b *testing.B, n int) {
 // see evict), verified, into the same buffers as the warm rows; the limit
 // is O_DIRECT reads of the same bytes of the same files (the tensor extents
 // of the single file; every block file of the manifest), 1 MiB requests, at
-// queue depths 1, 4, 16 and 32, the fastest taken (each reported as
-// qdN-MB/s). Targets: single file >= 0.8, blocks >= 0.7.
+// queue depths 1, 4, 16 and 32 (each reported as qdN-MB/s), the depth with
+// the least total time taken (best-qd; x-min-limit is against the fastest
+// depth of each iteration instead). Targets: single file >= 0.8, blocks >=
+// 0.7. Blocks also measure SHA-256 of the same bytes on every core in the
+// same run (sha256-MB/s): a verified block restore cannot beat the slower
+// of that and the disk, and x-bound is against it.
 func BenchmarkRestoreCold(b *testing.B) {
 	b.Run("single", func(b *testing.B) {
 		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Single, 0) })
@@ -322,7 +348,15 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	}
 	warmRead(b, e, w, req) // checks the bytes
 	var direct, read int64
-	var best time.Duration // the limit: the fastest depth, summed
+	var minLimit time.Duration // the fastest depth of each iteration, summed
+	var shaTime time.Duration  // blocks: SHA-256 of the same bytes on every core
+	var offs, lens []int
+	var sums [][32]byte
+	if lay == layout.Blocks {
+		offs, lens = blockCuts(snap.Header)
+		sums = make([][32]byte, len(offs))
+		checkSums(b, snap.Header, w.contig, offs, lens, sums)
+	}
 	b.SetBytes(int64(w.logical))
 	b.ReportAllocs()
 	m := alternate(b, steps{
@@ -332,13 +366,23 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 			direct, read = res.Metrics.DirectReadBytes, res.Metrics.ReadBytes
 		},
 		// One run per depth; no eviction needed: O_DIRECT bypasses the
-		// page cache.
+		// page cache. Blocks: then the hashing bound.
 		limit: func(i int) {
 			if d := c.limit(b, i >= 0); i >= 0 {
-				best += d
+				minLimit += d
+			}
+			if lay == layout.Blocks {
+				t0 := time.Now()
+				shaLimit(w.contig, offs, lens, sums)
+				if i >= 0 {
+					shaTime += time.Since(t0)
+				}
 			}
 		},
 	})
+	best, qd := c.best()
+	// m.limit timed the depths and the hashing together: the limit is the
+	// best depth's total alone.
 	m.limit = best
 	b.StopTimer()
 	for i := range w.dest {
@@ -349,5 +393,13 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	b.StartTimer()
 	m.report(b, int64(w.logical))
 	c.report(b, m.n)
+	b.ReportMetric(float64(qd), "best-qd")
+	b.ReportMetric(float64(minLimit)/float64(m.ours), "x-min-limit")
 	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
+	if shaTime > 0 {
+		// The verified restore cannot beat the slower of reading at the
+		// best depth and hashing on every core: x-bound is against that.
+		b.ReportMetric(float64(w.logical)*float64(m.n)/shaTime.Seconds()/1e6, "sha256-MB/s")
+		b.ReportMetric(float64(max(best, shaTime))/float64(m.ours), "x-bound")
+	}
 }

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -97,8 +98,7 @@ func (e *Engine) nsDir(ns string) (string, error) {
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
-		var dir string
-		if dir, err = e.nsDir(r.Namespace); err != nil {
+		if _, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
 		// Checked and keyed first, so that the page cache can reserve
@@ -109,9 +109,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		}
 		err = e.pc.admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
 			var serr error
-			res.Prefix, res.Metrics, serr = jobs.SavePrefix(ctx, cfg, &jobs.SavePrefixSpec{
-				NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Tensors: r.Tensors, PageTokens: r.PageTokens, Progress: r.Progress,
-			})
+			res.Prefix, res.Metrics, serr = jobs.SavePrefix(ctx, cfg, r)
 			return serr
 		})
 		if err == nil {
@@ -121,8 +119,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			}
 		}
 	case *LoadPrefixRequest:
-		var dir string
-		if dir, err = e.nsDir(r.Namespace); err != nil {
+		// ErrPath for a namespace that is not a real directory, as for
+		// saves (LoadPrefix itself would say ErrInvalidRequest).
+		if _, err = e.nsDir(r.Namespace); err != nil {
 			return true, err
 		}
 		// The pages of the prompt that are stored are pinned for the
@@ -151,11 +150,12 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				_ = e.pc.pol.UnpinAll(r.Namespace, held)
 			}
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, &jobs.LoadPrefixSpec{
-			NSDir: dir, Identity: r.Identity, Tokens: r.Tokens, Dest: r.Dest, PageTokens: r.PageTokens, Verify: r.Verify, Progress: r.Progress,
-		})
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
+				e.dropCorruptPage(ctx, cfg, r, res.Prefix.Tokens)
+			}
 			if k := res.Prefix.Missing; k != nil {
 				// Only if still absent: a save beside this load may have
 				// published and indexed the page since the load missed it.
@@ -183,6 +183,56 @@ func pageTokensOf(p int) int {
 		return layout.DefaultPageTokens
 	}
 	return p
+}
+
+// corruptPageWait bounds how long a load that found a corrupt page waits
+// for its namespace's exclusive lock to remove it (saves and loads of the
+// namespace hold it shared).
+const corruptPageWait = 2 * time.Second
+
+// dropCorruptPage handles a load whose prefix ended at a corrupt page (the
+// page after its loaded tokens): the page is removed from the disk if it
+// is still corrupt under the namespace's exclusive lock
+// (jobs.RemoveCorruptPage, waiting at most corruptPageWait), so that the
+// next save writes it again (a save reuses a page whose header is right
+// without reading its data), and dropped from the index, so that Lookup
+// stops counting it. When the lock could not be had in time, or the file
+// could not be checked, the key is dropped from the index all the same
+// (the next load that meets the page tries again); a page found whole
+// again (rewritten by a save meanwhile) stays. The load's own result is
+// not changed by any of this; failures are logged.
+func (e *Engine) dropCorruptPage(ctx context.Context, cfg *jobs.Config, r *LoadPrefixRequest, loaded int) {
+	p := r.PageTokens
+	if p == 0 {
+		p = layout.DefaultPageTokens
+	}
+	keys, _, err := layout.PageChain(r.Identity, p, r.Tokens)
+	if err != nil || loaded%p != 0 || loaded/p >= len(keys) {
+		return
+	}
+	key := keys[loaded/p]
+	wctx, cancel := context.WithTimeout(ctx, corruptPageWait)
+	defer cancel()
+	removed, err := jobs.RemoveCorruptPage(wctx, cfg, r.Namespace, key)
+	if err != nil {
+		e.log.Warn("kvpersist: a load found a corrupt page", "namespace", r.Namespace, "key", key.String(), "removed", removed, "err", err)
+		if !removed {
+			e.pages.Remove(r.Namespace, key)
+			return
+		}
+	}
+	// Removed, gone, or whole again: the index follows the disk.
+	if n, nerr := e.store.Namespace(r.Namespace); nerr == nil {
+		path, fsys := n.PagePath(key), e.store.FS()
+		e.pages.RemoveIfGone(r.Namespace, key, func() bool {
+			_, err := fsys.Lstat(path)
+			if vfs.IsNotExist(err) {
+				e.pc.removedBehind(r.Namespace, key) // the page cache's accounting follows too
+				return true
+			}
+			return false
+		})
+	}
 }
 
 // Lookup returns the length, in tokens, of the longest prefix of tokens

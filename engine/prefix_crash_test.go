@@ -83,8 +83,8 @@ func cpCheckAcked(t *testing.T, root string, cache *kvgen.Cache, a string) {
 		dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: make([]byte, m.KVHeads*n*m.HeadDim*2),
 			Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}}
 	}
-	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.LoadPrefixSpec{
-		NSDir: filepath.Join(root, "p"), Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
+	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{Root: root, NoSync: true}, &jobs.LoadPrefixRequest{
+		Namespace: "p", Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
 	if err != nil || res.Tokens != n {
 		t.Fatalf("acked save %s loads %+v %v", a, res, err)
 	}

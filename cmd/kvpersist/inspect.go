@@ -34,6 +34,7 @@ type inspectTensor struct {
 	Bytes  int64   `json:"bytes"`
 	Off    *int64  `json:"off,omitempty"`    // single file: offset from the data start
 	Blocks *int    `json:"blocks,omitempty"` // block manifest: number of blocks
+	Pages  *int    `json:"pages,omitempty"`  // page manifest's cache tensor: number of pages holding it
 	Hash   string  `json:"hash,omitempty"`   // single file: xxh3-64 (Bun.hash for legacy files)
 	// BlockList is every block, with --blocks.
 	BlockList []layout.BlockRef `json:"blockList,omitempty"`
@@ -59,7 +60,9 @@ type inspectReport struct {
 	HeaderHashOK       bool   `json:"headerHashOK"`
 	HeaderHashRule     string `json:"headerHashRule"`
 	FormatVersion      *int   `json:"formatVersion"`
-	Layout             string `json:"layout,omitempty"` // "single" or "blocks"
+	// Layout is "single", "blocks", "page" (a page file of the prefix
+	// cache, formatVersion 6) or "pages" (a page manifest, 7).
+	Layout string `json:"layout,omitempty"`
 	// Verified: every check of layout.Decode passed. When false,
 	// FailedCheck names the check and the header fields below, if any,
 	// come from an unverified parse.
@@ -75,8 +78,23 @@ type inspectReport struct {
 	HeaderJSONError string          `json:"headerJSONError,omitempty"`
 	Tensors         []inspectTensor `json:"tensors"`
 	// Page is the page object of a page file of the prefix page cache
-	// (format 6), nil for any other file or when a check failed.
+	// (format 6), nil for any other file. When a check failed it is the
+	// header's page object read leniently (Verified false).
 	Page *inspectPage `json:"page,omitempty"`
+	// Pages is the page list of a page manifest (format 7), nil for any
+	// other file; read leniently when a check failed.
+	Pages *inspectPages `json:"pages,omitempty"`
+}
+
+// inspectPages is a page manifest's page list as inspect reports it.
+type inspectPages struct {
+	Identity   string   `json:"identity"`
+	PageTokens int      `json:"pageTokens"` // tokens per page
+	Tokens     int      `json:"tokens"`     // the snapshot's tokens
+	Keys       []string `json:"keys"`       // page keys in chain order, the leaf last
+	// LeafTokens is the last page's token count when it is a partial
+	// (leaf) page, else 0.
+	LeafTokens int `json:"leafTokens"`
 }
 
 // inspectPage is a page file's page object as inspect reports it.
@@ -100,19 +118,43 @@ type inspectPage struct {
 	NameMatchesKey bool `json:"nameMatchesKey"`
 }
 
-// pageReport renders a decoded page object for inspect.
-func pageReport(p *layout.Page, path string) *inspectPage {
-	r := &inspectPage{Key: p.Key.String(), Parent: p.Parent.String(), FirstPage: p.FirstPage(), Identity: p.Identity,
+// pageReport renders a page object for inspect (decoded, or read
+// leniently from a header that failed a check: then the key and parent
+// are shown as stored).
+func pageReport(in *layout.Inspection) *inspectPage {
+	p := in.Page
+	r := &inspectPage{Key: in.PageKeyText, Parent: in.PageParentText, FirstPage: p.FirstPage(), Identity: p.Identity,
 		PageTokens: p.PageTokens, TokenCount: len(p.Tokens), KeyMatchesChain: p.Check() == nil,
-		NameMatchesKey: filepath.Base(path) == p.Key.String()}
+		NameMatchesKey: filepath.Base(in.Path) == in.PageKeyText}
 	if len(p.Tokens) > 0 {
 		r.FirstToken, r.LastToken = p.Tokens[0], p.Tokens[len(p.Tokens)-1]
 	}
 	return r
 }
 
+// pagesReport renders a page manifest's page list for inspect.
+func pagesReport(l *layout.PageList) *inspectPages {
+	r := &inspectPages{Identity: l.Identity, PageTokens: l.PageTokens, Tokens: l.Tokens, Keys: make([]string, len(l.Keys))}
+	for i, k := range l.Keys {
+		r.Keys[i] = k.String()
+	}
+	if l.PageTokens > 0 && l.Tokens%l.PageTokens != 0 {
+		r.LeafTokens = l.Tokens % l.PageTokens
+	}
+	return r
+}
+
+// layoutName is the name inspect gives a file's layout: page files and
+// page manifests by what they are.
+func layoutName(lay layout.Layout, version int) string {
+	if version == layout.FormatPage {
+		return "page"
+	}
+	return lay.String()
+}
+
 // tensorRows lists a header's slots for inspect.
-func tensorRows(h *layout.Header, lay layout.Layout, withBlocks bool) []inspectTensor {
+func tensorRows(h *layout.Header, lay layout.Layout, withBlocks bool, pages int) []inspectTensor {
 	var out []inspectTensor
 	slot := 0
 	for gi, group := range [][]layout.Entry{h.Caches, h.Attachments} {
@@ -130,6 +172,8 @@ func tensorRows(h *layout.Header, lay layout.Layout, withBlocks bool) []inspectT
 					if withBlocks {
 						r.BlockList = append([]layout.BlockRef{}, t.Blocks...)
 					}
+				} else if lay == layout.Pages && gi == 0 {
+					r.Pages = &pages // the cache: stored in the listed pages
 				} else {
 					off := t.Off
 					r.Off = &off
@@ -192,7 +236,13 @@ shows its page: key (and that it matches the chain: SHA-256 of the parent key
 and the token ids, checked at decode; and whether the file's name is the
 key), parent key (or "none: first page" when the parent is the chain's root
 key), identity (quoted), page tokens (the chain's page size), token count
-(fewer for a partial last page) and the first and last token ids.
+(fewer for a partial last page) and the first and last token ids; its
+format reads "6 (page)". A page manifest (a named snapshot stored as
+token pages, "7 (pages)") shows its page list: how many pages of how many
+tokens (and the partial last page), the tokens in all, the identity and
+the first and last page keys (every key with --json); its cache tensors'
+rows say how many pages hold them. When the header fails its check, the
+page object or page list is still shown, marked UNVERIFIED.
 
 If a check fails (magic, lengths, header hash, format version, validation),
 inspect still prints what it could read, says which check failed, marks any
@@ -259,16 +309,14 @@ func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, err
 		if v := snap.Header.FormatVersion; v != 0 || !snap.Legacy {
 			rep.FormatVersion = &v // the Bun worker's single files carry none
 		}
-		rep.Layout = snap.Layout.String()
+		rep.Layout = layoutName(snap.Layout, snap.Header.FormatVersion)
 		rep.Header = json.RawMessage(snap.JSON)
 		if snap.Header.Meta != nil {
 			rep.Meta = snap.Header.Meta
 		}
 		rep.LogicalBytes = logicalBytes(snap.Header)
-		rep.Tensors = tensorRows(snap.Header, snap.Layout, withBlocks)
-		if snap.Page != nil {
-			rep.Page = pageReport(snap.Page, path)
-		}
+		addPages(rep, in)
+		rep.Tensors = tensorRows(snap.Header, snap.Layout, withBlocks, pageCount(rep))
 		return rep, nil
 	}
 	rep.FailedCheck = jobs.FailedCheck(in.Err)
@@ -282,13 +330,48 @@ func inspectFile(fsys vfs.FS, path string, withBlocks bool) (*inspectReport, err
 		rep.Header = json.RawMessage(in.JSON)
 		if h := in.Loose; h != nil {
 			rep.FormatVersion = in.LooseVersion
-			rep.Layout = in.LooseLayout.String()
+			version := 0
+			if in.LooseVersion != nil {
+				version = *in.LooseVersion
+			}
+			rep.Layout = layoutName(in.LooseLayout, version)
 			rep.Meta = h.Meta
+			addPages(rep, in)
 			rep.LogicalBytes = logicalBytes(h)
-			rep.Tensors = tensorRows(h, in.LooseLayout, withBlocks)
+			rep.Tensors = tensorRows(h, in.LooseLayout, withBlocks, pageCount(rep))
 		}
 	}
 	return rep, nil
+}
+
+// addPages puts in's page object or page list into the report and takes
+// it out of the caller metadata shown (it is the format's, not the
+// caller's).
+func addPages(rep *inspectReport, in *layout.Inspection) {
+	if in.Page == nil && in.Pages == nil {
+		return
+	}
+	if in.Page != nil {
+		rep.Page = pageReport(in)
+	}
+	if in.Pages != nil {
+		rep.Pages = pagesReport(in.Pages)
+	}
+	meta := layout.Meta{}
+	for k, v := range rep.Meta {
+		if (k != "page" || in.Page == nil) && (k != "pages" || in.Pages == nil) {
+			meta[k] = v
+		}
+	}
+	rep.Meta = meta
+}
+
+// pageCount is the number of pages a page manifest lists (0 otherwise).
+func pageCount(rep *inspectReport) int {
+	if rep.Pages == nil {
+		return 0
+	}
+	return len(rep.Pages.Keys)
 }
 
 func printInspect(c *cli, r *inspectReport) {
@@ -320,8 +403,24 @@ func printInspect(c *cli, r *inspectReport) {
 	if len(r.Meta) > 0 {
 		fmt.Fprintf(kv, "metadata\t%s\n", formatMeta(r.Meta, 80))
 	}
+	unverified := ""
+	if !r.Verified {
+		unverified = " (UNVERIFIED: the header failed its check)"
+	}
+	if p := r.Pages; p != nil {
+		leaf := ""
+		if p.LeafTokens > 0 {
+			leaf = fmt.Sprintf(", the last a partial page of %d", p.LeafTokens)
+		}
+		fmt.Fprintf(kv, "pages\t%d of %d tokens%s, %d tokens in all%s\n", len(p.Keys), p.PageTokens, leaf, p.Tokens, unverified)
+		fmt.Fprintf(kv, "identity\t%s\n", strconv.Quote(p.Identity))
+		if len(p.Keys) > 0 {
+			fmt.Fprintf(kv, "first page\t%s\n", p.Keys[0])
+			fmt.Fprintf(kv, "last page\t%s\n", p.Keys[len(p.Keys)-1])
+		}
+	}
 	if p := r.Page; p != nil {
-		key := p.Key
+		key := p.Key + unverified
 		if p.KeyMatchesChain {
 			key += " (key matches chain)"
 		} else {
@@ -387,6 +486,8 @@ func printInspect(c *cli, r *inspectReport) {
 			loc = fmt.Sprint(*t.Off)
 		} else if t.Blocks != nil {
 			loc = fmt.Sprint(*t.Blocks)
+		} else if t.Pages != nil {
+			loc = fmt.Sprintf("%d pages", *t.Pages)
 		}
 		hash := t.Hash
 		if hash == "" {

@@ -98,6 +98,8 @@ type layout struct {
 	run    int          // elements per contiguous run (JS `run`)
 	runB   int          // bytes per run
 	origin int          // byte offset in Base of element zero
+	first  int          // byte offset in Base of the lowest addressed byte
+	end    int          // byte offset in Base just past the highest addressed byte
 	nax    int          // number of outer (non-run) axes in n/sb
 	n      [maxAxes]int // outer axis sizes, outermost first; elements
 	sb     [maxAxes]int // outer axis strides; bytes
@@ -205,6 +207,7 @@ func (v View) compile(l *layout) error {
 
 	l.elems = elems
 	l.origin = v.Offset
+	l.first, l.end = first, end
 	// The JS `run` loop: coalesce the contiguous suffix.
 	run, axis := 1, rank-1
 	for axis >= 0 && (v.Shape[axis] == 1 || v.Strides[axis] == run) {

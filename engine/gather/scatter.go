@@ -1,8 +1,11 @@
 package gather
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"slices"
+	"unsafe"
 )
 
 // Scatter is the inverse of gather: it writes logical (row-major) bytes
@@ -183,4 +186,69 @@ func (v View) SliceAxis(ax, lo, hi int, dst []int) (View, error) {
 	copy(shape, v.Shape)
 	shape[ax] = hi - lo
 	return View{Base: v.Base, Offset: off, Shape: shape, Strides: v.Strides, ItemSize: v.ItemSize}, nil
+}
+
+// CheckDisjoint proves that no byte of memory is addressed by elements of
+// two different views of views (the destinations of one read: each must be
+// valid, see Validate). Two views whose address ranges (from the lowest to
+// the highest byte they address, compared as memory addresses, so views of
+// different Bases are compared too) do not meet are disjoint. Two whose
+// ranges meet are accepted only when one is the other moved by d bytes
+// (same shape, strides and itemsize, e.g. K and V interleaved in one
+// buffer) and the pair, seen as one view with an extra axis of 2 elements
+// and a stride of d bytes, passes CheckNoOverlap's test; anything else
+// that meets is refused (conservatively, as CheckNoOverlap). Views with no
+// elements never overlap.
+//
+// It returns the indices i < j of the first overlapping pair found and an
+// error wrapping ErrOverlap, or, for an invalid view k, i = j = k and its
+// Validate error. It allocates one small record per view.
+func CheckDisjoint(views []View) (i, j int, err error) {
+	type span struct {
+		lo, hi uintptr // addresses: [lo, hi)
+		k      int
+	}
+	spans := make([]span, 0, len(views))
+	for k, v := range views {
+		var l layout
+		if err := v.compile(&l); err != nil {
+			return k, k, err
+		}
+		if l.elems == 0 {
+			continue
+		}
+		base := uintptr(unsafe.Pointer(unsafe.SliceData(v.Base)))
+		spans = append(spans, span{base + uintptr(l.first), base + uintptr(l.end), k})
+	}
+	slices.SortFunc(spans, func(a, b span) int { return cmp.Compare(a.lo, b.lo) })
+	for a := range spans {
+		for b := a + 1; b < len(spans) && spans[b].lo < spans[a].hi; b++ {
+			x, y := spans[a].k, spans[b].k
+			if !translatedApart(views[x], views[y]) {
+				x, y = min(x, y), max(x, y)
+				return x, y, fmt.Errorf("gather: %w: views %d and %d address the same bytes of memory", ErrOverlap, x, y)
+			}
+		}
+	}
+	return 0, 0, nil
+}
+
+// translatedApart reports whether a and b, valid views whose address
+// ranges meet, are one layout moved by some bytes d whose elements provably
+// never meet: a's layout with an extra axis of 2 elements and stride d
+// passes checkNoOverlap.
+func translatedApart(a, b View) bool {
+	if a.ItemSize != b.ItemSize || !slices.Equal(a.Shape, b.Shape) || !slices.Equal(a.Strides, b.Strides) {
+		return false
+	}
+	var l layout
+	if a.compile(&l) != nil || l.checkNoOverlap() != nil || l.nax == maxAxes {
+		return false
+	}
+	za := uintptr(unsafe.Pointer(unsafe.SliceData(a.Base))) + uintptr(a.Offset)
+	zb := uintptr(unsafe.Pointer(unsafe.SliceData(b.Base))) + uintptr(b.Offset)
+	d := int(zb - za) // element zero of b minus that of a, in bytes
+	l.n[l.nax], l.sb[l.nax] = 2, d
+	l.nax++
+	return l.checkNoOverlap() == nil
 }

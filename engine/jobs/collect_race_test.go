@@ -88,8 +88,8 @@ func TestCollectNeverSweepsAWriteInProgress(t *testing.T) {
 				go func() {
 					defer wg.Done()
 					if tc.prefix {
-						_, _, writeErr = jobs.SavePrefix(context.Background(), &jobs.Config{FS: wfs, NoSync: true},
-							&jobs.SavePrefixSpec{NSDir: ns, Identity: "tiny/bf16", Tokens: cv.tokens, Tensors: cv.views(300), PageTokens: 64})
+						_, _, writeErr = savePrefixAt(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, ns,
+							&jobs.SavePrefixRequest{Identity: "tiny/bf16", Tokens: cv.tokens, Tensors: cv.views(300), PageTokens: 64})
 						return
 					}
 					_, _, writeErr = writeAt(context.Background(), &jobs.Config{FS: wfs, NoSync: true}, cacheSpec(t, c, target, tc.lay, 4096))

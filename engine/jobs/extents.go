@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"unsafe"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
@@ -52,12 +53,24 @@ const (
 	VerifySHA256
 )
 
-// Extent is one run of bytes to read: len(Dst) bytes at byte offset Off of
-// Src into Dst, checked as Verify says.
+// Extent is one run of bytes to read: Bytes() bytes at byte offset Off of
+// Src into Dst (or View), checked as Verify says.
 type Extent struct {
 	Src *Source
 	Off int64
+	// Dst receives the bytes, unless View is set.
 	Dst []byte
+	// View, when non-nil, is a strided destination used instead of Dst:
+	// the extent's View.Bytes() bytes are its elements in logical
+	// (row-major) order, written into their places in View.Base (the
+	// inverse of a gather: a page tensor into its token range of a
+	// capacity-padded KV buffer). It must be valid with no overlapping
+	// elements (gather.View.CheckNoOverlap), else the extent fails before
+	// any byte of it is written. Contiguous runs of at least
+	// MinRunBytes are read straight into (several at once per request:
+	// preadv); a view of shorter runs is read through a staging buffer and
+	// scattered, one request after the other.
+	View *gather.View
 	// Group: once an extent fails, the extents after it with the same
 	// Group >= 0 are not read (their error is ErrSkipped): the rest of a
 	// tensor whose first block is bad need not be read. -1: no group.
@@ -66,6 +79,20 @@ type Extent struct {
 	XXH3   uint64
 	SHA256 [32]byte
 }
+
+// Bytes is the extent's length in bytes: len(Dst), or View.Bytes().
+func (x *Extent) Bytes() int {
+	if x.View != nil {
+		return x.View.Bytes()
+	}
+	return len(x.Dst)
+}
+
+// MinRunBytes: a strided destination (Extent.View) whose contiguous runs
+// are at least this many bytes is read straight into them; one of shorter
+// runs (a token-major cache: one head row of 128 to 512 bytes per run) goes
+// through a staging buffer and a scatter.
+const MinRunBytes = 16 << 10
 
 // ErrSkipped: an extent was not read because an earlier one of its Group
 // failed (see Extent.Group).
@@ -227,9 +254,20 @@ func OpenSource(cfg *Config, path string) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := AdoptSource(cfg, f)
+	s, err := ownSource(cfg, f)
 	if err != nil {
 		f.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+// ownSource is AdoptSource of f, an open file, after which the Source owns
+// f: its Close closes f, or f is closed now if the Source reads through
+// another descriptor (O_DIRECT). On error f is left open.
+func ownSource(cfg *Config, f vfs.File) (*Source, error) {
+	s, err := AdoptSource(cfg, f)
+	if err != nil {
 		return nil, err
 	}
 	s.own = true
@@ -387,32 +425,46 @@ type ExtentStats struct {
 	Bytes, DirectBytes int64
 }
 
-// ReadExtents reads every extent into its Dst, with up to cfg.ReadDepth
-// (default DefaultReadDepth) requests in flight: that many goroutines,
-// started and joined here, each taking the next extent and reading it in
-// pieces of ReadChunkBytes, hashing each piece right after its pread while
-// it is hot in cache (xxh3s: without copying). A source read with O_DIRECT
-// reads aligned pieces straight into Dst and the unaligned rest (an
-// unaligned Dst, the tail of an extent whose length is not a multiple of
-// the alignment) through an aligned staging buffer of one piece; a read
-// refused with EINVAL falls back to buffered reads of that file.
+// ReadExtents reads every extent into its Dst (or View) with up to
+// cfg.ReadDepth (default DefaultReadDepth) requests in flight: that many
+// goroutines, started and joined here, each taking the next request. A
+// request is a piece of an extent of up to ReadChunkBytes, so the pieces of
+// one long extent are read at once, and the requests of many short extents
+// (the tensors of many pages) are in flight together. Each extent's hash is
+// streamed over its pieces in order as they arrive, by whichever goroutine
+// completes the next piece in order, right after its read while it is hot
+// in cache (xxh3s: without copying). A source read with O_DIRECT reads
+// aligned pieces straight into the destination and the unaligned rest (an
+// unaligned destination, the tail of an extent whose length is not a
+// multiple of the alignment, a piece of short runs of a View) through an
+// aligned staging buffer; a read refused with EINVAL falls back to buffered
+// reads of that file. A buffered read of a View's runs is one preadv per
+// piece (vfs.ReadvAt). A View of runs shorter than MinRunBytes is read one
+// piece after the other by one goroutine, through staging and a scatter.
 //
 // errs[i] is extent i's error: nil, ErrSkipped (see Extent.Group), an
 // error wrapping ErrCorrupt (hash mismatch), ErrBlockSize (the file ended
-// early) or an I/O error. The returned error is ctx's when it ended (then
-// some extents may be unread and errs[i] nil). ReadExtents never writes
-// outside the Dsts and does not touch them after it returns.
+// early), a gather error (an invalid View) or an I/O error. The returned
+// error is ctx's when it ended (then some extents may be unread and errs[i]
+// nil). ReadExtents never writes outside the destinations and does not
+// touch them after it returns.
 func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error, st ExtentStats, err error) {
-	errs = make([]error, len(exts))
+	return readExtents(ctx, cfg, exts, nil)
+}
+
+// readExtents is ReadExtents that calls done(i, err), when done is non-nil,
+// once extent i is finished: read (and verified) with err nil, or failed
+// with err = errs[i]. It is called from any of the reading goroutines, at
+// most once per extent, never after readExtents returns; an extent not
+// finished when ctx ends gets no call.
+func readExtents(ctx context.Context, cfg *Config, exts []Extent, done func(i int, err error)) ([]error, ExtentStats, error) {
+	rd := &extentRead{exts: exts, errs: make([]error, len(exts)), st: make([]extentState, len(exts)), onDone: done}
 	if len(exts) == 0 {
-		return errs, st, ctx.Err()
+		return rd.errs, ExtentStats{}, ctx.Err()
 	}
-	var (
-		bytes, direct atomic.Int64
-		failed        sync.Map // group -> first failed extent index
-		readers       = make(chan *extentReader, cfg.readDepth())
-	)
-	err = inFlight(ctx, cfg, cfg.readDepth(), len(exts), func(i int) {
+	rd.plan()
+	readers := make(chan *extentReader, cfg.readDepth())
+	err := inFlight(ctx, cfg, cfg.readDepth(), len(rd.work), func(w int) {
 		var r *extentReader
 		select {
 		case r = <-readers:
@@ -420,30 +472,280 @@ func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error,
 			r = &extentReader{cfg: cfg}
 		}
 		defer func() { readers <- r }()
-		x := &exts[i]
-		if x.Group >= 0 {
-			if j, bad := failed.Load(x.Group); bad && j.(int) < i {
-				errs[i] = ErrSkipped
-				x.Src.done()
-				return
-			}
-		}
-		n, d, err := r.read(ctx, x)
-		x.Src.done()
-		bytes.Add(n)
-		direct.Add(d)
-		if err != nil && ctx.Err() == nil {
-			errs[i] = err
-			if x.Group >= 0 {
-				failed.LoadOrStore(x.Group, i)
-			}
-		}
+		rd.run(ctx, r, rd.work[w])
 	})
 	close(readers)
 	for r := range readers {
 		r.release()
 	}
-	return errs, ExtentStats{Bytes: bytes.Load(), DirectBytes: direct.Load()}, err
+	return rd.errs, ExtentStats{Bytes: rd.bytes.Load(), DirectBytes: rd.direct.Load()}, err
+}
+
+// extentRead is one ReadExtents call's shared state.
+type extentRead struct {
+	exts          []Extent
+	errs          []error
+	st            []extentState // per extent
+	work          []workItem    // the requests, in extent and piece order
+	done          []bool        // per piece (extentState.first + k): read or given up; under its extent's mu
+	failed        sync.Map      // group -> index of the first extent of it that failed
+	bytes, direct atomic.Int64
+	onDone        func(i int, err error)
+}
+
+// workItem is one request: piece of extent ext, or the whole extent when
+// piece is -1 (a View of short runs).
+type workItem struct{ ext, piece int32 }
+
+// extentState is one extent's progress.
+type extentState struct {
+	n      int // bytes
+	pieceB int // bytes per piece (a whole number of the View's runs when they fit)
+	first  int // index in extentRead.done of piece 0
+	pieces int
+	whole  bool // read and hashed by one goroutine (readWhole)
+	failed atomic.Bool
+	mu     sync.Mutex
+	// Under mu: the hash cursor (pieces before next are hashed or given
+	// up; hashing: a goroutine is advancing it), the first error, whether
+	// the extent is finished.
+	next     int
+	hashing  bool
+	finished bool
+	err      error
+	h        *extentHash // owned by the goroutine advancing the cursor
+}
+
+// plan cuts every extent into its pieces.
+func (rd *extentRead) plan() {
+	total := 0
+	for i := range rd.exts {
+		x, s := &rd.exts[i], &rd.st[i]
+		s.n = x.Bytes()
+		s.pieceB = ReadChunkBytes
+		if v := x.View; v != nil {
+			runB := v.RunElements() * v.ItemSize
+			if runB < MinRunBytes && runB < s.n {
+				s.whole, s.pieces = true, 1
+				total++
+				continue
+			}
+			if runB > 0 && runB <= ReadChunkBytes {
+				s.pieceB = ReadChunkBytes / runB * runB
+			} else if v.ItemSize > 0 {
+				s.pieceB -= ReadChunkBytes % v.ItemSize
+			}
+		}
+		s.pieces = max(1, (s.n+s.pieceB-1)/s.pieceB)
+		total += s.pieces
+	}
+	rd.work = make([]workItem, 0, total)
+	rd.done = make([]bool, total)
+	for i := range rd.exts {
+		s := &rd.st[i]
+		s.first = len(rd.work)
+		if s.whole {
+			rd.work = append(rd.work, workItem{int32(i), -1})
+			continue
+		}
+		for k := range s.pieces {
+			rd.work = append(rd.work, workItem{int32(i), int32(k)})
+		}
+	}
+}
+
+// run reads one request and passes it to the extent's hash cursor.
+func (rd *extentRead) run(ctx context.Context, r *extentReader, w workItem) {
+	i := int(w.ext)
+	x, s := &rd.exts[i], &rd.st[i]
+	var err error
+	switch {
+	case s.failed.Load(): // an earlier piece failed: the extent is lost anyway
+	case rd.skipped(x.Group, i):
+		err = ErrSkipped
+	default:
+		var n, d int64
+		if w.piece < 0 {
+			n, d, err = r.readWhole(ctx, x)
+		} else {
+			n, d, err = r.readPiece(x, s, int(w.piece))
+		}
+		rd.bytes.Add(n)
+		rd.direct.Add(d)
+	}
+	if err != nil && ctx.Err() != nil {
+		return // ended by ctx: ReadExtents returns ctx's error
+	}
+	if w.piece < 0 {
+		s.finished = true
+		rd.finish(i, err)
+		return
+	}
+	rd.pieceDone(i, int(w.piece), err)
+}
+
+// skipped reports whether an extent before i of group failed.
+func (rd *extentRead) skipped(group, i int) bool {
+	if group < 0 {
+		return false
+	}
+	j, bad := rd.failed.Load(group)
+	return bad && j.(int) < i
+}
+
+func (rd *extentRead) failGroup(group, i int) {
+	if group >= 0 {
+		rd.failed.LoadOrStore(group, i)
+	}
+}
+
+// pieceDone records piece k of extent i as read (err nil) or given up, and
+// advances the extent's hash cursor over every piece done in order, unless
+// another goroutine is doing so (it then sees this piece too). The
+// goroutine that moves the cursor past the last piece finishes the extent.
+func (rd *extentRead) pieceDone(i, k int, err error) {
+	x, s := &rd.exts[i], &rd.st[i]
+	s.mu.Lock()
+	if err != nil && s.err == nil {
+		s.err = err
+		s.failed.Store(true)
+		if !errors.Is(err, ErrSkipped) {
+			rd.failGroup(x.Group, i)
+		}
+	}
+	rd.done[s.first+k] = true
+	if s.hashing {
+		s.mu.Unlock()
+		return
+	}
+	s.hashing = true
+	for s.next < s.pieces && rd.done[s.first+s.next] {
+		p := s.next
+		s.next++
+		if s.err == nil && x.Verify != VerifyNone {
+			s.mu.Unlock()
+			s.hashPiece(x, p)
+			s.mu.Lock()
+		}
+	}
+	s.hashing = false
+	last := s.next == s.pieces && !s.finished
+	s.finished = s.finished || last
+	err = s.err
+	s.mu.Unlock()
+	if last {
+		rd.finish(i, err)
+	}
+}
+
+// finish ends extent i: checks its streamed hash (a piecewise read without
+// error), records its error, and tells its source and onDone.
+func (rd *extentRead) finish(i int, err error) {
+	x, s := &rd.exts[i], &rd.st[i]
+	if err == nil && !s.whole && x.Verify != VerifyNone {
+		err = s.hasher(x).check(x)
+	}
+	if s.h != nil {
+		extentHashPool.Put(s.h)
+		s.h = nil
+	}
+	if err != nil {
+		rd.errs[i] = err
+		if !errors.Is(err, ErrSkipped) {
+			rd.failGroup(x.Group, i)
+		}
+	}
+	x.Src.done()
+	if rd.onDone != nil {
+		rd.onDone(i, err)
+	}
+}
+
+// extentHash is the streaming hash of one extent read in pieces.
+type extentHash struct {
+	xx  xxh3s.Digest
+	sha hash.Hash
+}
+
+var extentHashPool = sync.Pool{New: func() any { return &extentHash{} }}
+
+// hasher returns the extent's hash state, taking and resetting one first.
+func (s *extentState) hasher(x *Extent) *extentHash {
+	if s.h == nil {
+		s.h = extentHashPool.Get().(*extentHash)
+		s.h.reset(x.Verify)
+	}
+	return s.h
+}
+
+func (h *extentHash) reset(v Verify) {
+	switch v {
+	case VerifyXXH3:
+		h.xx.Reset()
+	case VerifySHA256:
+		if h.sha == nil {
+			h.sha = sha256.New()
+		}
+		h.sha.Reset()
+	}
+}
+
+func (h *extentHash) write(v Verify, b []byte) {
+	if v == VerifyXXH3 {
+		h.xx.Write(b)
+	} else {
+		h.sha.Write(b)
+	}
+}
+
+// check compares the hash of everything written with the extent's.
+func (h *extentHash) check(x *Extent) error {
+	switch x.Verify {
+	case VerifyXXH3:
+		return checkXXH3(x, h.xx.Sum64())
+	case VerifySHA256:
+		var sum [sha256.Size]byte
+		h.sha.Sum(sum[:0])
+		return checkSHA256(x, sum)
+	}
+	return nil
+}
+
+func checkXXH3(x *Extent, got uint64) error {
+	if got != x.XXH3 {
+		return fmt.Errorf("%w: %s at %d: xxh3 %s, expected %s", ErrCorrupt, x.Src.path, x.Off, layout.TensorHash(got), layout.TensorHash(x.XXH3))
+	}
+	return nil
+}
+
+func checkSHA256(x *Extent, sum [sha256.Size]byte) error {
+	if sum != x.SHA256 {
+		return fmt.Errorf("%w: %s has SHA-256 %s, expected %s", ErrCorrupt, x.Src.path, hex.EncodeToString(sum[:]), hex.EncodeToString(x.SHA256[:]))
+	}
+	return nil
+}
+
+// pieceRange is piece k's byte range [lo, hi) of the extent.
+func (s *extentState) pieceRange(k int) (lo, hi int) {
+	lo = k * s.pieceB
+	return lo, min(s.n, lo+s.pieceB)
+}
+
+// hashPiece adds piece k, already read into the destination, to the
+// extent's hash.
+func (s *extentState) hashPiece(x *Extent, k int) {
+	h := s.hasher(x)
+	lo, hi := s.pieceRange(k)
+	if x.View == nil {
+		h.write(x.Verify, x.Dst[lo:hi])
+		return
+	}
+	item := x.View.ItemSize
+	// The view was walked without error by the piece's read.
+	_ = x.View.RunsRange(lo/item, (hi-lo)/item, func(b []byte) error {
+		h.write(x.Verify, b)
+		return nil
+	})
 }
 
 // inFlight runs fn(i) for i in [0, n) on up to depth goroutines: the
@@ -513,12 +815,15 @@ func (c *Config) logger() *slog.Logger {
 	return c.Logger
 }
 
-// extentReader is one goroutine's state: its hashers and staging buffer.
+// extentReader is one goroutine's state: its hashers and buffers.
 type extentReader struct {
 	cfg     *Config
-	xx      xxh3s.Digest
-	sha     hash.Hash
-	staging *[]byte // aligned, ReadChunkBytes + 2 alignments; on demand
+	xx      xxh3s.Digest // readWhole's
+	sha     hash.Hash    // readWhole's
+	staging *[]byte      // aligned, for O_DIRECT heads, tails and short runs; on demand
+	chunk   *[]byte      // readWhole's piece before its scatter; on demand
+	iov     [][]byte     // a piece's destination runs
+	one     [1][]byte    // staged's
 }
 
 func (r *extentReader) release() {
@@ -528,12 +833,57 @@ func (r *extentReader) release() {
 	if r.staging != nil {
 		putScratch(r.staging)
 	}
+	if r.chunk != nil {
+		putScratch(r.chunk)
+	}
 }
 
-// read reads one extent; it returns the bytes read and those read direct.
-func (r *extentReader) read(ctx context.Context, x *Extent) (n, direct int64, err error) {
-	if x.Off < 0 || x.Off+int64(len(x.Dst)) > x.Src.size {
-		return 0, 0, fmt.Errorf("%w: %s has %d bytes, the extent ends at %d", ErrBlockSize, x.Src.path, x.Src.size, x.Off+int64(len(x.Dst)))
+// inFile checks that the extent lies inside its source file.
+func inFile(x *Extent, n int) error {
+	if x.Off < 0 || x.Off+int64(n) > x.Src.size {
+		return fmt.Errorf("%w: %s has %d bytes, the extent ends at %d", ErrBlockSize, x.Src.path, x.Src.size, x.Off+int64(n))
+	}
+	return nil
+}
+
+// readPiece reads piece k of extent x into its destination; it returns
+// the bytes read and those read direct.
+func (r *extentReader) readPiece(x *Extent, s *extentState, k int) (n, direct int64, err error) {
+	if err := inFile(x, s.n); err != nil {
+		return 0, 0, err
+	}
+	lo, hi := s.pieceRange(k)
+	r.iov = r.iov[:0]
+	if x.View == nil {
+		r.iov = append(r.iov, x.Dst[lo:hi])
+	} else {
+		item := x.View.ItemSize
+		if err := x.View.RunsRange(lo/item, (hi-lo)/item, func(b []byte) error {
+			r.iov = append(r.iov, b)
+			return nil
+		}); err != nil {
+			return 0, 0, fmt.Errorf("jobs: destination view: %w", err)
+		}
+	}
+	d, err := r.readBufs(x.Src, r.iov, x.Off+int64(lo))
+	clear(r.iov) // no reference to the caller's memory stays behind
+	if err != nil {
+		return 0, d, err
+	}
+	return int64(hi - lo), d, nil
+}
+
+// readWhole reads an extent whose View has runs shorter than MinRunBytes:
+// piece by piece into a chunk buffer, hashed there, then scattered into
+// the view. It returns the bytes read and those read direct.
+func (r *extentReader) readWhole(ctx context.Context, x *Extent) (n, direct int64, err error) {
+	v := x.View
+	if err := v.CheckNoOverlap(); err != nil {
+		return 0, 0, fmt.Errorf("jobs: destination view: %w", err)
+	}
+	total := v.Bytes()
+	if err := inFile(x, total); err != nil {
+		return 0, 0, err
 	}
 	switch x.Verify {
 	case VerifyXXH3:
@@ -544,60 +894,117 @@ func (r *extentReader) read(ctx context.Context, x *Extent) (n, direct int64, er
 		}
 		r.sha.Reset()
 	}
-	for o := 0; o < len(x.Dst); {
+	step := ReadChunkBytes - ReadChunkBytes%v.ItemSize
+	if r.chunk == nil {
+		r.chunk = getScratch(step + directBufAlign)
+	}
+	buf := alignedSlice(*r.chunk, directBufAlign)
+	for o := 0; o < total; o += step {
 		if o > 0 && ctx.Err() != nil {
 			return n, direct, ctx.Err()
 		}
-		piece := x.Dst[o:min(o+ReadChunkBytes, len(x.Dst))]
-		d, err := r.readPiece(x.Src, piece, x.Off+int64(o))
+		b := buf[:min(step, total-o)]
+		r.iov = append(r.iov[:0], b)
+		d, err := r.readBufs(x.Src, r.iov, x.Off+int64(o))
+		direct += d
 		if err != nil {
 			return n, direct, err
 		}
 		switch x.Verify {
 		case VerifyXXH3:
-			r.xx.Write(piece)
+			r.xx.Write(b)
 		case VerifySHA256:
-			r.sha.Write(piece)
+			r.sha.Write(b)
 		}
-		n += int64(len(piece))
-		direct += d
-		o += len(piece)
+		if err := v.ScatterRange(o/v.ItemSize, len(b)/v.ItemSize, b); err != nil {
+			return n, direct, fmt.Errorf("jobs: destination view: %w", err)
+		}
+		n += int64(len(b))
 	}
 	switch x.Verify {
 	case VerifyXXH3:
-		if got := r.xx.Sum64(); got != x.XXH3 {
-			return n, direct, fmt.Errorf("%w: %s at %d: xxh3 %s, expected %s", ErrCorrupt, x.Src.path, x.Off, layout.TensorHash(got), layout.TensorHash(x.XXH3))
-		}
+		return n, direct, checkXXH3(x, r.xx.Sum64())
 	case VerifySHA256:
 		var sum [sha256.Size]byte
-		if r.sha.Sum(sum[:0]); sum != x.SHA256 {
-			return n, direct, fmt.Errorf("%w: %s has SHA-256 %s, expected %s", ErrCorrupt, x.Src.path, hex.EncodeToString(sum[:]), hex.EncodeToString(x.SHA256[:]))
-		}
+		r.sha.Sum(sum[:0])
+		return n, direct, checkSHA256(x, sum)
 	}
 	return n, direct, nil
 }
 
-// readPiece fills dst from src at off; it returns how many bytes it read
-// with O_DIRECT.
-func (r *extentReader) readPiece(src *Source, dst []byte, off int64) (int64, error) {
+// directRunBytes: with O_DIRECT, a piece made of several destination runs
+// shorter than this is read as one request through staging and copied
+// into them, rather than as one request per run.
+const directRunBytes = 256 << 10
+
+// readBufs fills bufs, in order, from src at off; it returns how many
+// bytes it read with O_DIRECT.
+func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (int64, error) {
 	f, align, mem, err := src.file(r.cfg)
 	if err != nil {
 		return 0, err
 	}
 	if align == 0 {
-		return 0, readFull(f, dst, off)
+		return 0, readvFull(f, bufs, off)
 	}
-	d, err := r.readDirect(f, align, mem, dst, off)
-	if err != nil && isRefusal(err) {
-		if ferr := src.fallBack(r.cfg, err); ferr != nil {
-			return 0, ferr
+	if len(bufs) > 1 && len(bufs[0]) < directRunBytes {
+		err := r.stagedv(f, align, bufs, off)
+		if err == nil || !isRefusal(err) {
+			return int64(iovBytes(bufs)), err
 		}
-		if f, _, _, err = src.file(r.cfg); err != nil {
-			return 0, err
-		}
-		return 0, readFull(f, dst, off)
+		return r.refused(src, err, bufs, off)
 	}
-	return d, err
+	var direct int64
+	for j, b := range bufs {
+		d, err := r.readDirect(f, align, mem, b, off)
+		if err != nil && isRefusal(err) {
+			return r.refused(src, err, bufs[j:], off)
+		}
+		if err != nil {
+			return direct, err
+		}
+		direct += d
+		off += int64(len(b))
+	}
+	return direct, nil
+}
+
+// refused switches src to buffered reads after O_DIRECT was refused
+// (cause) and reads bufs buffered.
+func (r *extentReader) refused(src *Source, cause error, bufs [][]byte, off int64) (int64, error) {
+	if ferr := src.fallBack(r.cfg, cause); ferr != nil {
+		return 0, ferr
+	}
+	f, _, _, err := src.file(r.cfg)
+	if err != nil {
+		return 0, err
+	}
+	return 0, readvFull(f, bufs, off)
+}
+
+func iovBytes(bufs [][]byte) int {
+	n := 0
+	for _, b := range bufs {
+		n += len(b)
+	}
+	return n
+}
+
+// readvFull fills bufs, in order, from f at off (vfs.ReadvAt: one preadv
+// where f allows); a file that ends first is ErrBlockSize.
+func readvFull(f vfs.File, bufs [][]byte, off int64) error {
+	if len(bufs) == 1 {
+		return readFull(f, bufs[0], off)
+	}
+	want := iovBytes(bufs)
+	n, err := vfs.ReadvAt(f, bufs, off)
+	if n >= want {
+		return nil
+	}
+	if err == nil || err == io.EOF {
+		return fmt.Errorf("%w: %s ends at %d, %d bytes needed at %d", ErrBlockSize, f.Name(), off+int64(n), want, off)
+	}
+	return err
 }
 
 // readDirect reads dst from an O_DIRECT file: the aligned middle straight
@@ -628,12 +1035,22 @@ func (r *extentReader) readDirect(f vfs.File, align, mem int64, dst []byte, off 
 }
 
 // staged reads dst (at most ReadChunkBytes) through the aligned staging
-// buffer: the aligned range covering [off, off+len(dst)), which may run
-// past the end of the file (O_DIRECT then returns short; the bytes needed
-// must be there).
+// buffer.
 func (r *extentReader) staged(f vfs.File, align int64, dst []byte, off int64) error {
+	r.one[0] = dst
+	err := r.stagedv(f, align, r.one[:], off)
+	r.one[0] = nil
+	return err
+}
+
+// stagedv reads bufs (together at most ReadChunkBytes), in order, through
+// the aligned staging buffer: the aligned range covering [off, off+their
+// length), which may run past the end of the file (O_DIRECT then returns
+// short; the bytes needed must be there), then copies into each.
+func (r *extentReader) stagedv(f vfs.File, align int64, bufs [][]byte, off int64) error {
+	n := int64(iovBytes(bufs))
 	start := off &^ (align - 1)
-	end := (off + int64(len(dst)) + align - 1) &^ (align - 1)
+	end := (off + n + align - 1) &^ (align - 1)
 	need := int(end-start) + directBufAlign
 	if r.staging != nil && len(*r.staging) < need {
 		putScratch(r.staging)
@@ -641,15 +1058,18 @@ func (r *extentReader) staged(f vfs.File, align int64, dst []byte, off int64) er
 	}
 	if r.staging == nil {
 		// Sized by need: a head or tail needs one or two alignments, only
-		// an unaligned destination a whole piece.
+		// an unaligned destination or short runs a whole piece.
 		r.staging = getScratch(need)
 	}
 	buf := alignedSlice(*r.staging, directBufAlign)
-	want := off + int64(len(dst)) - start // bytes of buf that must be filled
+	want := off + n - start // bytes of buf that must be filled
 	if _, err := readAtLeast(f, buf[:end-start], start, want); err != nil {
 		return err
 	}
-	copy(dst, buf[off-start:want])
+	src := buf[off-start : want]
+	for _, b := range bufs {
+		src = src[copy(b, src):]
+	}
 	return nil
 }
 

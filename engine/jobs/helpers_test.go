@@ -292,3 +292,14 @@ func blockPaths(nsDir string, hashes []string) []string {
 	slices.Sort(out)
 	return out
 }
+
+// savePrefixAt is jobs.SavePrefix of req in the namespace directory nsDir:
+// cfg's root is nsDir's parent (cfg itself is not modified) and
+// req.Namespace its base name.
+func savePrefixAt(ctx context.Context, cfg *jobs.Config, nsDir string, req *jobs.SavePrefixRequest) (*jobs.PrefixResult, jobs.Metrics, error) {
+	c := *cfg
+	c.Root = filepath.Dir(nsDir)
+	r := *req
+	r.Namespace = filepath.Base(nsDir)
+	return jobs.SavePrefix(ctx, &c, &r)
+}

@@ -62,6 +62,9 @@ func (pl *PagePlan) FileBytes(i int) (int64, error) {
 	}
 	lo, hi := i*pl.PageTokens, min(len(pl.tokens), (i+1)*pl.PageTokens)
 	page := &layout.Page{Key: pl.Keys[i], Parent: pl.Parents[i], Identity: pl.identity, PageTokens: pl.PageTokens, Tokens: pl.tokens[lo:hi]}
-	_, _, _, _, _, size, err := planPage(pl.tensors, pl.shapes, page, lo, pl.Keys[i].String())
-	return size, err
+	pp, err := planPage(pl.tensors, pl.shapes, page, lo, pl.Keys[i].String())
+	if err != nil {
+		return 0, err
+	}
+	return pp.size, nil
 }

@@ -1,12 +1,13 @@
 package jobs
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
-	"sync"
+	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -14,42 +15,12 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
-	"github.com/kvpersist/kvpersist/internal/xxh3s"
 )
 
 // The prefix cache's jobs: SavePrefix stores the token pages of a cache
 // (only those not stored yet), LoadPrefix loads the longest stored prefix
 // of a token sequence into strided destinations. See ARCHITECTURE.md,
 // "Token pages".
-
-// SavePrefixSpec describes a save to the prefix cache.
-type SavePrefixSpec struct {
-	// NSDir is the namespace directory, <root>/<namespace>; pages go
-	// where engine/store puts them (store.Namespace.PagePath).
-	NSDir string
-	// Identity names everything that makes KV incompatible (model weights
-	// digest, KV dtype, layout, tensor-parallel rank: the caller decides);
-	// 1 to layout.MaxIdentityBytes bytes. It roots the key chain.
-	Identity string
-	// Tokens are the token ids whose KV Tensors hold, in order; at least 1.
-	Tokens []uint32
-	// Tensors is every tensor of the cache (all layers, K and V), each a
-	// dtype and a strided view of at least 2 axes whose axis -2 is the
-	// token axis, holding at least len(Tokens) tokens (a capacity-padded
-	// buffer's first len(Tokens) tokens are saved; the rest is ignored).
-	Tensors []TensorSpec
-	// PageTokens is P, tokens per page; 0 means layout.DefaultPageTokens.
-	PageTokens int
-	// Progress, when non-nil, is called with n > 0 each time n more bytes
-	// of the save are done: a page's tensor bytes (its tokens' share of
-	// every tensor; headers and alignment not counted) once the page was
-	// found stored or written to its temp file (its fdatasync and rename
-	// come later, batched). The calls of one save add up to len(Tokens)
-	// tokens' bytes of every tensor when it succeeds. It is called on the
-	// save's goroutine only, never after SavePrefix returns (for the
-	// engine: never after the ack), and must be quick.
-	Progress func(bytes int64)
-}
 
 // PrefixResult reports a prefix save or load. Counts are pages, sizes
 // bytes of page files (header and data), tokens tokens.
@@ -59,10 +30,18 @@ type PrefixResult struct {
 	Keys []layout.PageKey
 	// Tokens: saved (len(Tokens)) or loaded (the prefix's length).
 	Tokens int
-	// PagesWritten, BytesWritten: pages a save wrote. PagesReused,
-	// BytesReused: pages a save found stored (no gather, hash or write).
+	// PagesWritten, BytesWritten: pages a save wrote (published:
+	// fdatasynced and renamed). PagesReused, BytesReused: pages a save
+	// found stored (no gather, hash or write).
 	PagesWritten, PagesReused int
 	BytesWritten, BytesReused int64
+	// PagesReplaced, for a save: how many of PagesWritten replaced a file
+	// that already had the page's name but was not that page as this save
+	// would write it (a header that does not verify, or differs from the
+	// save's own apart from the tensor hashes: torn, corrupt, another
+	// page's, another writer's encoding): see ARCHITECTURE.md, "Token
+	// pages", Save.
+	PagesReplaced int
 	// Missing, for a load, is the first page key it looked for and found
 	// no file for (nil when every page it looked for was found, or the
 	// load stopped for another reason). The engine drops it from its index.
@@ -74,31 +53,6 @@ type PrefixResult struct {
 	// decode, or could not be opened or read. The pages before it are
 	// loaded and counted in Tokens. nil otherwise.
 	Stop error
-}
-
-// LoadPrefixSpec describes a load from the prefix cache.
-type LoadPrefixSpec struct {
-	NSDir      string   // as SavePrefixSpec
-	Identity   string   // as SavePrefixSpec
-	Tokens     []uint32 // the prompt's token ids; at least 1
-	PageTokens int      // 0 means layout.DefaultPageTokens
-	// Dest has one destination per tensor of the cache, in the saved
-	// order: a dtype and a strided view (capacity-padded as mlx-lm keeps
-	// them) of the saved tensor's shape except axis -2, which must hold at
-	// least len(Tokens) tokens. Its elements must not overlap
-	// (gather.View.CheckNoOverlap).
-	Dest []TensorSpec
-	// Verify checks every tensor of every page against its xxh3-64; a page
-	// that fails ends the prefix there (PrefixResult.Stop).
-	Verify bool
-	// Progress, when non-nil, is called with n > 0 each time one page
-	// tensor of n bytes has been read into its destination (and verified,
-	// with Verify); a tensor that fails is not counted. When every page
-	// found loads, the calls add up to the loaded tokens' bytes of every
-	// tensor. It may be called from several of the load's goroutines at
-	// once (it must be safe for concurrent use and quick), never after
-	// LoadPrefix returns (for the engine: never after the ack).
-	Progress func(bytes int64)
 }
 
 func pageTokens(p int) int {
@@ -143,70 +97,111 @@ func checkPrefixTensors(ts []TensorSpec, tokens int, kind error, what string, wr
 			return fmt.Errorf("%w: %s %d holds %d tokens on axis -2, %d are needed", kind, what, i, c, tokens)
 		}
 	}
+	if write {
+		if err := checkDisjointViews(ts, kind, what); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 
-// SavePrefix stores the token pages of spec.Tokens: one page file per
-// PageTokens tokens, and the partial last page as a leaf. Keys come from
-// the token ids alone, so a page whose file exists with the expected size
-// costs one lstat: no gather, no hash, no write. Each new page is gathered
-// (zero-copy where the view allows), hashed and written as a single file
-// (layout.FormatPage) to a temp file, then fdatasynced and renamed by the
-// save's syncers (as blocks are); then every fan-out directory holding a
-// page of the save and pages/ are fsynced. When SavePrefix returns nil,
-// every page of the tokens is durable under its key.
+// checkDisjointViews fails (kind) when two of ts's views address a common
+// byte (gather.CheckDisjoint), naming the two: two destinations written
+// at once would leave it holding either's bytes.
+func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
+	views := make([]gather.View, len(ts))
+	for i, t := range ts {
+		views[i] = t.View
+		if views[i].ItemSize == 0 {
+			views[i].ItemSize, _ = layout.ItemSize(t.DType)
+		}
+	}
+	if i, j, err := gather.CheckDisjoint(views); err != nil {
+		return fmt.Errorf("%w: %s %d and %s %d share bytes of memory: %v", kind, what, i, what, j, err)
+	}
+	return nil
+}
+
+// SavePrefix stores the token pages of req.Tokens in the prefix cache of
+// the namespace <cfg.Root>/<req.Namespace>: one page file per PageTokens
+// tokens, and the partial last page as a leaf. Keys come from the token
+// ids alone, so a page already stored costs no gather, no hash and no
+// write: its file is reused when its header verifies and is the header
+// this save would write apart from the tensor hashes (so it holds this
+// key, parent, identity, token ids, dtypes and shapes: one read of the
+// header, storedPage); any other file under the page's name is rewritten.
+// Each new page is gathered (zero-copy where the view allows), hashed and
+// written as a single file (layout.FormatPage) to a temp file, then
+// fdatasynced and renamed by the save's syncers (as blocks are); then
+// every fan-out directory holding a page of the save and pages/ are
+// fsynced (those of reused pages while the new pages are written). When
+// SavePrefix returns nil, every page of the tokens is durable under its
+// key.
 //
 // On error (including ctx's) no temp file is left; pages already renamed
 // stay (each is complete and valid on its own, and reachable by a lookup
 // only through its stored parents). The caller's views are not touched
 // after SavePrefix returns.
 //
-// Errors: ErrInvalidRequest (identity, page size, no tokens, a bad view or
-// dtype, too few tokens on axis -2), ctx's error, or an I/O error naming
-// the operation and path.
-func SavePrefix(ctx context.Context, cfg *Config, spec *SavePrefixSpec) (*PrefixResult, Metrics, error) {
+// Errors: ErrInvalidRequest (nil request, no Config.Root, identity, page
+// size, no tokens, a bad view or dtype, too few tokens on axis -2),
+// layout.ErrBadName (namespace), store.ErrNamespace (a namespace that is a
+// symlink or not a directory), ctx's error, or an I/O error naming the
+// operation and path.
+func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	p := pageTokens(spec.PageTokens)
-	n := len(spec.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
+	if req == nil {
+		return nil, m, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
 	}
-	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix: %w", err)
 	}
-	if err := checkPrefixTensors(spec.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
-		return nil, m, fmt.Errorf("save prefix %s: %w", spec.NSDir, err)
+	p := pageTokens(req.PageTokens)
+	n := len(req.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	tensors := resolveTensors(spec.Tensors)
-	// The namespace directory, durably (the root synced in any case, as
-	// for Write), then its lock, shared: collect may not sweep meanwhile.
-	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
+	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if err := checkPrefixTensors(req.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
+		return nil, m, fmt.Errorf("save prefix %s: %w", ns.Dir(), err)
+	}
+	tensors := resolveTensors(req.Tensors)
+	// The namespace directory (never a symlink), durably (the root synced
+	// in any case, as for Write), then its lock, shared: collect may not
+	// sweep meanwhile.
+	if err := ns.Check(); err != nil {
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
+	}
 	if err := ns.Create(); err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
 	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &m, spec.Progress)
+	err = savePages(ctx, cfg, ns, req.Identity, p, req.Tokens, tensors, keys, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
 
 // savePages stores the pages keys (PageChain of tokens) of tensors in
 // ns's pages/ (paths and directories from engine/store), the namespace
-// already created and locked: existing pages are reused by name and size,
-// new ones written and committed by the fsync waiters, then the fan-out
-// directories and pages/ are fsynced. It fills res's counts and m's write
-// metrics, and tells progress (when non-nil) each page's tensor bytes once
-// it is reused or staged.
+// already created and locked: stored pages are reused (storedPage), new
+// ones written and committed by the fsync waiters, which meanwhile fsync
+// the fan-out directories of the reused pages (a concurrent writer may
+// have renamed one in without syncing yet); then the fan-out directories
+// of the new pages and pages/ are fsynced. It fills res's counts and m's
+// write metrics, and tells progress (when non-nil), on this goroutine,
+// each page's tensor bytes once the page is reused or published.
 func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics, progress func(int64)) error {
 	st := ns.Store()
-	fsys := st.FS()
 	n := len(tokens)
 	pagesDir := ns.PagesDir()
 	if err := ns.CreatePagesDir(); err != nil {
@@ -215,14 +210,29 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	var err error
 	c := newCommitter(ctx, st, pagesDir, len(keys))
 	var copied, peak atomic.Int64
-	made := map[string]bool{}     // fan-out directories created or checked
-	needSync := map[string]bool{} // fan-out directories to fsync
+	// Progress: a new page's tensor bytes count once its commit succeeded
+	// (published, added by the syncer), and are told here, on the save's
+	// goroutine, between pages and at the end: never for a page that then
+	// fails to publish.
+	var published atomic.Int64
+	var told int64
+	tell := func() {
+		if d := published.Load() - told; d > 0 && progress != nil {
+			told += d
+			progress(d)
+		}
+	}
+	made := map[string]bool{}    // fan-out directories created or checked
+	newDirs := map[string]bool{} // fan-out directories of new pages: fsynced at the end
+	early := map[string]bool{}   // fan-out directories of reused pages: fsynced by the committer
 	shapes := make([][]int, len(tensors))
 	for i, t := range tensors {
 		shapes[i] = make([]int, len(t.View.Shape))
 	}
+	var hdr []byte // scratch for storedPage
 	parent := layout.PageRoot(identity, p)
 	for i, key := range keys {
+		tell()
 		if c.failed() {
 			break
 		}
@@ -241,45 +251,44 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 			}
 			made[dir] = true
 		}
-		needSync[dir] = true
-		var size int64
-		var ws *writeSpec
-		var h *layout.Header
-		var slots []slotIn
-		var jsLen int
-		var dataStart int64
-		ws, h, slots, jsLen, dataStart, size, err = planPage(tensors, shapes, page, lo, path)
-		if err != nil {
+		var pl *plannedPage
+		if pl, err = planPage(tensors, shapes, page, lo, path); err != nil {
 			break
 		}
-		m.LogicalBytes += size - dataStart
-		fi, serr := fsys.Lstat(path)
-		if serr == nil && fi.Mode().IsRegular() && fi.Size() == size {
+		m.LogicalBytes += pl.size - pl.dataStart
+		var reuse, exists bool
+		if reuse, exists, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
+			break
+		}
+		if reuse {
 			res.PagesReused++
-			res.BytesReused += size
-			reportPage(progress, h)
+			res.BytesReused += pl.size
+			if st.Durable() && !early[dir] {
+				early[dir] = true
+				c.hand(stagedBlock{dir: dir})
+			}
+			if progress != nil {
+				progress(pl.tensorBytes)
+			}
 			continue
 		}
-		if serr != nil && !vfs.IsNotExist(serr) {
-			err = fmt.Errorf("jobs: save prefix: stat page %s: %w", path, serr)
+		if exists {
+			res.PagesReplaced++
+		}
+		newDirs[dir] = true
+		tb := pl.tensorBytes
+		if err = stagePage(ctx, cfg, st, c, pl, &copied, &peak, func() { published.Add(tb) }); err != nil {
 			break
 		}
-		if serr == nil && fi.IsDir() {
-			err = fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
-			break
-		}
-		if err = stagePage(ctx, cfg, st, c, ws, h, slots, jsLen, dataStart, size, &copied, &peak); err != nil {
-			break
-		}
-		reportPage(progress, h)
 	}
 	syncErr := c.stop(err != nil)
 	if err == nil {
 		err = syncErr
 	}
+	tell() // pages published since the last call, whatever the outcome
 	if err == nil && st.Durable() {
-		dirs := make([]string, 0, len(needSync))
-		for d := range needSync {
+		dirs := make([]string, 0, len(newDirs))
+		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
@@ -297,49 +306,126 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	return err
 }
 
-// reportPage tells progress (when non-nil) the tensor bytes of the page
-// whose header is h.
-func reportPage(progress func(int64), h *layout.Header) {
-	if progress == nil {
-		return
-	}
-	var n int64
-	for _, t := range h.Caches[0].Tensors {
-		n += t.Bytes
-	}
-	if n > 0 {
-		progress(n)
-	}
+// plannedPage is a page file laid out before any byte is gathered: its
+// header with placeholder hashes (js), data start and size in bytes
+// (hashes have a fixed length, so the size is known up front), and the
+// sum of its tensors' bytes.
+type plannedPage struct {
+	ws              *writeSpec
+	h               *layout.Header
+	slots           []slotIn
+	js              []byte
+	dataStart, size int64
+	tensorBytes     int64
 }
 
 // planPage builds a page's header (layout.FormatPage) and file layout from
 // the save's tensors sliced to tokens [lo, lo+len(page.Tokens)) of axis
-// -2. shapes are per-tensor shape buffers, overwritten. size is the page
-// file's size in bytes, known before any byte is gathered (hashes have a
-// fixed length).
-func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, err error) {
+// -2. shapes are per-tensor shape buffers, overwritten.
+func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path string) (*plannedPage, error) {
 	sliced := make([]TensorSpec, len(ts))
 	for i, t := range ts {
 		v, err := t.View.SliceAxis(len(t.View.Shape)-2, lo, lo+len(page.Tokens), shapes[i])
 		if err != nil {
-			return nil, nil, nil, 0, 0, 0, fmt.Errorf("%w: save prefix %s tensor %d: %v", ErrInvalidRequest, path, i, err)
+			return nil, fmt.Errorf("%w: save prefix %s tensor %d: %v", ErrInvalidRequest, path, i, err)
 		}
 		sliced[i] = TensorSpec{DType: t.DType, View: v}
 	}
-	ws = &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}}
-	if h, slots, err = buildHeader(ws, layout.FormatPage); err != nil {
-		return nil, nil, nil, 0, 0, 0, err
+	pl := &plannedPage{ws: &writeSpec{Path: path, WriteRequest: &WriteRequest{Layout: layout.Single, Meta: layout.Meta{"page": page.MetaJSON()}, Caches: []EntrySpec{{Tensors: sliced}}}}}
+	var err error
+	if pl.h, pl.slots, err = buildHeader(pl.ws, layout.FormatPage); err != nil {
+		return nil, err
 	}
 	var end int64
-	if jsLen, dataStart, end, err = planSingle(path, h, slots); err != nil {
-		return nil, nil, nil, 0, 0, 0, err
+	if pl.js, pl.dataStart, end, err = planSingle(path, pl.h, pl.slots); err != nil {
+		return nil, err
 	}
-	return ws, h, slots, jsLen, dataStart, dataStart + end, nil
+	pl.size = pl.dataStart + end
+	for _, t := range pl.h.Caches[0].Tensors {
+		pl.tensorBytes += t.Bytes
+	}
+	return pl, nil
 }
 
-// stagePage writes a planned page to a temp file and hands it to c.
-func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, ws *writeSpec, h *layout.Header, slots []slotIn, jsLen int, dataStart, size int64, copied, peak *atomic.Int64) error {
-	sf, err := layout.Stage(st.FS(), ws.Path, size)
+// hashPlaceholder is how a planned header's tensor hash reads (planSingle).
+var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
+
+// storedPage decides whether the file at path is the planned page, so that
+// a save may reuse it: a regular file of the planned size whose prefix
+// (magic, header length, data start) and header hash verify and whose
+// header JSON equals the planned one byte for byte, except that each
+// tensor hash may be any 16 lowercase hex digits. One read of the header
+// (about 10 KiB at Llama-3.1-8B geometry, into buf, grown as needed and
+// returned): no JSON is decoded, and the page's data is not read (a load
+// with verification finds a corrupt tensor). exists reports whether
+// anything is at path (to be replaced when not reusable; a directory is an
+// error). A file that cannot be opened or read whole is not reusable.
+func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, _ []byte, err error) {
+	fi, err := fsys.Lstat(path)
+	if err != nil {
+		if vfs.IsNotExist(err) {
+			return false, false, buf, nil
+		}
+		return false, false, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
+	}
+	if fi.IsDir() {
+		return false, true, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+	}
+	if !fi.Mode().IsRegular() || fi.Size() != pl.size {
+		return false, true, buf, nil
+	}
+	f, err := fsys.Open(path) // no symlink followed, no FIFO blocks
+	if err != nil {
+		return false, !vfs.IsNotExist(err), buf, nil
+	}
+	defer f.Close()
+	n := layout.PrefixLen + len(pl.js)
+	if cap(buf) < n {
+		buf = make([]byte, n)
+	}
+	buf = buf[:n]
+	if layout.ReadFull(f, buf, 0) != nil {
+		return false, true, buf, nil
+	}
+	return sameHeader(buf, pl.js, pl.dataStart), true, buf, nil
+}
+
+// sameHeader reports whether file (a file's first PrefixLen+len(js)
+// bytes) is a kvpersist prefix and header whose hash verifies, whose data
+// starts at dataStart, and whose JSON equals js except that the 16 digits
+// of each tensor hash placeholder of js may be any lowercase hex digits.
+func sameHeader(file, js []byte, dataStart int64) bool {
+	p, err := layout.ParsePrefix(file[:layout.PrefixLen])
+	if err != nil || p.Legacy || int(p.HeaderLen) != len(js) || int64(p.DataStart) != dataStart {
+		return false
+	}
+	stored := file[layout.PrefixLen:]
+	if p.ComputeHeaderHash(stored) != p.HeaderHash {
+		return false
+	}
+	at := 0
+	for {
+		j := bytes.Index(js[at:], hashPlaceholder)
+		if j < 0 {
+			return bytes.Equal(stored[at:], js[at:])
+		}
+		digits := at + j + len(`"hash":"`)
+		if !bytes.Equal(stored[at:digits], js[at:digits]) {
+			return false
+		}
+		for _, c := range stored[digits : digits+16] {
+			if (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+				return false
+			}
+		}
+		at = digits + 16
+	}
+}
+
+// stagePage writes a planned page to a temp file and hands it to c, which
+// calls done once the page is published.
+func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, pl *plannedPage, copied, peak *atomic.Int64, done func()) error {
+	sf, err := layout.Stage(st.FS(), pl.ws.Path, pl.size)
 	if err != nil {
 		return fmt.Errorf("jobs: save prefix: %w", err)
 	}
@@ -349,41 +435,85 @@ func stagePage(ctx context.Context, cfg *Config, st *store.Store, c *committer, 
 			sf.Abort()
 		}
 	}()
-	if err := fillSingle(ctx, cfg, st, ws.Path, h, slots, jsLen, dataStart, sf.File, copied, peak); err != nil {
+	if err := fillSingle(ctx, cfg, st, pl.ws.Path, pl.h, pl.slots, len(pl.js), pl.dataStart, sf.File, copied, peak); err != nil {
 		return err
 	}
-	c.hand(stagedBlock{s: sf, n: size})
+	c.hand(stagedBlock{s: sf, n: pl.size, done: done})
 	handed = true
 	return nil
 }
 
 // foundPage is a page file a load opened and checked.
 type foundPage struct {
-	f    vfs.File
+	src  *Source
 	snap *layout.Snapshot
 	lo   int // first token of the page in the prompt
 }
 
-// LoadPrefix loads the longest stored prefix of spec.Tokens into
-// spec.Dest and reports its length in tokens (PrefixResult.Tokens, a
-// multiple of PageTokens unless the prompt's last, partial page was stored
-// as a leaf with exactly the prompt's remaining tokens).
+// openPage opens the page file at path and decodes it: an open error is
+// returned as is (vfs.IsNotExist for a missing page); a file that does not
+// decode, or is not a page, wraps ErrCorrupt. The page is returned as a
+// Source for ReadExtents (O_DIRECT when its file system allows and it is
+// not in the page cache; see OpenSource), which the caller closes.
+func openPage(cfg *Config, path string) (*Source, *layout.Snapshot, error) {
+	f, err := cfg.fs().Open(path)
+	if err != nil {
+		return nil, nil, err
+	}
+	snap, err := layout.Decode(f, path)
+	if err == nil && snap.Page == nil {
+		err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
+	}
+	if err != nil {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
+	}
+	src, err := ownSource(cfg, f)
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	return src, snap, nil
+}
+
+// pageExtent is the extent of tensor t of a page (stored at off from the
+// page's data start) into dst, the destination's view of the page's token
+// range; verified by the tensor's xxh3-64 with verify.
+func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, verify bool) Extent {
+	x := Extent{Src: fp.src, Off: int64(fp.snap.DataStart) + t.Off, View: dst, Group: group}
+	if verify {
+		x.Verify = VerifyXXH3
+		x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated by Decode: 16 hex digits
+	}
+	return x
+}
+
+// LoadPrefix loads the longest stored prefix of req.Tokens from the prefix
+// cache of <cfg.Root>/<req.Namespace> into req.Dest and reports its length
+// in tokens (PrefixResult.Tokens, a multiple of PageTokens unless the
+// prompt's last, partial page was stored as a leaf with exactly the
+// prompt's remaining tokens).
 //
-// Order of work: (1) the request is checked: identity, page size, at least
-// one token, every destination's dtype, itemsize, rank, validity, no
-// overlapping elements, and room for len(Tokens) tokens on axis -2; (2) the
-// page files of the prefix are opened in chain order until one is missing
-// (a miss, never an error: PrefixResult.Missing) or fails to open or
-// decode (the prefix ends there: PrefixResult.Stop); each opened page is
-// checked against the request: its key, identity, page size and token ids
-// (a page that differs is corrupt: Stop wraps ErrCorrupt), and each
-// tensor's dtype and shape (the destination's, axis -2 aside: ErrMismatch
-// for the first page; for a later one, whose tensors then disagree with
-// the pages before it, Stop wraps ErrCorrupt); (3)
-// only then are the destinations written: every tensor of every page is
-// read straight into the destination's token range (pread into each
-// contiguous piece of the view when pieces are at least 64 KiB, else
-// through scratch), and with Verify hashed while hot in cache.
+// Order of work: (1) the request is checked: namespace, identity, page
+// size, at least one token, every destination's dtype, itemsize, rank,
+// validity, no overlapping elements within a destination or between two
+// of them (gather.CheckDisjoint), and room for len(Tokens) tokens on axis
+// -2; (2) the page files of the prefix are opened in chain order until one
+// is missing (a miss, never an error: PrefixResult.Missing) or fails to
+// open or decode (the prefix ends there: PrefixResult.Stop); each opened
+// page is checked against the request: its key, identity, page size and
+// token ids (a page that differs is corrupt: Stop wraps ErrCorrupt), and
+// each tensor's dtype and shape (the destination's, axis -2 aside:
+// ErrMismatch naming the tensor and what differs, for the first page; for
+// a later one, whose tensors then disagree with the pages before it, Stop
+// wraps ErrCorrupt); (3) only then are the destinations written, by
+// ReadExtents: every tensor of every page found is one extent into the
+// destination's token range, read with cfg.ReadDepth requests in flight
+// across pages (O_DIRECT where the file system allows and the page is not
+// in the page cache), straight into each contiguous run of the view (one
+// preadv per request) when runs are at least MinRunBytes, else through
+// staging and a scatter; with Verify each tensor is hashed (xxh3-64) as it
+// streams in.
 //
 // What a destination holds afterwards, in its elements on axis -2 (every
 // other byte of the caller's buffers is never written):
@@ -400,40 +530,43 @@ type foundPage struct {
 // Files are opened without following symlinks; the load holds the
 // namespace's lock shared (when the lock file exists). Destinations are
 // not touched after LoadPrefix returns.
-func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*PrefixResult, Metrics, error) {
+func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
-	p := pageTokens(spec.PageTokens)
-	n := len(spec.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, spec.NSDir)
-	}
-	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
+	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
 	}
-	if err := checkPrefixTensors(spec.Dest, n, ErrDestination, "destination", true); err != nil {
-		return nil, m, fmt.Errorf("load prefix %s: %w", spec.NSDir, err)
+	p := pageTokens(req.PageTokens)
+	n := len(req.Tokens)
+	if n == 0 {
+		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	dests := resolveTensors(spec.Dest)
+	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if err != nil {
+		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
+		return nil, m, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
+	}
+	dests := resolveTensors(req.Dest)
 	fsys := cfg.fs()
-	ns := store.NamespaceAt(spec.NSDir, cfg.storeOptions())
 	res := &PrefixResult{}
 	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
+		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
 	}
 	defer unlock()
 	for _, d := range []string{ns.Dir(), ns.PagesDir()} {
 		if err := checkDir(fsys, d); err != nil {
-			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", spec.NSDir, err)
+			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
 		}
 	}
 	// Step 2: open and check every page of the prefix.
 	var found []foundPage
 	defer func() {
 		for _, fp := range found {
-			fp.f.Close()
+			fp.src.Close()
 		}
 	}()
 	checked := map[string]error{}
@@ -451,28 +584,21 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 		if derr != nil {
 			return nil, m, fmt.Errorf("jobs: load prefix: %w", derr)
 		}
-		f, err := fsys.Open(path)
+		src, snap, err := openPage(cfg, path)
 		if err != nil {
 			if vfs.IsNotExist(err) {
 				k := key
 				res.Missing = &k
-				break
+			} else if errors.Is(err, ErrCorrupt) {
+				res.Stop = err
+			} else {
+				res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
 			}
-			res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
-			break
-		}
-		snap, err := layout.Decode(f, path)
-		if err != nil || snap.Page == nil {
-			f.Close()
-			if err == nil {
-				err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
-			}
-			res.Stop = fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
 			break
 		}
 		lo := i * p
-		if err := checkPage(snap, key, spec, lo, min(n, lo+p)); err != nil {
-			f.Close()
+		if err := checkPage(snap, key, req, lo, min(n, lo+p)); err != nil {
+			src.Close()
 			// A page that is not what its file name says (key, identity,
 			// P, token ids) is corrupt, and so is one whose tensors
 			// disagree with the pages before it (which matched the
@@ -488,58 +614,50 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 			res.Stop = err
 			break
 		}
-		found = append(found, foundPage{f: f, snap: snap, lo: lo})
+		found = append(found, foundPage{src: src, snap: snap, lo: lo})
 	}
-	// Step 3: read every tensor of every page found into its destination.
-	nt := len(spec.Dest)
-	var bad atomic.Int64 // the first page that failed, or len(found)
-	bad.Store(int64(len(found)))
-	var mu sync.Mutex
-	stops := map[int]error{}
-	var read atomic.Int64
-	err = parallel(ctx, cfg, len(found)*nt, ChunkBytes, func(k int, scratch []byte) error {
-		pi, ti := k/nt, k%nt
-		if int64(pi) > bad.Load() {
-			return nil // past a failed page: not loaded anyway
+	// Step 3: read every tensor of every page found into its destination:
+	// one extent each, in page order, all in one group (a failure skips
+	// what follows it: those pages are past the prefix's end anyway).
+	nt := len(dests)
+	if len(found) > maxHeldBlocks {
+		for _, fp := range found {
+			fp.src.makeLazy(int64(nt))
 		}
-		fp := &found[pi]
-		t := fp.snap.Header.Caches[0].Tensors[ti]
-		d := dests[ti].View
-		var shp [layout.MaxRank]int
-		sub, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
-		if err == nil {
-			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, spec.Verify, t.Hash, &read)
-		}
-		if err == nil && spec.Progress != nil && t.Bytes > 0 {
-			spec.Progress(t.Bytes)
-		}
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
-			}
-			mu.Lock()
-			if _, dup := stops[pi]; !dup {
-				stops[pi] = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, ti, err)
-			}
-			mu.Unlock()
-			for {
-				old := bad.Load()
-				if int64(pi) >= old || bad.CompareAndSwap(old, int64(pi)) {
-					break
-				}
+	}
+	exts, err := loadExtents(found, dests, req.Verify)
+	if err != nil {
+		return nil, m, err
+	}
+	var progress func(int, error)
+	if req.Progress != nil {
+		progress = func(k int, err error) {
+			if b := exts[k].Bytes(); err == nil && b > 0 {
+				req.Progress(int64(b))
 			}
 		}
-		return nil
-	})
-	m.ReadBytes = read.Load()
+	}
+	errs, st, err := readExtents(ctx, cfg, exts, progress)
+	m.ReadBytes, m.DirectReadBytes = st.Bytes, st.DirectBytes
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err
 	}
-	loaded := int(bad.Load())
-	if loaded < len(found) {
-		res.Stop = stops[loaded]
+	loaded := len(found)
+	for k, e := range errs {
+		if e == nil {
+			continue
+		}
+		// The first error in extent order is the first failed page's: an
+		// extent is skipped only after an earlier one failed.
+		fp := &found[k/nt]
+		if errors.Is(e, ErrBlockSize) {
+			e = fmt.Errorf("%w: %w", ErrCorrupt, e) // the page file is shorter than its header says
+		}
+		loaded = k / nt
+		res.Stop = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, k%nt, e)
 		res.Missing = nil
+		break
 	}
 	for _, fp := range found[:loaded] {
 		res.Keys = append(res.Keys, fp.snap.Page.Key)
@@ -551,114 +669,82 @@ func LoadPrefix(ctx context.Context, cfg *Config, spec *LoadPrefixSpec) (*Prefix
 	return res, m, nil
 }
 
+// loadExtents is one extent per tensor of every page found, in page then
+// tensor order, each into its destination's view of the page's token range
+// (axis -2), all of group 0.
+func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]Extent, error) {
+	nt := len(dests)
+	exts := make([]Extent, 0, len(found)*nt)
+	views := make([]gather.View, len(found)*nt)
+	rank := 0
+	for _, d := range dests {
+		rank += len(d.View.Shape)
+	}
+	shapes := make([]int, len(found)*rank) // every view's shape, back to back
+	for pi := range found {
+		fp := &found[pi]
+		for ti, t := range fp.snap.Header.Caches[0].Tensors {
+			d := dests[ti].View
+			k := pi*nt + ti
+			shp := shapes[:len(d.Shape)]
+			shapes = shapes[len(d.Shape):]
+			v, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp)
+			if err != nil { // checked: each destination holds every token
+				return nil, fmt.Errorf("%w: load prefix: destination %d: %v", ErrDestination, ti, err)
+			}
+			views[k] = v
+			exts = append(exts, pageExtent(fp, &t, &views[k], 0, verify))
+		}
+	}
+	return exts, nil
+}
+
 // checkPage checks an opened page against the load's request before any
 // destination is touched: the key it is stored under, identity, page size
 // and token ids [lo, hi) of the prompt (a page that differs is not what
 // its file name says: ErrCorrupt), then each tensor's dtype and shape (the
-// destination's, axis -2 aside: ErrMismatch).
-func checkPage(snap *layout.Snapshot, key layout.PageKey, spec *LoadPrefixSpec, lo, hi int) error {
+// destination's, axis -2 aside: ErrMismatch naming what differs).
+func checkPage(snap *layout.Snapshot, key layout.PageKey, req *LoadPrefixRequest, lo, hi int) error {
 	pg := snap.Page
 	switch {
 	case pg.Key != key:
 		return fmt.Errorf("%w: page %s holds key %s", ErrCorrupt, snap.Path, pg.Key)
-	case pg.Identity != spec.Identity:
-		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrCorrupt, snap.Path, pg.Identity, spec.Identity)
-	case pg.PageTokens != pageTokens(spec.PageTokens):
-		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrCorrupt, snap.Path, pg.PageTokens, pageTokens(spec.PageTokens))
-	case !slices.Equal(pg.Tokens, spec.Tokens[lo:hi]):
+	case pg.Identity != req.Identity:
+		return fmt.Errorf("%w: page %s has identity %q, the load %q", ErrCorrupt, snap.Path, pg.Identity, req.Identity)
+	case pg.PageTokens != pageTokens(req.PageTokens):
+		return fmt.Errorf("%w: page %s has %d tokens per page, the load %d", ErrCorrupt, snap.Path, pg.PageTokens, pageTokens(req.PageTokens))
+	case !slices.Equal(pg.Tokens, req.Tokens[lo:hi]):
 		return fmt.Errorf("%w: page %s holds other token ids than the prompt's [%d, %d)", ErrCorrupt, snap.Path, lo, hi)
 	}
 	ts := snap.Header.Caches[0].Tensors
-	if len(ts) != len(spec.Dest) {
-		return fmt.Errorf("%w: page %s has %d tensors, the load %d destinations", ErrMismatch, snap.Path, len(ts), len(spec.Dest))
+	if len(ts) != len(req.Dest) {
+		return fmt.Errorf("%w: page %s has %d tensors, the load %d destinations", ErrMismatch, snap.Path, len(ts), len(req.Dest))
 	}
 	for i, t := range ts {
-		d := spec.Dest[i]
-		same := t.DType == d.DType && len(t.Shape) == len(d.View.Shape)
-		for a := 0; same && a < len(t.Shape); a++ {
-			same = a == len(t.Shape)-2 || t.Shape[a] == int64(d.View.Shape[a])
-		}
-		if !same {
-			return fmt.Errorf("%w: page %s tensor %d is %s%v, destination %d is %s%v", ErrMismatch, snap.Path, i, t.DType, t.Shape, i, d.DType, d.View.Shape)
+		d := req.Dest[i]
+		if diff := tensorDiff(t.DType, t.Shape, d.DType, d.View.Shape); diff != "" {
+			return fmt.Errorf("%w: page %s tensor %d is %s%v, destination %d is %s%v: %s", ErrMismatch, snap.Path, i, t.DType, t.Shape, i, d.DType, d.View.Shape, diff)
 		}
 	}
 	return nil
 }
 
-// pieceMinBytes: destination pieces at least this long are read into
-// directly (one pread each); shorter ones go through scratch and a scatter.
-const pieceMinBytes = 64 << 10
-
-// readPageTensor fills dst, the destination's view of one page tensor's
-// elements, with the tensor's logical bytes stored at off in f, hashing
-// them when verify and checking the hash against want (ErrCorrupt). The
-// only I/O is pageRead.
-func readPageTensor(ctx context.Context, f vfs.File, off int64, dst gather.View, scratch []byte, verify bool, want string, read *atomic.Int64) error {
-	var hs xxh3s.Digest
-	if dst.RunElements()*dst.ItemSize >= pieceMinBytes {
-		err := dst.RunsRange(0, dst.Elements(), func(piece []byte) error {
-			for o := 0; o < len(piece); {
-				if err := ctx.Err(); err != nil {
-					return err
-				}
-				c := piece[o:min(len(piece), o+pageReadChunk)]
-				if err := pageRead(f, c, off); err != nil {
-					return err
-				}
-				if verify {
-					hs.Write(c)
-				}
-				read.Add(int64(len(c)))
-				off += int64(len(c))
-				o += len(c)
-			}
-			return nil
-		})
-		if err != nil {
-			return err
-		}
-	} else {
-		n := dst.Elements()
-		chunk := max(1, len(scratch)/dst.ItemSize)
-		for e := 0; e < n; {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			count := min(chunk, n-e)
-			b := scratch[:count*dst.ItemSize]
-			if err := pageRead(f, b, off); err != nil {
-				return err
-			}
-			if verify {
-				hs.Write(b)
-			}
-			if err := dst.ScatterRange(e, count, b); err != nil {
-				return err
-			}
-			read.Add(int64(len(b)))
-			off += int64(len(b))
-			e += count
+// tensorDiff says what differs between a stored page tensor and a
+// destination other than axis -2 (tokens: a page holds its own count, a
+// destination its capacity), or "" when nothing does.
+func tensorDiff(dtype string, shape []int64, ddtype string, dshape []int) string {
+	if dtype != ddtype {
+		return fmt.Sprintf("dtype %s in the page, %s in the destination", dtype, ddtype)
+	}
+	if len(shape) != len(dshape) {
+		return fmt.Sprintf("%d axes in the page, %d in the destination", len(shape), len(dshape))
+	}
+	for a := range shape {
+		if a != len(shape)-2 && shape[a] != int64(dshape[a]) {
+			return fmt.Sprintf("axis %d (of %d) has %d elements in the page, %d in the destination (only axis -2, tokens, may differ)", a, len(shape), shape[a], dshape[a])
 		}
 	}
-	if verify {
-		if got := layout.TensorHash(hs.Sum64()); got != want {
-			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
-		}
-	}
-	return nil
-}
-
-// pageRead is the load's one I/O primitive: exactly len(b) bytes of f at
-// off (a short file is layout.ErrTruncated). It is kept apart so the load
-// can move to the shared read primitive (queue depth, O_DIRECT) unchanged.
-func pageRead(f vfs.File, b []byte, off int64) error {
-	if err := layout.ReadFull(f, b, off); err != nil {
-		if errors.Is(err, layout.ErrTruncated) {
-			return fmt.Errorf("%w: %v", ErrCorrupt, err)
-		}
-		return err
-	}
-	return nil
+	return ""
 }
 
 // checkIdentity fails with ErrMismatch unless want is empty or equals the
@@ -762,27 +848,42 @@ func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *wri
 	return nil
 }
 
-// readPaged reads a page manifest into dest (one buffer per slot, exactly
-// its bytes, checked by Read): every page is opened and checked against the
-// manifest first (key, identity, page size, token count, tensors' dtypes
-// and shapes); a missing or mismatching page fails every cache slot
-// (ErrMissingPage, ErrCorrupt) and none of them is read. Then each page
-// tensor is read into its token range of the slot (a row-major view of
-// dest), verified with the page's hash, and each attachment from the
-// manifest. Per-slot failures go to fail; the error is ctx's or a panic.
-func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte, verify bool, read *atomic.Int64, fail func(int, error)) error {
+// pagedRead is the read plan of a page manifest: one extent per tensor of
+// every page (the first paged of exts) and per attachment.
+type pagedRead struct {
+	srcs  []*Source // the pages', then the manifest's
+	exts  []Extent
+	paged int // extents of page tensors, before the attachments'
+	// pageErr: a page is missing or unlike the manifest; every cache slot
+	// fails with it, and none of them is read.
+	pageErr error
+}
+
+func (pr *pagedRead) close() {
+	for _, s := range pr.srcs {
+		s.Close()
+	}
+}
+
+// pagedExtents plans the read of a page manifest into dest (one buffer per
+// slot, exactly its bytes, checked by Read): every page is opened and
+// checked against the manifest first (key, identity, page size, token
+// count, tensors' dtypes and shapes); a missing or mismatching page
+// (ErrMissingPage, ErrCorrupt) is pageErr, and then only the attachments
+// are planned. Else each page tensor is one extent into its token range of
+// its slot (a row-major view of dest), grouped by slot, verified with the
+// page's hash, and each attachment one extent from the manifest f. The
+// error is one of making the manifest's Source; close the plan in any
+// case.
+func pagedExtents(cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte, verify bool) (*pagedRead, error) {
 	fsys := cfg.fs()
 	pl := snap.Pages
 	slots := snap.Header.Slots()
 	nc := cacheSlots(snap.Header)
 	ns, _ := store.NamespaceOf(snap.Path, cfg.storeOptions())
+	pr := &pagedRead{}
 	pages := make([]foundPage, 0, len(pl.Keys))
-	defer func() {
-		for _, fp := range pages {
-			fp.f.Close()
-		}
-	}()
-	pageErr := func() error {
+	pr.pageErr = func() error {
 		if err := checkDir(fsys, ns.PagesDir()); err != nil {
 			return err
 		}
@@ -791,23 +892,16 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 			if err := checkDir(fsys, filepath.Dir(path)); err != nil {
 				return err
 			}
-			pf, err := fsys.Open(path)
+			src, ps, err := openPage(cfg, path)
 			if err != nil {
 				if vfs.IsNotExist(err) {
 					return fmt.Errorf("%w: %s", ErrMissingPage, path)
 				}
 				return err
 			}
-			ps, err := layout.Decode(pf, path)
-			if err == nil && ps.Page == nil {
-				err = fmt.Errorf("%s is not a page file", path)
-			}
-			if err != nil {
-				pf.Close()
-				return fmt.Errorf("%w: %w", ErrCorrupt, err)
-			}
+			pr.srcs = append(pr.srcs, src)
 			lo := i * pl.PageTokens
-			pages = append(pages, foundPage{f: pf, snap: ps, lo: lo})
+			pages = append(pages, foundPage{src: src, snap: ps, lo: lo})
 			pg := ps.Page
 			if pg.Key != k || pg.Identity != pl.Identity || pg.PageTokens != pl.PageTokens || len(pg.Tokens) != min(pl.PageTokens, pl.Tokens-lo) || len(ps.Header.Caches[0].Tensors) != nc {
 				return fmt.Errorf("%w: page %s does not match the manifest (key, identity, page size, tokens or tensor count)", ErrCorrupt, path)
@@ -825,55 +919,56 @@ func readPaged(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapsh
 		}
 		return nil
 	}()
-	if pageErr != nil {
-		for i := range nc {
-			fail(i, pageErr)
-		}
-		pages, nc = pages[:0:0], 0 // read the attachments only
+	if pr.pageErr != nil {
+		pages = nil // read the attachments only
 	}
-	var bad sync.Map // slot -> struct{}: one failure per slot
-	onErr := func(slot int, err error) {
-		if _, dup := bad.LoadOrStore(slot, struct{}{}); !dup {
-			fail(slot, err)
+	if len(pages) > maxHeldBlocks {
+		for _, fp := range pages {
+			fp.src.makeLazy(int64(nc))
 		}
 	}
-	nPaged := len(pages) * nc
-	return parallel(ctx, cfg, nPaged+len(slots)-cacheSlots(snap.Header), ChunkBytes, func(k int, scratch []byte) error {
-		if k >= nPaged {
-			i := cacheSlots(snap.Header) + k - nPaged
-			if err := readAttachment(ctx, f, int64(snap.DataStart)+slots[i].Off, dest[i], verify, slots[i].Hash, read); err != nil {
-				if ctx.Err() != nil {
-					return ctx.Err()
-				}
-				onErr(i, err)
-			}
-			return nil
-		}
-		pi, ti := k/nc, k%nc
-		if _, skip := bad.Load(ti); skip {
-			return nil
-		}
-		fp := &pages[pi]
-		t := fp.snap.Header.Caches[0].Tensors[ti]
-		shape := make([]int, len(slots[ti].Shape))
-		for a, d := range slots[ti].Shape {
+	// The slots as row-major views of dest.
+	whole := make([]gather.View, nc)
+	for i := range nc {
+		shape := make([]int, len(slots[i].Shape))
+		for a, d := range slots[i].Shape {
 			shape[a] = int(d)
 		}
-		size, _ := layout.ItemSize(slots[ti].DType)
-		v := gather.View{Base: dest[ti], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size}
-		var shp [layout.MaxRank]int
-		sub, err := v.SliceAxis(len(shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), shp[:])
-		if err == nil {
-			err = readPageTensor(ctx, fp.f, int64(fp.snap.DataStart)+t.Off, sub, scratch, verify, t.Hash, read)
-		}
-		if err != nil {
-			if ctx.Err() != nil {
-				return ctx.Err()
+		size, _ := layout.ItemSize(slots[i].DType)
+		whole[i] = gather.View{Base: dest[i], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: size}
+	}
+	pr.exts = make([]Extent, 0, len(pages)*nc+len(slots)-nc)
+	views := make([]gather.View, len(pages)*nc)
+	for pi := range pages {
+		fp := &pages[pi]
+		for ti, t := range fp.snap.Header.Caches[0].Tensors {
+			d := whole[ti]
+			v, err := d.SliceAxis(len(d.Shape)-2, fp.lo, fp.lo+len(fp.snap.Page.Tokens), make([]int, len(d.Shape)))
+			if err != nil { // the page's token range was checked against the manifest's
+				return pr, fmt.Errorf("%w: page %s: %v", ErrCorrupt, fp.snap.Path, err)
 			}
-			onErr(ti, fmt.Errorf("page %s: %w", fp.snap.Path, err))
+			views[pi*nc+ti] = v
+			pr.exts = append(pr.exts, pageExtent(fp, &t, &views[pi*nc+ti], ti, verify))
 		}
-		return nil
-	})
+	}
+	pr.paged = len(pr.exts)
+	if len(slots) > nc {
+		src, err := AdoptSource(cfg, f)
+		if err != nil {
+			return pr, err
+		}
+		pr.srcs = append(pr.srcs, src)
+		for i := nc; i < len(slots); i++ {
+			t := slots[i]
+			x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
+			if verify {
+				x.Verify = VerifyXXH3
+				x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated: 16 hex digits
+			}
+			pr.exts = append(pr.exts, x)
+		}
+	}
+	return pr, nil
 }
 
 // resolveTensors returns a copy of ts whose views carry their dtype's
@@ -888,62 +983,4 @@ func resolveTensors(ts []TensorSpec) []TensorSpec {
 		}
 	}
 	return out
-}
-
-// pageReadChunk is the unit, in bytes, in which a page tensor's piece is
-// read and hashed while hot in cache.
-const pageReadChunk = 1 << 20
-
-// readAttachment reads an attachment of a page manifest (stored like a
-// single file's tensor at off) into dst, hashing it with verify.
-func readAttachment(ctx context.Context, f vfs.File, off int64, dst []byte, verify bool, want string, read *atomic.Int64) error {
-	var hs xxh3s.Digest
-	for o := 0; o < len(dst); o += pageReadChunk {
-		if o > 0 && ctx.Err() != nil {
-			return ctx.Err()
-		}
-		c := dst[o:min(len(dst), o+pageReadChunk)]
-		if err := pageRead(f, c, off+int64(o)); err != nil {
-			return err
-		}
-		read.Add(int64(len(c)))
-		if verify {
-			hs.Write(c)
-		}
-	}
-	if verify {
-		if got := layout.TensorHash(hs.Sum64()); got != want {
-			return fmt.Errorf("%w: xxh3 %s, header says %s", ErrCorrupt, got, want)
-		}
-	}
-	return nil
-}
-
-// readPagesSnapshot is Read of a page manifest (layout Pages), after the
-// checks Read makes for every layout: readPaged, failures collected per
-// slot into a *ReadError.
-func readPagesSnapshot(ctx context.Context, cfg *Config, f vfs.File, snap *layout.Snapshot, spec *readSpec, m Metrics, start time.Time) (*layout.Snapshot, Metrics, error) {
-	var read atomic.Int64
-	var mu sync.Mutex
-	var failures []SlotError
-	var names *layout.SlotIndex // built at the first failure: O(1) per failed slot
-	fail := func(slot int, err error) {
-		mu.Lock()
-		if names == nil {
-			names = snap.Header.SlotIndex()
-		}
-		failures = append(failures, SlotError{Slot: slot, Name: names.Name(slot), Err: err})
-		mu.Unlock()
-	}
-	err := readPaged(ctx, cfg, f, snap, spec.Dest, spec.Verify, &read, fail)
-	m.ReadBytes = read.Load()
-	m.Elapsed = time.Since(start)
-	if err != nil {
-		return snap, m, err
-	}
-	if len(failures) > 0 {
-		slices.SortFunc(failures, func(a, b SlotError) int { return a.Slot - b.Slot })
-		return snap, m, &ReadError{Path: spec.Path, Slots: failures}
-	}
-	return snap, m, nil
 }

@@ -146,8 +146,8 @@ const (
 
 func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *jobs.PrefixResult {
 	t.Helper()
-	res, _, err := jobs.SavePrefix(context.Background(), cfg, &jobs.SavePrefixSpec{
-		NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:n], Tensors: c.views(n), PageTokens: p,
+	res, _, err := savePrefixAt(context.Background(), cfg, ns, &jobs.SavePrefixRequest{
+		Identity: "tiny/bf16", Tokens: c.tokens[:n], Tensors: c.views(n), PageTokens: p,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -157,13 +157,21 @@ func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *j
 
 func loadPrefix(t *testing.T, cfg *jobs.Config, ns string, toks []uint32, dest []jobs.TensorSpec, p int, verify bool) *jobs.PrefixResult {
 	t.Helper()
-	res, _, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixSpec{
-		NSDir: ns, Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
+	res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
+		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	return res
+}
+
+// inRoot is a copy of cfg whose Root holds the namespace directory nsDir
+// (a load names its namespace under Config.Root).
+func inRoot(cfg *jobs.Config, nsDir string) *jobs.Config {
+	c := *cfg
+	c.Root = filepath.Dir(nsDir)
+	return &c
 }
 
 func TestPrefixRoundTrip(t *testing.T) {
@@ -386,8 +394,8 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	}
 	for _, tc := range cases {
 		bufs, dest := c.dests(768)
-		_, _, err := jobs.LoadPrefix(context.Background(), noSync(), &jobs.LoadPrefixSpec{
-			NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
+		_, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
 		})
 		if !errors.Is(err, tc.want) {
 			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
@@ -396,21 +404,21 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	}
 	// Another identity or page size is a miss by construction.
 	_, dest := c.dests(768)
-	for _, sp := range []*jobs.LoadPrefixSpec{
-		{NSDir: ns, Identity: "other", Tokens: c.tokens, Dest: dest, PageTokens: 256},
-		{NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 128},
+	for _, sp := range []*jobs.LoadPrefixRequest{
+		{Namespace: "ns", Identity: "other", Tokens: c.tokens, Dest: dest, PageTokens: 256},
+		{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 128},
 	} {
-		lr, _, err := jobs.LoadPrefix(context.Background(), noSync(), sp)
+		lr, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp)
 		if err != nil || lr.Tokens != 0 {
 			t.Fatalf("identity %q P %d: %+v %v", sp.Identity, sp.PageTokens, lr, err)
 		}
 	}
-	for _, sp := range []*jobs.LoadPrefixSpec{
-		{NSDir: ns, Identity: "", Tokens: c.tokens, Dest: dest},
-		{NSDir: ns, Identity: "x", Tokens: c.tokens, Dest: dest, PageTokens: 100},
-		{NSDir: ns, Identity: "x", Dest: dest},
+	for _, sp := range []*jobs.LoadPrefixRequest{
+		{Namespace: "ns", Identity: "", Tokens: c.tokens, Dest: dest},
+		{Namespace: "ns", Identity: "x", Tokens: c.tokens, Dest: dest, PageTokens: 100},
+		{Namespace: "ns", Identity: "x", Dest: dest},
 	} {
-		if _, _, err := jobs.LoadPrefix(context.Background(), noSync(), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Fatalf("%+v: %v", sp, err)
 		}
 	}
@@ -419,16 +427,16 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 func TestPrefixSaveValidation(t *testing.T) {
 	ns := filepath.Join(t.TempDir(), "ns")
 	c := newConv(seqTokens(300, 8), pTensors, pHeads, pDim, 512)
-	for name, sp := range map[string]*jobs.SavePrefixSpec{
-		"no tokens":   {NSDir: ns, Identity: "x", Tensors: c.views(0)},
-		"identity":    {NSDir: ns, Tokens: c.tokens, Tensors: c.views(300)},
-		"page size":   {NSDir: ns, Identity: "x", Tokens: c.tokens, Tensors: c.views(300), PageTokens: 48},
-		"few tokens":  {NSDir: ns, Identity: "x", Tokens: c.tokens, Tensors: c.views(299)},
-		"no tensors":  {NSDir: ns, Identity: "x", Tokens: c.tokens},
-		"bad dtype":   {NSDir: ns, Identity: "x", Tokens: c.tokens, Tensors: []jobs.TensorSpec{{DType: "q4", View: c.views(300)[0].View}}},
-		"out of base": {NSDir: ns, Identity: "x", Tokens: c.tokens, Tensors: padded([][]byte{c.bufs[0][:100]}, pHeads, 512, pDim, 300)},
+	for name, sp := range map[string]*jobs.SavePrefixRequest{
+		"no tokens":   {Identity: "x", Tensors: c.views(0)},
+		"identity":    {Tokens: c.tokens, Tensors: c.views(300)},
+		"page size":   {Identity: "x", Tokens: c.tokens, Tensors: c.views(300), PageTokens: 48},
+		"few tokens":  {Identity: "x", Tokens: c.tokens, Tensors: c.views(299)},
+		"no tensors":  {Identity: "x", Tokens: c.tokens},
+		"bad dtype":   {Identity: "x", Tokens: c.tokens, Tensors: []jobs.TensorSpec{{DType: "q4", View: c.views(300)[0].View}}},
+		"out of base": {Identity: "x", Tokens: c.tokens, Tensors: padded([][]byte{c.bufs[0][:100]}, pHeads, 512, pDim, 300)},
 	} {
-		if _, _, err := jobs.SavePrefix(context.Background(), noSync(), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := savePrefixAt(context.Background(), noSync(), ns, sp); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Fatalf("%s: %v", name, err)
 		}
 		if _, err := os.Stat(ns); !os.IsNotExist(err) {
@@ -475,8 +483,11 @@ func TestPrefixLoadTokenMajor(t *testing.T) {
 }
 
 // Faults at every point of a save: the error is returned, no temp file is
-// left, and every page that was published decodes and verifies.
+// left, every page that was published decodes and verifies, and progress
+// counted exactly the pages that were published (never one whose fsync or
+// rename then failed).
 func TestPrefixSaveFaults(t *testing.T) {
+	perToken := int64(pTensors * pHeads * pDim * 2) // bytes of one token in every tensor
 	firedTotal := 0
 	for _, op := range []testutil.Op{testutil.OpCreate, testutil.OpWriteAt, testutil.OpSync, testutil.OpRename, testutil.OpSyncDir, testutil.OpMkdirAll} {
 		for nth := 1; nth <= 3; nth++ {
@@ -485,9 +496,24 @@ func TestPrefixSaveFaults(t *testing.T) {
 			ffs := testutil.NewFaultFS(nil)
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			c := newConv(seqTokens(600, 10), pTensors, pHeads, pDim, 768)
-			_, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{FS: ffs}, &jobs.SavePrefixSpec{
-				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(600), PageTokens: 256,
+			var told int64
+			_, _, err := savePrefixAt(context.Background(), &jobs.Config{FS: ffs}, ns, &jobs.SavePrefixRequest{
+				Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(600), PageTokens: 256,
+				Progress: func(n int64) { told += n },
 			})
+			keys, _, kerr := layout.PageChain("tiny/bf16", 256, c.tokens)
+			if kerr != nil {
+				t.Fatal(kerr)
+			}
+			var published int64
+			for i, k := range keys {
+				if _, serr := os.Stat(testutil.PagePath(ns, k)); serr == nil {
+					published += int64(min(256, 600-i*256)) * perToken
+				}
+			}
+			if told != published {
+				t.Fatalf("%s #%d: progress told %d bytes, the published pages hold %d", op, nth, told, published)
+			}
 			fired := len(ffs.Injected()) > 0
 			if fired {
 				firedTotal++
@@ -531,8 +557,8 @@ func TestPrefixLoadFaults(t *testing.T) {
 			ffs := testutil.NewFaultFS(nil)
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			bufs, dest := c.dests(768)
-			res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{FS: ffs}, &jobs.LoadPrefixSpec{
-				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			res, _, err := jobs.LoadPrefix(context.Background(), inRoot(&jobs.Config{FS: ffs}, ns), &jobs.LoadPrefixRequest{
+				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
 			})
 			hit := len(ffs.Injected()) > 0
 			if !hit {
@@ -591,20 +617,22 @@ func TestPrefixProgress(t *testing.T) {
 		}
 		for _, n := range []int{300, 600} { // the second save reuses the first page
 			sum, calls = 0, 0
-			res, _, err := jobs.SavePrefix(context.Background(), cfg, &jobs.SavePrefixSpec{
-				NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:n], Tensors: c.views(n), PageTokens: 256, Progress: progress,
+			res, _, err := savePrefixAt(context.Background(), cfg, ns, &jobs.SavePrefixRequest{
+				Identity: "tiny/bf16", Tokens: c.tokens[:n], Tensors: c.views(n), PageTokens: 256, Progress: progress,
 			})
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := int64(n) * perToken; sum != want || calls != len(res.Keys) {
-				t.Fatalf("save of %d tokens: progress %d bytes in %d calls, want %d in %d", n, sum, calls, want, len(res.Keys))
+			// Published pages are told in batches (as their commits
+			// end), reused ones one by one: at most one call per page.
+			if want := int64(n) * perToken; sum != want || calls < 1 || calls > len(res.Keys) {
+				t.Fatalf("save of %d tokens: progress %d bytes in %d calls, want %d in 1 to %d", n, sum, calls, want, len(res.Keys))
 			}
 		}
 		sum, calls = 0, 0
 		bufs, dest := c.dests(768)
-		res, _, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixSpec{
-			NSDir: ns, Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
+		res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
 		})
 		if err != nil {
 			t.Fatal(err)

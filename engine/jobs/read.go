@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -60,8 +61,9 @@ func (e *ReadError) Unwrap() []error {
 }
 
 // CheckDest makes every check that can be made before a destination is
-// touched: slot count, each buffer's length, and (with expect) dtypes and
-// shapes. Errors wrap ErrDestination or ErrMismatch.
+// touched: slot count, each buffer's length, no two buffers sharing a byte
+// of memory (disjointBuffers), and (with expect) dtypes and shapes. Errors
+// wrap ErrDestination or ErrMismatch.
 func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) error {
 	slots := snap.Header.Slots()
 	if len(dest) != len(slots) {
@@ -71,6 +73,9 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 		if int64(len(dest[i])) != t.Bytes {
 			return fmt.Errorf("%w: %s %s has %d bytes, its destination %d", ErrDestination, snap.Path, snap.Header.SlotName(i), t.Bytes, len(dest[i]))
 		}
+	}
+	if i, j, overlap := disjointBuffers(dest); overlap {
+		return fmt.Errorf("%w: %s: the destinations of %s and %s share bytes of memory", ErrDestination, snap.Path, snap.Header.SlotName(i), snap.Header.SlotName(j))
 	}
 	if expect != nil {
 		want := expect.Slots()
@@ -84,6 +89,21 @@ func CheckDest(snap *layout.Snapshot, dest [][]byte, expect *layout.Header) erro
 		}
 	}
 	return nil
+}
+
+// disjointBuffers reports the first two of bufs (i < j) that share a byte
+// of memory, by gather.CheckDisjoint (the check a prefix load makes of its
+// strided destinations) of each buffer as a one-axis view.
+func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
+	views := make([]gather.View, len(bufs))
+	shapes := make([]int, len(bufs))
+	one := []int{1}
+	for k, b := range bufs {
+		shapes[k] = len(b)
+		views[k] = gather.View{Base: b, Shape: shapes[k : k+1 : k+1], Strides: one, ItemSize: 1}
+	}
+	i, j, err := gather.CheckDisjoint(views)
+	return i, j, err != nil
 }
 
 // Read restores the snapshot <cfg.Root>/<req.Namespace>/<req.Name> into
@@ -144,22 +164,29 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 	if err := checkIdentity(snap, spec.Identity); err != nil {
 		return snap, m, err
 	}
-	if snap.Layout == layout.Pages {
-		return readPagesSnapshot(ctx, cfg, f, snap, spec, m, start)
-	}
 	slots := snap.Header.Slots()
 	for _, t := range slots {
 		m.LogicalBytes += t.Bytes
 	}
 	var exts []Extent
-	if snap.Layout == layout.Single {
+	var pageErr error // Pages: a page missing or unlike the manifest
+	paged := 0        // Pages: extents of page tensors, before the attachments'
+	switch snap.Layout {
+	case layout.Single:
 		src, err := AdoptSource(cfg, f)
 		if err != nil {
 			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 		}
 		defer src.Close()
 		exts = tensorExtents(snap, src, spec.Dest, spec.Verify)
-	} else {
+	case layout.Pages:
+		pr, err := pagedExtents(cfg, f, snap, spec.Dest, spec.Verify)
+		defer pr.close()
+		if err != nil {
+			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
+		}
+		exts, pageErr, paged = pr.exts, pr.pageErr, pr.paged
+	default:
 		blocks, err := openBlocks(ctx, cfg, f, snap)
 		defer blocks.close()
 		if err != nil {
@@ -189,13 +216,24 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 		}
 		slot := exts[k].Group
 		if _, dup := failures[slot]; !dup {
-			if snap.Layout == layout.Blocks {
+			switch {
+			case snap.Layout == layout.Blocks:
 				e = fmt.Errorf("block %d: %w", blockIndex(snap, exts, k), e)
+			case k < paged:
+				e = fmt.Errorf("page %s: %w", exts[k].Src.Path(), e)
 			}
 			if names == nil {
 				names = snap.Header.SlotIndex()
 			}
 			failures[slot] = SlotError{Slot: slot, Name: names.Name(slot), Err: e}
+		}
+	}
+	if pageErr != nil {
+		if names == nil {
+			names = snap.Header.SlotIndex()
+		}
+		for slot := range cacheSlots(snap.Header) {
+			failures[slot] = SlotError{Slot: slot, Name: names.Name(slot), Err: pageErr}
 		}
 	}
 	if len(failures) > 0 {

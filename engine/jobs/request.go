@@ -201,12 +201,19 @@ type MigrateRequest struct {
 // (a name that is not one valid path element) or ErrInvalidRequest (no
 // root).
 func (c *Config) snapshotPath(ref Ref) (string, error) {
-	if c.Root == "" {
-		return "", fmt.Errorf("%w: Config.Root is empty", ErrInvalidRequest)
-	}
-	ns, err := store.At(c.Root, c.storeOptions()).Namespace(ref.Namespace)
+	ns, err := c.namespace(ref.Namespace)
 	if err != nil {
 		return "", err
 	}
 	return ns.Path(ref.Name)
+}
+
+// namespace resolves the namespace name under cfg.Root (no disk access).
+// Errors wrap layout.ErrBadName (not one valid path element) or
+// ErrInvalidRequest (no root).
+func (c *Config) namespace(name string) (*store.Namespace, error) {
+	if c.Root == "" {
+		return nil, fmt.Errorf("%w: Config.Root is empty", ErrInvalidRequest)
+	}
+	return store.At(c.Root, c.storeOptions()).Namespace(name)
 }

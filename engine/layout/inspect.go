@@ -31,10 +31,27 @@ type Inspection struct {
 	// shape, a lenient parse of it for display only (UNVERIFIED); its
 	// Layout is guessed from formatVersion.
 	Loose *Header
-	// LooseLayout is Loose's layout (FormatBlocks: Blocks, else Single).
+	// LooseLayout is Loose's layout (FormatBlocks: Blocks, FormatPages:
+	// Pages, else Single).
 	LooseLayout Layout
 	// LooseVersion is Loose's formatVersion, nil when the key is absent.
 	LooseVersion *int
+	// Page is the page object of a page file (formatVersion 6): the
+	// decoded one (Snapshot.Page) when every check passed, else, when the
+	// header is JSON holding a "page" object, a lenient parse of it for
+	// display only (UNVERIFIED: a key or parent that is not 64 hex digits
+	// is left zero, its text in PageKeyText and PageParentText). nil for
+	// other files.
+	Page *Page
+	// PageKeyText and PageParentText are the page object's key and parent
+	// as stored (set with Page).
+	PageKeyText, PageParentText string
+	// Pages is the page list of a page manifest (formatVersion 7): decoded
+	// (Snapshot.Pages) or, as Page, a lenient parse for display (keys that
+	// do not parse are left zero). nil for other files.
+	Pages *PageList
+	// PagesVerified is true when Page or Pages come from the full decode.
+	PagesVerified bool
 }
 
 // HashOK reports whether the stored header hash equals the computed one.
@@ -67,6 +84,12 @@ func Inspect(f vfs.File, path string) (*Inspection, error) {
 	if in.Err != nil && !IsDecodeError(in.Err) {
 		return nil, in.Err
 	}
+	if snap := in.Snapshot; snap != nil {
+		in.Page, in.Pages, in.PagesVerified = snap.Page, snap.Pages, true
+		if snap.Page != nil {
+			in.PageKeyText, in.PageParentText = snap.Page.Key.String(), snap.Page.Parent.String()
+		}
+	}
 	if in.Size < PrefixLen {
 		return in, nil
 	}
@@ -89,8 +112,35 @@ func Inspect(f vfs.File, path string) (*Inspection, error) {
 	in.ComputedHash = p.ComputeHeaderHash(in.JSON)
 	if in.Err != nil && json.Valid(in.JSON) {
 		in.Loose, in.LooseLayout, in.LooseVersion = parseLoose(in.JSON)
+		if in.Loose != nil {
+			in.loosePages()
+		}
 	}
 	return in, nil
+}
+
+// loosePages fills Page or Pages from Loose's "page" or "pages" metadata,
+// leniently (display only).
+func (in *Inspection) loosePages() {
+	if raw, ok := in.Loose.Meta["page"]; ok {
+		var w pageJSON
+		if json.Unmarshal(raw, &w) == nil {
+			p := &Page{Identity: w.Identity, PageTokens: w.PageTokens, Tokens: w.Tokens}
+			p.Key, _ = ParsePageKey(w.Key)
+			p.Parent, _ = ParsePageKey(w.Parent)
+			in.Page, in.PageKeyText, in.PageParentText = p, w.Key, w.Parent
+		}
+	}
+	if raw, ok := in.Loose.Meta["pages"]; ok {
+		var w pageListJSON
+		if json.Unmarshal(raw, &w) == nil {
+			l := &PageList{Identity: w.Identity, PageTokens: w.PageTokens, Tokens: w.Tokens, Keys: make([]PageKey, len(w.Keys))}
+			for i, k := range w.Keys {
+				l.Keys[i], _ = ParsePageKey(k)
+			}
+			in.Pages = l
+		}
+	}
 }
 
 // looseTensor is a lenient parse of an unverified tensor, for display only.
@@ -160,8 +210,11 @@ func parseLoose(js []byte) (*Header, Layout, *int) {
 		}
 	}
 	lay := Single
-	if h.FormatVersion == FormatBlocks {
+	switch h.FormatVersion {
+	case FormatBlocks:
 		lay = Blocks
+	case FormatPages:
+		lay = Pages
 	}
 	return h, lay, version
 }

@@ -28,8 +28,8 @@ func seedPage(tb testing.TB, dir string) ([]byte, *layout.Snapshot) {
 		return gather.View{Base: buf, Offset: off, Shape: []int{2, 20, 8}, Strides: []int{160, 8, 1}, ItemSize: 2}
 	}
 	ns := filepath.Join(dir, "ns")
-	res, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.SavePrefixSpec{
-		NSDir: ns, Identity: vecIdentity, Tokens: toks, PageTokens: vecP,
+	res, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true, Root: dir}, &jobs.SavePrefixRequest{
+		Namespace: "ns", Identity: vecIdentity, Tokens: toks, PageTokens: vecP,
 		Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v(0)}, {DType: "float16", View: v(0)}},
 	})
 	if err != nil {

@@ -28,8 +28,8 @@ func save(t *testing.T, nsDir, identity string, tokens []uint32) {
 	t.Helper()
 	buf := make([]byte, len(tokens)*4*2)
 	v := gather.View{Base: buf, Shape: []int{1, len(tokens), 4}, Strides: []int{len(tokens) * 4, 4, 1}, ItemSize: 2}
-	_, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.SavePrefixSpec{
-		NSDir: nsDir, Identity: identity, Tokens: tokens, PageTokens: 16,
+	_, _, err := jobs.SavePrefix(context.Background(), &jobs.Config{NoSync: true, Root: filepath.Dir(nsDir)}, &jobs.SavePrefixRequest{
+		Namespace: filepath.Base(nsDir), Identity: identity, Tokens: tokens, PageTokens: 16,
 		Tensors: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
 	})
 	if err != nil {
@@ -41,8 +41,8 @@ func load(t *testing.T, nsDir, identity string, tokens []uint32) int {
 	t.Helper()
 	buf := make([]byte, len(tokens)*4*2)
 	v := gather.View{Base: buf, Shape: []int{1, len(tokens), 4}, Strides: []int{len(tokens) * 4, 4, 1}, ItemSize: 2}
-	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{NoSync: true}, &jobs.LoadPrefixSpec{
-		NSDir: nsDir, Identity: identity, Tokens: tokens, PageTokens: 16, Verify: true,
+	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{Root: filepath.Dir(nsDir), NoSync: true}, &jobs.LoadPrefixRequest{
+		Namespace: filepath.Base(nsDir), Identity: identity, Tokens: tokens, PageTokens: 16, Verify: true,
 		Dest: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
 	})
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
 	"os"
 	"syscall"
@@ -341,6 +342,82 @@ func (f osFile) DirectAlignment() (Alignment, error) {
 }
 
 func (osFS) OpenDirect(name string) (File, error) { return openRead(name, syscall.O_DIRECT) }
+
+// VectorReader is a File that can read one byte range of the file into
+// several buffers with one call (preadv(2)). Optional: use ReadvAt.
+type VectorReader interface {
+	// ReadvAt fills bufs, in order, from the bytes at off: like ReadAt of
+	// their concatenation, it returns n < the total only with an error
+	// (io.EOF at the end of the file).
+	ReadvAt(bufs [][]byte, off int64) (n int, err error)
+}
+
+// ReadvAt fills bufs, in order, with f's bytes from offset off (their
+// concatenation is read as by ReadAt): with one preadv(2) per 1,024
+// buffers when f is a VectorReader, else one ReadAt per buffer. n < the
+// total comes with an error (io.EOF at the end of the file).
+func ReadvAt(f File, bufs [][]byte, off int64) (n int, err error) {
+	if v, ok := f.(VectorReader); ok {
+		return v.ReadvAt(bufs, off)
+	}
+	for _, b := range bufs {
+		k, err := f.ReadAt(b, off+int64(n))
+		n += k
+		if err != nil {
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// maxIovecs is IOV_MAX on Linux: the most buffers one preadv takes.
+const maxIovecs = 1024
+
+func (f osFile) ReadvAt(bufs [][]byte, off int64) (int, error) {
+	total := 0
+	for len(bufs) > 0 {
+		batch := bufs[:min(len(bufs), maxIovecs)]
+		want := 0
+		for _, b := range batch {
+			want += len(b)
+		}
+		var n int
+		err := f.control(func(fd int) error {
+			for {
+				k, err := unix.Preadv(fd, batch, off)
+				if err == syscall.EINTR {
+					continue
+				}
+				n = k
+				return err
+			}
+		})
+		if err != nil {
+			return total, &os.PathError{Op: "preadv", Path: f.Name(), Err: err}
+		}
+		total += n
+		if n < want {
+			if n == 0 {
+				return total, io.EOF
+			}
+			// A short read (the end of the file, or a signal): carry on
+			// from the first byte not read.
+			off += int64(n)
+			for n >= len(bufs[0]) {
+				n -= len(bufs[0])
+				bufs = bufs[1:]
+			}
+			rest := make([][]byte, len(bufs))
+			copy(rest, bufs)
+			rest[0] = rest[0][n:]
+			bufs = rest
+			continue
+		}
+		off += int64(n)
+		bufs = bufs[len(batch):]
+	}
+	return total, nil
+}
 
 // SameFile reports whether a and b are the same file (device and inode).
 func SameFile(a, b File) (bool, error) {

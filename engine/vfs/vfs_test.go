@@ -1,11 +1,14 @@
 package vfs_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"io"
 	"io/fs"
 	"os"
 	"path/filepath"
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -196,5 +199,54 @@ func TestAllocatedBytes(t *testing.T) {
 	}
 	if _, ok := vfs.AllocatedBytes(nil); ok {
 		t.Fatal("AllocatedBytes(nil) ok")
+	}
+}
+
+// TestReadvAt: ReadvAt fills its buffers in order with the file's bytes
+// from the offset, through preadv (also across more buffers than one
+// preadv takes, and empty ones) and through the ReadAt fallback of a File
+// that is not a VectorReader alike; a range past the end of the file
+// returns what there is and io.EOF.
+func TestReadvAt(t *testing.T) {
+	data := make([]byte, 70_000)
+	for i := range data {
+		data[i] = byte(i*7 + i>>8)
+	}
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	f, err := vfs.Default.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, ok := f.(vfs.VectorReader); !ok {
+		t.Fatal("the OS file is not a VectorReader")
+	}
+	type plain struct{ vfs.File } // hides ReadvAt: the ReadAt fallback
+	for _, file := range []vfs.File{f, plain{f}} {
+		for _, sizes := range [][]int{{1}, {5, 0, 17, 4096}, slices.Repeat([]int{3, 0, 50}, 700)} {
+			bufs := make([][]byte, len(sizes))
+			total := 0
+			for i, n := range sizes {
+				bufs[i] = make([]byte, n)
+				total += n
+			}
+			off := int64(123)
+			n, err := vfs.ReadvAt(file, bufs, off)
+			if err != nil || n != total {
+				t.Fatalf("%T, %d buffers: read %d of %d: %v", file, len(sizes), n, total, err)
+			}
+			if got := bytes.Join(bufs, nil); !bytes.Equal(got, data[off:off+int64(total)]) {
+				t.Fatalf("%T, %d buffers: wrong bytes", file, len(sizes))
+			}
+		}
+		// Past the end: what there is, then io.EOF.
+		bufs := [][]byte{make([]byte, 10), make([]byte, 100)}
+		n, err := vfs.ReadvAt(file, bufs, int64(len(data)-50))
+		if n != 50 || !errors.Is(err, io.EOF) || !bytes.Equal(bytes.Join(bufs, nil)[:50], data[len(data)-50:]) {
+			t.Fatalf("%T past the end: %d bytes, %v", file, n, err)
+		}
 	}
 }
