@@ -140,9 +140,15 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				pins.done(loaded, err == nil)
 			}()
 		}
+		var verified func(layout.PageKey) bool
 		if e.tier != nil { // read-through: remote pages into the local tier first
 			var held []evict.Key
-			res.Remote, held = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+			var fetched map[layout.PageKey]bool
+			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+			if len(fetched) > 0 {
+				// Verified by the fetch a moment ago: not hashed again.
+				verified = func(k layout.PageKey) bool { return fetched[k] }
+			}
 			if pins != nil {
 				pins.hold(held)
 				pins.extend()
@@ -150,7 +156,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				_ = e.pc.pol.UnpinAll(r.Namespace, held)
 			}
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r)
+		res.Prefix, res.Metrics, err = jobs.LoadPrefixVerified(ctx, cfg, r, verified)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {

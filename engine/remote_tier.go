@@ -492,24 +492,27 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // them is written; the error is errors.Is ErrNoSpace). held are the pins
 // taken for the load (every page committed, pinned at its commit): the
 // caller releases them when the load ends, so no fetched page is evicted
-// between its publish and the load's reading it.
+// between its publish and the load's reading it. fetched holds the keys of
+// the pages this call published (each verified, every tensor hashed, just
+// before its rename): the load need not hash them again
+// (jobs.LoadPrefixVerified).
 //
 // The prefix the load can see ends at the first page that is missing
 // remotely, finds no room, fails to fetch or fails verification (reported
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) (rep *RemoteReport, held []evict.Key) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
 	}
 	keys, _, err := layout.PageChain(identity, p, tokens)
 	if err != nil || len(tokens) == 0 {
-		return rep, nil // the load reports the invalid request
+		return rep, nil, nil // the load reports the invalid request
 	}
 	if l, err := t.e.pages.Lookup(ns, identity, p, tokens); err != nil || l == len(tokens) {
-		return rep, nil
+		return rep, nil, nil
 	}
 	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
 	var fetch []int // positions in keys
@@ -521,16 +524,16 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 		}
 	}
 	if len(fetch) == 0 {
-		return rep, nil
+		return rep, nil, nil
 	}
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		rep.Err = err
-		return rep, nil
+		return rep, nil, nil
 	}
 	if err := t.prepareDirs(ctx, n, keys, fetch); err != nil {
 		rep.Err = err
-		return rep, nil
+		return rep, nil, nil
 	}
 	parents := make([]layout.PageKey, len(keys))
 	for i := range keys {
@@ -623,12 +626,16 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 		if sizes[f] > 0 {
 			rep.PagesFetched++ // published even past a failed page: each is valid alone
 			rep.BytesFetched += sizes[f]
+			if fetched == nil {
+				fetched = map[layout.PageKey]bool{}
+			}
+			fetched[keys[pos]] = true
 		}
 	}
 	if notFetched > 0 {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: remote pages not fetched after a page that found no room", "namespace", ns, "pages", notFetched)
 	}
-	return rep, held
+	return rep, held, fetched
 }
 
 // errNotFetched: a page after one whose reservation failed; never sent.
