@@ -18,6 +18,10 @@
 #                           evicts the files, restores, and runs the O_DIRECT
 #                           limit at 4 queue depths: about 5 s at 1 GiB)
 #   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
+#   SERVING_BENCHTIME=1x    iterations per run of the serving loop at capacity
+#                           (each: 200 turns per loop at the tiny geometry,
+#                           50 at Qwen2.5-7B's, bounded and unbounded; about
+#                           10 s and 60 s on the project's VM)
 #   REMOTE_BENCHTIME=1x     iterations per run of the object-store upload and fetch
 #                           (1 GiB of pages to a SeaweedFS the benchmark
 #                           starts on loopback, built by `make weed` first)
@@ -37,6 +41,7 @@ SMALL_BENCHTIME=${SMALL_BENCHTIME:-1x}
 RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
 COLD_BENCHTIME=${COLD_BENCHTIME:-3x}
 FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
+SERVING_BENCHTIME=${SERVING_BENCHTIME:-1x}
 REMOTE_BENCHTIME=${REMOTE_BENCHTIME:-1x}
 BENCHSTAT=${BENCHSTAT:-1}
 GO=${GO:-go}
@@ -74,6 +79,7 @@ run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
+run '^BenchmarkServing$' "$SERVING_BENCHTIME"
 # The object-store tier (each starts a SeaweedFS on loopback).
 "$GO" run ./internal/seaweedfs/cmd/weed-ensure >&2
 run '^BenchmarkRemoteUpload$/^MiB=1024$' "$REMOTE_BENCHTIME"
@@ -103,6 +109,7 @@ function target(name) {
 	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
 	if (name ~ /^BenchmarkCollect/) return 0.5
 	if (name ~ /^BenchmarkEvict/) return 0.5
+	if (name ~ /^BenchmarkServing\//) return 0.9
 	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
 	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
 	return ""
@@ -127,6 +134,7 @@ END {
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
 		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
+		if (has[n, "hit-rate"]) other = sprintf("%.0f saves/s (unbounded %.0f), hit rate %.3f (unbounded %.3f), %.1f pages evicted/turn", median(n SUBSEP "saves/s"), median(n SUBSEP "unbounded-saves/s"), median(n SUBSEP "hit-rate"), median(n SUBSEP "unbounded-hit-rate"), median(n SUBSEP "evicted/turn"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
 		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
 			has[n, "MB/s"] ? sprintf("%.0f", median(n SUBSEP "MB/s")) : "-",

@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"slices"
 	"sync"
@@ -276,25 +275,9 @@ func keyCompare(a, b evict.Key) int {
 // none, a file that fails validation (evict.ErrCheckpoint) or cannot be
 // read is ignored with a log line (the pages then keep their mtimes).
 func (pc *pageCache) readCheckpoint(n *store.Namespace) []evict.Record {
-	path := n.RecencyPath()
-	f, err := pc.fs.Open(path)
+	recs, err := n.ReadRecency()
 	if err != nil {
-		if !vfs.IsNotExist(err) {
-			pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", path, "err", err)
-		}
-		return nil
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err == nil && !fi.Mode().IsRegular() {
-		err = fmt.Errorf("not a regular file")
-	}
-	var recs []evict.Record
-	if err == nil {
-		recs, err = evict.ReadCheckpoint(io.NewSectionReader(f, 0, fi.Size()), fi.Size())
-	}
-	if err != nil {
-		pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", path, "err", err)
+		pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", n.RecencyPath(), "err", err)
 		return nil
 	}
 	return recs

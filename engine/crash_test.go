@@ -53,6 +53,8 @@ func runHelper(mode string, args []string) int {
 		return crashPrefixMain(args)
 	case "prefix-writer":
 		return prefixWriterMain(args)
+	case "serving-soak":
+		return servingSoakMain(args)
 	}
 	fmt.Fprintf(os.Stderr, "unknown helper mode %q\n", mode)
 	return 2

@@ -80,11 +80,30 @@ func TestMetricsCountJobs(t *testing.T) {
 	reg := prometheus.NewPedanticRegistry()
 	reg.MustRegister(rec)
 	want := map[string]int{"write/ok": 2, "write/canceled": 1, "read/ok": 1, "read/error": 1, "delete/ok": 1, "collect/ok": 1}
+	exp := JobsExposition(want, written, reused, read)
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(exp), "kvpersist_jobs_total",
+		"kvpersist_written_bytes_total", "kvpersist_reused_bytes_total", "kvpersist_read_bytes_total"); err != nil {
+		t.Fatal(err)
+	}
+	counts := map[string]uint64{}
+	for _, l := range rec.Snapshot().Latency {
+		counts[l.Kind] = l.Count
+	}
+	if fmt.Sprint(counts) != fmt.Sprint(map[string]uint64{"write": 2, "read": 2, "delete": 1, "collect": 1}) {
+		t.Fatalf("latency observations per kind %v: want only the jobs that ran", counts)
+	}
+}
+
+// JobsExposition is the expected Prometheus text exposition of
+// kvpersist_jobs_total (every kind × outcome; counts["kind/outcome"], 0
+// when absent) and of the written, reused and read byte counters. It is
+// exported for the external tests (metrics_scrape_test.go).
+func JobsExposition(counts map[string]int, written, reused, read int64) string {
 	var exp strings.Builder
 	exp.WriteString("# HELP kvpersist_jobs_total Jobs finished, by kind and outcome.\n# TYPE kvpersist_jobs_total counter\n")
 	for _, k := range []string{"write", "read", "collect", "delete", "migrate", "save", "load", "lookup", "evict"} {
 		for _, o := range []string{"ok", "error", "canceled", "nospace"} {
-			fmt.Fprintf(&exp, "kvpersist_jobs_total{kind=%q,outcome=%q} %d\n", k, o, want[k+"/"+o])
+			fmt.Fprintf(&exp, "kvpersist_jobs_total{kind=%q,outcome=%q} %d\n", k, o, counts[k+"/"+o])
 		}
 	}
 	fmt.Fprintf(&exp, `# HELP kvpersist_written_bytes_total Bytes written to disk by saves (data and headers).
@@ -97,15 +116,5 @@ kvpersist_reused_bytes_total %d
 # TYPE kvpersist_read_bytes_total counter
 kvpersist_read_bytes_total %d
 `, written, reused, read)
-	if err := testutil.GatherAndCompare(reg, strings.NewReader(exp.String()), "kvpersist_jobs_total",
-		"kvpersist_written_bytes_total", "kvpersist_reused_bytes_total", "kvpersist_read_bytes_total"); err != nil {
-		t.Fatal(err)
-	}
-	counts := map[string]uint64{}
-	for _, l := range rec.Snapshot().Latency {
-		counts[l.Kind] = l.Count
-	}
-	if fmt.Sprint(counts) != fmt.Sprint(map[string]uint64{"write": 2, "read": 2, "delete": 1, "collect": 1}) {
-		t.Fatalf("latency observations per kind %v: want only the jobs that ran", counts)
-	}
+	return exp.String()
 }

@@ -37,6 +37,13 @@ type duRow struct {
 	// in two or more different ways) and the sum of their file sizes.
 	SharedPages     int   `json:"sharedPages"`
 	SharedPageBytes int64 `json:"sharedPageBytes"`
+	// PageAllocatedBytes: the page files' allocated bytes (st_blocks ×
+	// 512), what the engine accounts against its capacity and quotas;
+	// QuotaBytes / OverQuotaBytes: --quota and the allocated bytes
+	// beyond it (as `kvpersist stats`).
+	PageAllocatedBytes int64 `json:"pageAllocatedBytes"`
+	QuotaBytes         int64 `json:"quotaBytes"`
+	OverQuotaBytes     int64 `json:"overQuotaBytes"`
 	// ReclaimableBytes: block files gc would delete now (no readable
 	// manifest names them; 0 when the namespace holds an unreadable file,
 	// which gc does not sweep), with --block-grace 0.
@@ -54,6 +61,9 @@ type duReport struct {
 	Namespaces []duRow  `json:"namespaces"`
 	Total      duRow    `json:"total"` // namespace "TOTAL"
 	Skipped    []string `json:"skipped"`
+	// Cache: the page cache against --capacity and --headroom (as
+	// `kvpersist stats`).
+	Cache cacheReport `json:"cache"`
 }
 
 func (r *duRow) add(o duRow) {
@@ -68,6 +78,9 @@ func (r *duRow) add(o duRow) {
 	r.PageFileBytes += o.PageFileBytes
 	r.SharedPages += o.SharedPages
 	r.SharedPageBytes += o.SharedPageBytes
+	r.PageAllocatedBytes += o.PageAllocatedBytes
+	r.QuotaBytes += o.QuotaBytes
+	r.OverQuotaBytes += o.OverQuotaBytes
 	r.ReclaimableBytes += o.ReclaimableBytes
 	r.TempFiles += o.TempFiles
 	r.TempBytes += o.TempBytes
@@ -143,10 +156,14 @@ not allocated disk blocks):
   TEMP         bytes of temp files (writes in progress or interrupted)
   UNREADABLE   snapshot files, manifests and page files that did not decode
 
-When some namespace holds a prefix page cache (pages/), three columns follow:
+When some namespace holds a prefix page cache (pages/), four columns follow
+(and a line for the whole cache against --capacity and --headroom, the
+figures of 'kvpersist stats'):
 
   PAGES        page files under pages/
   PAGE BYTES   their file sizes (part of PHYSICAL)
+  PAGE ALLOC   their allocated bytes (st_blocks x 512): what the engine
+               accounts against its capacity and quotas
   SHARED       file sizes of the pages shared between conversations. A page
                is shared when stored prefixes continue it in two or more
                different ways: it is, or is an ancestor of (by the parent
@@ -178,8 +195,13 @@ usage or I/O errors.`,
 	grace := fs.Duration("grace", time.Hour, "with --remote: unreferenced pages younger than this (by the store's clock) are not reclaimable")
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, namespaces: [row], total: row, skipped}, byte counts exact")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
+	var lim limitFlags
+	lim.register(fs)
 	runs(cmd, func(ctx context.Context, args []string) int {
 		if rf.on {
+			if lim.capacity != "" || lim.headroom != "" || len(lim.quotas) > 0 {
+				return c.usageError(cmd, "--capacity, --quota and --headroom are for a local store, not --remote")
+			}
 			return c.runRemoteDu(ctx, cmd, rf, args, *grace, *asJSON, *exact)
 		}
 		if msg := rf.check(cmd); msg != "" {
@@ -188,24 +210,27 @@ usage or I/O errors.`,
 		if fs.Changed("grace") {
 			return c.usageError(cmd, "--grace needs --remote")
 		}
+		if err := lim.parse(); err != nil {
+			return c.usageError(cmd, "%v", err)
+		}
 		root := args[0]
-		st, names, skipped, err := openStore(root)
+		st, listings, skipped, err := listStore(ctx, root)
 		if err != nil {
 			return c.fail("du: %s", quote(err.Error()))
 		}
 		hasPages := false
-		rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
-		for _, n := range names {
-			if err := ctx.Err(); err != nil {
-				return c.fail("du: %v", err)
-			}
-			ns, err := listNamespace(st, n)
-			if err != nil {
-				return c.fail("du: %s", quote(err.Error()))
-			}
-			rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
+		for _, ns := range listings {
 			hasPages = hasPages || ns.HasPagesDir
+		}
+		rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
+		cache, _, cr, err := lim.measureCache(st, listings, time.Now())
+		if err != nil {
+			return c.fail("du: %s", quote(err.Error()))
+		}
+		rep.Cache = cr
+		for i, ns := range listings {
 			row := duNamespace(ns)
+			row.PageAllocatedBytes, row.QuotaBytes, row.OverQuotaBytes = cache[i].AllocatedBytes, cache[i].QuotaBytes, cache[i].OverQuotaBytes
 			rep.Namespaces = append(rep.Namespaces, row)
 			rep.Total.add(row)
 		}
@@ -218,30 +243,31 @@ usage or I/O errors.`,
 				return c.fail("writing JSON: %v", err)
 			}
 		} else {
-			size := humanBytes
-			if *exact {
-				size = func(n int64) string { return fmt.Sprint(n) }
-			}
+			size := sizer(*exact)
 			tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', tabwriter.AlignRight)
 			pages := ""
 			if hasPages {
-				pages = "PAGES\tPAGE BYTES\tSHARED\t"
+				pages = "PAGES\tPAGE BYTES\tPAGE ALLOC\tSHARED\t"
 			}
 			fmt.Fprintln(tw, "NAMESPACE\tSNAPSHOTS\tLOGICAL\tPHYSICAL\tDEDUP\tBLOCK FILES\tRECLAIMABLE\tTEMP\tUNREADABLE\t"+pages)
 			for _, r := range append(rep.Namespaces, rep.Total) {
 				fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%.2fx\t%d\t%s\t%s\t%d\t", r.Namespace, r.Snapshots, size(r.LogicalBytes),
 					size(r.PhysicalBytes), r.DedupRatio, r.BlockFiles, size(r.ReclaimableBytes), size(r.TempBytes), r.Unreadable)
 				if hasPages {
-					fmt.Fprintf(tw, "%d\t%s\t%s\t", r.Pages, size(r.PageFileBytes), size(r.SharedPageBytes))
+					fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t", r.Pages, size(r.PageFileBytes), size(r.PageAllocatedBytes), size(r.SharedPageBytes))
 				}
 				fmt.Fprintln(tw)
 			}
 			tw.Flush()
+			if hasPages || lim.capacityBytes > 0 || lim.headroomBytes > 0 {
+				c.printCacheReport(cr, size)
+			}
+			c.printRecencyErrors(cache)
 			for _, s := range rep.Skipped {
 				fmt.Fprintf(c.stdout, "skipped (not a kvpersist file, not counted): %s\n", quote(s))
 			}
 		}
-		if rep.Total.Unreadable > 0 {
+		if rep.Total.Unreadable > 0 || badRecency(cache) {
 			return exitProblems
 		}
 		return exitOK

@@ -110,7 +110,7 @@ I/O error, 130 interrupted (a second interrupt kills at once).`,
 	}
 	root.SetFlagErrorFunc(func(cmd *cobra.Command, err error) error { return err })
 	for _, sub := range []*cobra.Command{
-		c.inspectCommand(), c.lsCommand(), c.verifyCommand(), c.gcCommand(), c.duCommand(),
+		c.inspectCommand(), c.lsCommand(), c.verifyCommand(), c.gcCommand(), c.duCommand(), c.statsCommand(),
 		c.migrateCommand(), c.synthCommand(), c.demoCommand(),
 	} {
 		root.AddCommand(sub)
@@ -188,6 +188,15 @@ func humanBytes(n int64) string {
 		f /= unit
 	}
 	return fmt.Sprintf("%.1f %ciB", f, "KMGTP"[i-1])
+}
+
+// sizer is how du and stats print a byte count: humanBytes, or the exact
+// count with --bytes.
+func sizer(exact bool) func(int64) string {
+	if exact {
+		return func(n int64) string { return strconv.FormatInt(n, 10) }
+	}
+	return humanBytes
 }
 
 // parseInts parses a comma-separated list of positive integers, strictly

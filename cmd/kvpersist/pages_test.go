@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 )
 
@@ -148,12 +149,20 @@ func TestPageStoreLsDuVerify(t *testing.T) {
 			out := mustRun(t, exitOK, "du", "--bytes", root)
 			total := ""
 			for _, line := range strings.Split(out, "\n") {
-				if f := strings.Fields(line); len(f) > 3 && f[0] == "TOTAL" {
-					total = strings.Join(f[len(f)-3:], " ")
+				if f := strings.Fields(line); len(f) > 4 && f[0] == "TOTAL" {
+					total = strings.Join(f[len(f)-4:], " ")
 				}
 			}
-			if want := fmt.Sprintf("%d %d %d", len(pages), files, wantSharedBytes); !strings.Contains(out, "PAGE BYTES") || total != want {
-				t.Errorf("du --bytes: TOTAL ends %q, want %q (pages, bytes, shared):\n%s", total, want, out)
+			var alloc int64
+			for _, p := range pages {
+				var st syscall.Stat_t
+				if err := syscall.Stat(p.path, &st); err != nil {
+					t.Fatal(err)
+				}
+				alloc += st.Blocks * 512
+			}
+			if want := fmt.Sprintf("%d %d %d %d", len(pages), files, alloc, wantSharedBytes); !strings.Contains(out, "PAGE BYTES") || total != want {
+				t.Errorf("du --bytes: TOTAL ends %q, want %q (pages, bytes, allocated bytes, shared):\n%s", total, want, out)
 			}
 
 			var ls lsReport

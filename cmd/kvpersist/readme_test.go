@@ -21,7 +21,7 @@ const readmePath = "../../README.md"
 // time ls prints. The README says so.
 var (
 	sampleElapsed  = regexp.MustCompile(` in [0-9.]+(ns|µs|ms|s)$`)
-	sampleModified = regexp.MustCompile(`\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}$`)
+	sampleModified = regexp.MustCompile(`\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}`)
 )
 
 const (

@@ -1,8 +1,9 @@
 // Package metrics is kvpersist's operational signal: a Recorder that the
 // engine feeds as jobs finish (cheap, lock-free atomic counters), exposed
 // as a prometheus.Collector that a scheduler registers in its own registry
-// (nothing is registered globally), and as a plain Snapshot for
-// `kvpersist stats --json`.
+// (nothing is registered globally), and as a plain Snapshot (JSON) for an
+// embedder's status page or logs. (`kvpersist stats --json` runs in its own
+// process and measures the disk instead.)
 //
 // Every method of a nil *Recorder does nothing, so the engine can call it
 // unconditionally. The metric names and labels are listed in
@@ -10,10 +11,12 @@
 package metrics
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"slices"
 	"sort"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -77,10 +80,28 @@ type Options struct {
 	// increasing, finite, > 0; nil means DefaultLatencyBuckets.
 	LatencyBuckets []float64
 	// Usage, when set, is called at each scrape and snapshot for the page
-	// cache's accounting (evict.Cache.Usage): the capacity and per-namespace
-	// gauges. It must be safe for concurrent use.
+	// cache's accounting (engine.Engine.Usage, evict.Cache.Usage): the
+	// capacity and per-namespace gauges. It must be safe for concurrent
+	// use.
 	Usage func() evict.Usage
+	// MaxNamespaces bounds the series of the per-namespace gauges
+	// (kvpersist_cache_used_bytes, kvpersist_cache_pages,
+	// kvpersist_cache_quota_bytes), whose `namespace` label otherwise
+	// takes one value per namespace of the store: the MaxNamespaces
+	// namespaces with the most used bytes (ties: by name) get their own
+	// series; the others are summed into namespace=".other"
+	// (OtherNamespace; no namespace name starts with a dot), which has no
+	// quota series. 0 means DefaultMaxNamespaces; < 0 is ErrOptions.
+	// Snapshot is not bounded.
+	MaxNamespaces int
 }
+
+// DefaultMaxNamespaces is Options.MaxNamespaces's default.
+const DefaultMaxNamespaces = 64
+
+// OtherNamespace is the `namespace` label of the namespaces beyond
+// Options.MaxNamespaces, summed.
+const OtherNamespace = ".other"
 
 // Recorder counts what the engine does. Create it with New; it is safe for
 // concurrent use, and every recording is a few atomic adds (no lock, no
@@ -100,6 +121,7 @@ type Recorder struct {
 	evBytes    [evict.ReasonShrink + 1]atomic.Int64
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
 	usage      func() evict.Usage
+	maxNS      int
 
 	// The object-store tier (see RemoteOp).
 	remoteOps     [labels.NumRemoteOps][labels.NumRemoteResults]atomic.Uint64
@@ -140,7 +162,8 @@ type histogram struct {
 // ErrOptions: Options are invalid.
 var ErrOptions = errors.New("metrics: invalid options")
 
-// New returns a Recorder. Error: ErrOptions for bad latency buckets.
+// New returns a Recorder. Error: ErrOptions for bad latency buckets or a
+// negative MaxNamespaces.
 func New(opts Options) (*Recorder, error) {
 	b := opts.LatencyBuckets
 	if b == nil {
@@ -149,7 +172,13 @@ func New(opts Options) (*Recorder, error) {
 	if len(b) == 0 {
 		return nil, fmt.Errorf("%w: no latency buckets", ErrOptions)
 	}
-	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage}
+	if opts.MaxNamespaces < 0 {
+		return nil, fmt.Errorf("%w: MaxNamespaces %d (want 0, the default %d, or more)", ErrOptions, opts.MaxNamespaces, DefaultMaxNamespaces)
+	}
+	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage, maxNS: opts.MaxNamespaces}
+	if r.maxNS == 0 {
+		r.maxNS = DefaultMaxNamespaces
+	}
 	for i, s := range b {
 		if !(s > 0) || s > 1e9 || (i > 0 && s <= b[i-1]) {
 			return nil, fmt.Errorf("%w: latency bucket %d is %v (want finite, > 0 and increasing)", ErrOptions, i, s)
@@ -303,7 +332,7 @@ var (
 		"Allocated bytes of the page files of a namespace.", []string{"namespace"}, nil)
 	descPages = prometheus.NewDesc("kvpersist_cache_pages",
 		"Pages stored in a namespace.", []string{"namespace"}, nil)
-	descLimit = prometheus.NewDesc("kvpersist_cache_limit_bytes",
+	descQuota = prometheus.NewDesc("kvpersist_cache_quota_bytes",
 		"A namespace's quota in allocated bytes (namespaces with a quota only).", []string{"namespace"}, nil)
 	descRemoteOps = prometheus.NewDesc("kvpersist_remote_ops_total",
 		"Object-store tier operations (lookup batches, page fetches, uploads), by op and result.", []string{"op", "result"}, nil)
@@ -320,7 +349,7 @@ var (
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descLookup,
-		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descLimit,
+		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
 		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue} {
 		ch <- d
 	}
@@ -372,13 +401,38 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	u := r.usage()
 	emit(descCapacity, prometheus.GaugeValue, float64(u.CapacityBytes))
 	emit(descReserved, prometheus.GaugeValue, float64(u.ReservedBytes))
-	for _, n := range u.Namespaces {
+	for _, n := range boundNamespaces(u.Namespaces, r.maxNS) {
 		emit(descUsed, prometheus.GaugeValue, float64(n.UsedBytes), n.Name)
 		emit(descPages, prometheus.GaugeValue, float64(n.Pages), n.Name)
 		if n.QuotaBytes > 0 {
-			emit(descLimit, prometheus.GaugeValue, float64(n.QuotaBytes), n.Name)
+			emit(descQuota, prometheus.GaugeValue, float64(n.QuotaBytes), n.Name)
 		}
 	}
+}
+
+// boundNamespaces returns nss (sorted by name) when it has at most max
+// namespaces; otherwise the max with the most used bytes (ties: by name),
+// sorted by name, then OtherNamespace holding the others' used bytes and
+// pages summed (and no quota).
+func boundNamespaces(nss []evict.NamespaceUsage, max int) []evict.NamespaceUsage {
+	if len(nss) <= max {
+		return nss
+	}
+	s := slices.Clone(nss)
+	slices.SortFunc(s, func(a, b evict.NamespaceUsage) int {
+		if a.UsedBytes != b.UsedBytes {
+			return cmp.Compare(b.UsedBytes, a.UsedBytes)
+		}
+		return strings.Compare(a.Name, b.Name)
+	})
+	other := evict.NamespaceUsage{Name: OtherNamespace}
+	for _, n := range s[max:] {
+		other.UsedBytes += n.UsedBytes
+		other.Pages += n.Pages
+	}
+	s = s[:max]
+	slices.SortFunc(s, func(a, b evict.NamespaceUsage) int { return strings.Compare(a.Name, b.Name) })
+	return append(s, other)
 }
 
 // constHistogram is l as a histogram of d labelled with l.Kind.
@@ -412,9 +466,9 @@ func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prome
 	emit(descUploadQueue, prometheus.GaugeValue, float64(r.uploadQueue.Load()))
 }
 
-// Snapshot is the recorder's figures as a plain struct (JSON for
-// `kvpersist stats --json`). Lists leave out zero counts; Cache is nil
-// without Options.Usage.
+// Snapshot is the recorder's figures as a plain struct (JSON-ready, field
+// names in camelCase). Lists leave out zero counts; Cache is nil without
+// Options.Usage.
 type Snapshot struct {
 	Jobs             []JobCount     `json:"jobs"`
 	Latency          []Latency      `json:"latency"`

@@ -152,9 +152,9 @@ kvpersist_cache_used_bytes{namespace="b"} 12288
 # TYPE kvpersist_cache_pages gauge
 kvpersist_cache_pages{namespace="a"} 3
 kvpersist_cache_pages{namespace="b"} 1
-# HELP kvpersist_cache_limit_bytes A namespace's quota in allocated bytes (namespaces with a quota only).
-# TYPE kvpersist_cache_limit_bytes gauge
-kvpersist_cache_limit_bytes{namespace="a"} 1.048576e+06
+# HELP kvpersist_cache_quota_bytes A namespace's quota in allocated bytes (namespaces with a quota only).
+# TYPE kvpersist_cache_quota_bytes gauge
+kvpersist_cache_quota_bytes{namespace="a"} 1.048576e+06
 `)
 	return b.String()
 }
@@ -196,7 +196,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 		"kvpersist_reused_bytes_total", "kvpersist_read_bytes_total", "kvpersist_read_direct_bytes_total", "kvpersist_lookup_tokens_total",
 		"kvpersist_evicted_pages_total", "kvpersist_evicted_bytes_total", "kvpersist_saves_refused_total",
 		"kvpersist_cache_capacity_bytes", "kvpersist_cache_reserved_bytes", "kvpersist_cache_used_bytes",
-		"kvpersist_cache_pages", "kvpersist_cache_limit_bytes"); err != nil {
+		"kvpersist_cache_pages", "kvpersist_cache_quota_bytes"); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -303,5 +303,55 @@ func TestNilRecorderAndOptions(t *testing.T) {
 		if got := OutcomeOf(err); got != want {
 			t.Errorf("OutcomeOf(%v) = %s, want %s", err, got, want)
 		}
+	}
+}
+
+// TestNamespaceSeriesBound: with more namespaces than MaxNamespaces, the
+// per-namespace gauges have a series for the MaxNamespaces namespaces with
+// the most used bytes (a tie broken by name) and one for ".other" holding
+// the rest summed, without a quota series; a negative bound is
+// ErrOptions.
+func TestNamespaceSeriesBound(t *testing.T) {
+	cache, err := evict.New(evict.Config{Quotas: map[string]int64{"d": 1 << 20, "e": 1 << 20}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	used := map[string]int{"a": 1, "b": 3, "c": 3, "d": 2, "e": 5} // pages of 4 KiB
+	for ns, n := range used {
+		for i := range n {
+			if err := cache.Add(evict.Page{Namespace: ns, Key: evict.Key{byte(i)}, Bytes: 4096}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	r, err := New(Options{Usage: cache.Usage, MaxNamespaces: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(r)
+	// e (5 pages) and b (3, before c by name); .other: a, c, d = 6 pages.
+	want := `# HELP kvpersist_cache_pages Pages stored in a namespace.
+# TYPE kvpersist_cache_pages gauge
+kvpersist_cache_pages{namespace=".other"} 6
+kvpersist_cache_pages{namespace="b"} 3
+kvpersist_cache_pages{namespace="e"} 5
+# HELP kvpersist_cache_used_bytes Allocated bytes of the page files of a namespace.
+# TYPE kvpersist_cache_used_bytes gauge
+kvpersist_cache_used_bytes{namespace=".other"} 24576
+kvpersist_cache_used_bytes{namespace="b"} 12288
+kvpersist_cache_used_bytes{namespace="e"} 20480
+# HELP kvpersist_cache_quota_bytes A namespace's quota in allocated bytes (namespaces with a quota only).
+# TYPE kvpersist_cache_quota_bytes gauge
+kvpersist_cache_quota_bytes{namespace="e"} 1.048576e+06
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvpersist_cache_pages", "kvpersist_cache_used_bytes", "kvpersist_cache_quota_bytes"); err != nil {
+		t.Fatal(err)
+	}
+	if s := r.Snapshot(); s.Cache == nil || len(s.Cache.Namespaces) != 5 {
+		t.Fatalf("Snapshot is not bounded: %+v", s.Cache)
+	}
+	if _, err := New(Options{MaxNamespaces: -1}); !errors.Is(err, ErrOptions) {
+		t.Fatalf("MaxNamespaces -1: %v", err)
 	}
 }
