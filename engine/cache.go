@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"slices"
 	"sync"
@@ -278,25 +277,9 @@ func keyCompare(a, b evict.Key) int {
 // none, a file that fails validation (evict.ErrCheckpoint) or cannot be
 // read is ignored with a log line (the pages then keep their mtimes).
 func (pc *pageCache) readCheckpoint(n *store.Namespace) []evict.Record {
-	path := n.RecencyPath()
-	f, err := pc.fs.Open(path)
+	recs, err := n.ReadRecency()
 	if err != nil {
-		if !vfs.IsNotExist(err) {
-			pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", path, "err", err)
-		}
-		return nil
-	}
-	defer f.Close()
-	fi, err := f.Stat()
-	if err == nil && !fi.Mode().IsRegular() {
-		err = fmt.Errorf("not a regular file")
-	}
-	var recs []evict.Record
-	if err == nil {
-		recs, err = evict.ReadCheckpoint(io.NewSectionReader(f, 0, fi.Size()), fi.Size())
-	}
-	if err != nil {
-		pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", path, "err", err)
+		pc.log.Warn("kvpersist: page cache: recency checkpoint ignored; pages ordered by their mtimes", "path", n.RecencyPath(), "err", err)
 		return nil
 	}
 	return recs
@@ -752,15 +735,38 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // tracked and whose file exists is committed with its st_blocks, the rest
 // of the reservation is released and the pins dropped; on success every
 // page of keys is touched.
-func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (err error) {
+func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) error {
+	_, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, false)
+	return err
+}
+
+// admitHeld is admit for pages that a load reads next (pages fetched from
+// the remote tier): the pins are handed to the caller instead of dropped.
+// Every page of keys tracked when admit starts keeps the pin of step (1),
+// and every page committed in step (5) is committed pinned
+// (evict.Reservation.CommitPinned: no reservation can choose it between
+// its commit and its pin), so no page of keys can be evicted between its
+// publish and the load's reading it. held are the keys pinned for the
+// caller, who unpins them (pc.pol.UnpinAll(ns, held)) when the load ends;
+// they are held on every path, error included.
+func (pc *pageCache) admitHeld(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []evict.Key, err error) {
+	return pc.admitPages(ctx, ns, keys, parents, fileBytes, write, true)
+}
+
+// admitPages is admit; with hold, admitHeld.
+func (pc *pageCache) admitPages(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold bool) (held []evict.Key, err error) {
 	n, err := pc.st.Namespace(ns)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	ek := evictKeys(keys)
 	pinned := make([]bool, len(ek))
 	var pins []evict.Key
 	defer func() {
+		if hold {
+			held = append(held, pins...)
+			return
+		}
 		if uerr := pc.pol.UnpinAll(ns, pins); uerr != nil {
 			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
 		}
@@ -783,7 +789,7 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		// pin it).
 		if pc.pol.Evicting(ns, ek[i]) {
 			if err := pc.waitVictim(ctx, ns, ek[i]); err != nil {
-				return fmt.Errorf("engine: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
+				return nil, fmt.Errorf("engine: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
 			}
 			continue
 		}
@@ -796,7 +802,7 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		}
 		b, err := fileBytes(i)
 		if err != nil {
-			return err
+			return nil, err
 		}
 		want += (b + pc.blkBytes - 1) / pc.blkBytes * pc.blkBytes
 	}
@@ -830,19 +836,19 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 				if errors.As(err, &nse) && pc.metrics != nil {
 					pc.metrics.Refused(nse.Limit)
 				}
-				return fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
+				return nil, fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
 			}
 			kept, uerr := pc.unlink(ctx, r.Victims)
 			if uerr != nil {
 				r.Release()
-				return fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, uerr)
+				return nil, fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, uerr)
 			}
 			if kept == 0 {
 				break
 			}
 			r.Release()
 			if attempt == maxReserveAttempts-1 {
-				return fmt.Errorf("engine: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, ErrNoSpace, maxReserveAttempts)
+				return nil, fmt.Errorf("engine: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, ErrNoSpace, maxReserveAttempts)
 			}
 		}
 		defer r.Release()
@@ -856,17 +862,28 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 				continue
 			}
 			if _, ok := pc.pol.Lookup(ns, k); ok {
-				continue // committed by a save beside this one
+				// Committed by a save beside this one.
+				if hold && pc.pol.Pin(ns, k) {
+					held = append(held, k)
+				}
+				continue
 			}
 			pf, serr := n.StatPage(n.PagePath(keys[i]))
 			if serr != nil {
 				continue
 			}
 			p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
-			if r != nil {
+			switch {
+			case r != nil && hold:
+				if serr = r.CommitPinned(p); serr == nil {
+					held = append(held, k)
+				}
+			case r != nil:
 				serr = r.Commit(p)
-			} else {
-				serr = pc.pol.Add(p)
+			default:
+				if serr = pc.pol.Add(p); serr == nil && hold && pc.pol.Pin(ns, k) {
+					held = append(held, k)
+				}
 			}
 			if serr != nil && !errors.Is(serr, evict.ErrExists) {
 				pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", keys[i].String(), "err", serr)
@@ -878,7 +895,7 @@ func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layou
 		pc.markDirty(ns)
 		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
 	}()
-	return write()
+	return nil, write()
 }
 
 // waitVictim waits until page k of namespace ns is no longer a victim
@@ -994,22 +1011,57 @@ func evictKeys(keys []layout.PageKey) []evict.Key {
 // the pages loaded and accounts those this engine did not track (written
 // by another process).
 func (pc *pageCache) pinLoad(ns string, keys []layout.PageKey) (done func(loaded []layout.PageKey, ok bool)) {
+	return pc.pinChain(ns, keys).done
+}
+
+// loadPins are the pins of one load: the prefix of its chain pinned so far
+// (ek[:k]) and pins taken for it elsewhere (held: pages the remote tier
+// fetched, pinned at their commit by admitHeld).
+type loadPins struct {
+	pc   *pageCache
+	ns   string
+	ek   []evict.Key
+	k    int
+	held []evict.Key
+}
+
+// pinChain is pinLoad returning the load's pins, so that the load can
+// take more before it reads (extend, hold).
+func (pc *pageCache) pinChain(ns string, keys []layout.PageKey) *loadPins {
 	ek := evictKeys(keys)
-	k := pc.pol.PinPrefix(ns, ek)
-	return func(loaded []layout.PageKey, ok bool) {
-		if err := pc.pol.UnpinAll(ns, ek[:k]); err != nil {
-			pc.log.Warn("kvpersist: page cache: unpin", "err", err)
-		}
-		if !ok || len(loaded) == 0 {
-			return
-		}
-		now := time.Now().UnixNano()
-		lk := evictKeys(loaded)
-		if pc.pol.TouchAll(ns, lk, now) < len(lk) {
-			pc.addUntracked(ns, loaded, now)
-		}
-		pc.markDirty(ns)
+	return &loadPins{pc: pc, ns: ns, ek: ek, k: pc.pol.PinPrefix(ns, ek)}
+}
+
+// hold adds pins taken for the load elsewhere; done releases them.
+func (lp *loadPins) hold(keys []evict.Key) { lp.held = append(lp.held, keys...) }
+
+// extend pins the chain further, from the first page the first pin did
+// not reach (a page the read-through has committed since, and the stored
+// pages after it), up to the first that is still not tracked.
+func (lp *loadPins) extend() {
+	lp.k += lp.pc.pol.PinPrefix(lp.ns, lp.ek[lp.k:])
+}
+
+// done unpins every pin of the load; after a successful load it touches
+// the pages loaded and accounts those this engine did not track (written
+// by another process).
+func (lp *loadPins) done(loaded []layout.PageKey, ok bool) {
+	pc, ns := lp.pc, lp.ns
+	if err := pc.pol.UnpinAll(ns, lp.ek[:lp.k]); err != nil {
+		pc.log.Warn("kvpersist: page cache: unpin", "err", err)
 	}
+	if err := pc.pol.UnpinAll(ns, lp.held); err != nil {
+		pc.log.Warn("kvpersist: page cache: unpin", "err", err)
+	}
+	if !ok || len(loaded) == 0 {
+		return
+	}
+	now := time.Now().UnixNano()
+	lk := evictKeys(loaded)
+	if pc.pol.TouchAll(ns, lk, now) < len(lk) {
+		pc.addUntracked(ns, loaded, now)
+	}
+	pc.markDirty(ns)
 }
 
 // addUntracked accounts the pages of chain (from its first page, in order)

@@ -106,8 +106,10 @@ type Config struct {
 	//
 	//	D ≤ CapacityBytes + S × P + E
 	//
-	// where S is the number of saves in flight at that instant and P the
-	// largest page file's allocated bytes (a save's victims may free up to
+	// where S is the number of saves in flight at that instant (a page
+	// the remote tier fetches counts as a save of one page: it is
+	// reserved the same way) and P the largest page file's allocated
+	// bytes (a save's victims may free up to
 	// one page more than it needs, and another save may use that room
 	// while the victim is still being unlinked), and E the allocated bytes
 	// of the background eviction's victims not yet unlinked: 0 except

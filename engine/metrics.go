@@ -27,7 +27,8 @@ type MetricsSink interface {
 	Lookup(hitTokens, missTokens int64)
 	// Evicted records pages unlinked by eviction and their allocated bytes.
 	Evicted(reason evict.Reason, pages, bytes int64)
-	// Refused records a save refused for want of space, by limit.
+	// Refused records a save refused for want of space, by limit (a page
+	// the remote tier could not fetch for want of room counts as one).
 	Refused(limit evict.Reason)
 	// Remote records one operation of the object-store tier (a lookup
 	// batch, a page fetch, an upload): its result, bytes (fetched and

@@ -28,25 +28,34 @@ func TestLargeJobUsesWholePool(t *testing.T) {
 		&ReadRequest{Ref: refOf("big", "single"), Dest: destOf(llama, 8), Verify: true},
 		&ReadRequest{Ref: refOf("big", "blk"), Dest: destOf(tiny, 600), Verify: true},
 	} {
-		e, err := New(Config{Root: root, Workers: workers, BlockBytes: 4096, NoSync: true, Logger: newEngineLogger()})
-		if err != nil {
-			t.Fatal(err)
-		}
-		r := e.Do(bg, req)
-		if err := e.Close(bg); err != nil || r.Err != nil {
-			t.Fatalf("job %d (%T): %v; Close: %v", i, req, r.Err, err)
-		}
-		// A block read asks for them twice: to open and size every
+		// A block read asks for helpers twice: to open and size every
 		// block, then to read them.
 		want := int64(workers - 1)
 		if i == 3 {
 			want *= 2
 		}
-		if got := e.helpersStarted.Load(); got != want {
-			t.Fatalf("job %d (%T): %d helper tasks, want %d", i, req, got, want)
+		// An ants worker returns to its pool just after its task returns,
+		// so a job's second request for helpers can, rarely, find one of
+		// the first request's workers not back yet (Spawn says no). A job
+		// that really uses fewer helpers does so every time: three tries,
+		// each on a fresh engine, must see the whole pool at least once.
+		var got int64
+		for try := 0; try < 3 && got != want; try++ {
+			e, err := New(Config{Root: root, Workers: workers, BlockBytes: 4096, NoSync: true, Logger: newEngineLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			r := e.Do(bg, req)
+			if err := e.Close(bg); err != nil || r.Err != nil {
+				t.Fatalf("job %d (%T): %v; Close: %v", i, req, r.Err, err)
+			}
+			got = e.helpersStarted.Load()
+			if i == 1 && try == 0 && r.Metrics.BlocksWritten != 41 { // later tries reuse them
+				t.Fatalf("blocks write: %d blocks, want 41", r.Metrics.BlocksWritten)
+			}
 		}
-		if i == 1 && r.Metrics.BlocksWritten != 41 {
-			t.Fatalf("blocks write: %d blocks, want 41", r.Metrics.BlocksWritten)
+		if got != want {
+			t.Fatalf("job %d (%T): %d helper tasks, want %d", i, req, got, want)
 		}
 	}
 	e := newEngine(t, Config{Root: root, Workers: workers})

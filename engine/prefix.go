@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
@@ -125,21 +126,37 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		}
 		// The pages of the prompt that are stored are pinned for the
 		// load's duration (a bad request pins nothing: the load reports it).
-		done := func([]layout.PageKey, bool) {}
+		// Pages the read-through fetches are pinned at their commit, and
+		// the chain's pins are extended over them before the load reads;
+		// all are released when the load ends.
+		var pins *loadPins
 		if keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens); kerr == nil {
-			done = e.pc.pinLoad(r.Namespace, keys)
+			pins = e.pc.pinChain(r.Namespace, keys)
+			defer func() {
+				var loaded []layout.PageKey
+				if res.Prefix != nil {
+					loaded = res.Prefix.Keys
+				}
+				pins.done(loaded, err == nil)
+			}()
 		}
-		defer func() {
-			var loaded []layout.PageKey
-			if res.Prefix != nil {
-				loaded = res.Prefix.Keys
-			}
-			done(loaded, err == nil)
-		}()
+		var verified func(layout.PageKey) bool
 		if e.tier != nil { // read-through: remote pages into the local tier first
-			res.Remote = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+			var held []evict.Key
+			var fetched map[layout.PageKey]bool
+			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+			if len(fetched) > 0 {
+				// Verified by the fetch a moment ago: not hashed again.
+				verified = func(k layout.PageKey) bool { return fetched[k] }
+			}
+			if pins != nil {
+				pins.hold(held)
+				pins.extend()
+			} else {
+				_ = e.pc.pol.UnpinAll(r.Namespace, held)
+			}
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r)
+		res.Prefix, res.Metrics, err = jobs.LoadPrefixVerified(ctx, cfg, r, verified)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -406,8 +407,10 @@ func (t *tier) uploaded(r remote.UploadResult) {
 // it is stored, as in Lookup.
 //
 // start is the position in keys of the first candidate (the first key the
-// index lacks); cands are keys[start:start+len(cands)].
-func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *RemoteReport) (start int, cands []layout.PageKey, local []bool) {
+// index lacks); cands are keys[start:start+len(cands)]; objs[c] is what the
+// store's HEAD said of cands[c] (size, ETag), the zero Object for a local
+// one.
+func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *RemoteReport) (start int, cands []layout.PageKey, local []bool, objs []remote.Object) {
 	i := 0
 	for i < len(keys) && t.e.pages.Has(ns, keys[i]) {
 		i++
@@ -424,22 +427,22 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 			name, err := t.st.PageName(ns, keys[j].String())
 			if err != nil {
 				rep.Err = err
-				return start, cands, local
+				return start, cands, local, objs
 			}
 			names = append(names, name)
 			asked = append(asked, j)
 		}
-		present := map[int]bool{}
+		present := map[int]remote.Object{}
 		if len(names) > 0 {
 			began := time.Now()
-			ok, err := t.st.Exists(ctx, names)
+			ok, err := t.st.StatAll(ctx, names)
 			m := t.metrics()
 			if err != nil {
 				if m != nil {
 					m.Remote(labels.RemoteLookup, labels.RemoteError, 0, time.Since(began))
 				}
 				rep.Err = err
-				return start, cands, local
+				return start, cands, local, objs
 			}
 			if m != nil {
 				m.Remote(labels.RemoteLookup, labels.RemoteOK, 0, time.Since(began))
@@ -447,8 +450,8 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 			rep.PagesAsked += len(names)
 			hits := 0
 			for a, pos := range asked {
-				present[pos] = ok[a]
-				if ok[a] {
+				if ok[a].Name != "" {
+					present[pos] = ok[a]
 					hits++
 				}
 			}
@@ -458,8 +461,9 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 		}
 		for ; i < j; i++ {
 			isLocal := t.e.pages.Has(ns, keys[i])
-			if !isLocal && !present[i] {
-				return start, cands, local
+			o, found := present[i]
+			if !isLocal && !found {
+				return start, cands, local, objs
 			}
 			if !isLocal {
 				rep.PagesFound++
@@ -467,85 +471,92 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 			}
 			cands = append(cands, keys[i])
 			local = append(local, isLocal)
+			objs = append(objs, o)
 		}
 	}
-	return start, cands, local
+	return start, cands, local, objs
 }
 
 // readThrough runs before a prefix load: the pages of tokens' chain after
 // the local prefix that the store holds are fetched (FetchPages at once,
 // each with ranged GETs in flight), verified against the key chain the
-// prompt implies and their tensor hashes, and published to the local tier
-// (publishFetched); the load then finds them locally. The prefix the load
-// can see ends at the first page that is missing remotely, fails to fetch
-// or fails verification (reported in the RemoteReport, never an error of
-// the load). Nothing local is changed except new, verified page files.
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) *RemoteReport {
-	rep := &RemoteReport{}
+// prompt implies and their tensor hashes, and published to the local tier;
+// the load then finds them locally. Each fetched page enters the bounded
+// page cache as a save's pages do (pageCache.admitHeld): its object's size
+// (from the HEAD of remoteCandidates) is reserved against the capacity,
+// the quotas and the headroom, victims are evicted first, and the page is
+// committed with its st_blocks and pinned. The pages' reservations are
+// taken one after another in chain order (a page reserves once the one
+// before it has its room), so a fetch that cannot get room stops the
+// prefix there: that page and every later one are not fetched (nothing of
+// them is written; the error is errors.Is ErrNoSpace). held are the pins
+// taken for the load (every page committed, pinned at its commit): the
+// caller releases them when the load ends, so no fetched page is evicted
+// between its publish and the load's reading it. fetched holds the keys of
+// the pages this call published (each verified, every tensor hashed, just
+// before its rename): the load need not hash them again
+// (jobs.LoadPrefixVerified).
+//
+// The prefix the load can see ends at the first page that is missing
+// remotely, finds no room, fails to fetch or fails verification (reported
+// in the RemoteReport, never an error of the load). Nothing local is
+// changed except new, verified page files (and the victims evicted for
+// them, under the namespace's exclusive lock as any eviction).
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
 	}
 	keys, _, err := layout.PageChain(identity, p, tokens)
 	if err != nil || len(tokens) == 0 {
-		return rep // the load reports the invalid request
+		return rep, nil, nil // the load reports the invalid request
 	}
 	if l, err := t.e.pages.Lookup(ns, identity, p, tokens); err != nil || l == len(tokens) {
-		return rep
+		return rep, nil, nil
 	}
-	first, cands, local := t.remoteCandidates(ctx, ns, keys, rep)
+	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
 	var fetch []int // positions in keys
+	var fobjs []remote.Object
 	for c := range cands {
 		if !local[c] {
 			fetch = append(fetch, first+c)
+			fobjs = append(fobjs, objs[c])
 		}
 	}
 	if len(fetch) == 0 {
-		return rep
+		return rep, nil, nil
 	}
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		rep.Err = err
-		return rep
+		return rep, nil, nil
 	}
-	// As a save: the namespace durably, its lock shared (no gc of another
-	// process sweeps meanwhile), pages/ and the fan-out directories.
-	if err := n.Create(); err != nil {
+	if err := t.prepareDirs(ctx, n, keys, fetch); err != nil {
 		rep.Err = err
-		return rep
+		return rep, nil, nil
 	}
-	unlock, err := n.Lock(ctx, false)
-	if err != nil {
-		rep.Err = err
-		return rep
-	}
-	defer unlock()
-	if err := n.CreatePagesDir(); err != nil {
-		rep.Err = err
-		return rep
-	}
-	dirs := map[string]bool{}
-	for _, pos := range fetch {
-		d := filepath.Dir(n.PagePath(keys[pos]))
-		if !dirs[d] {
-			if err := n.CreateFanout(d); err != nil {
-				rep.Err = err
-				return rep
-			}
-			dirs[d] = true
+	parents := make([]layout.PageKey, len(keys))
+	for i := range keys {
+		if i == 0 {
+			parents[i] = layout.PageRoot(identity, p)
+		} else {
+			parents[i] = keys[i-1]
 		}
 	}
-	if t.e.store.Durable() { // the fan-out directories' entries in pages/
-		if err := t.e.store.SyncDir(n.PagesDir()); err != nil {
-			rep.Err = err
-			return rep
-		}
-	}
-	// Fetch, FetchPages at once; results by position.
+	// Fetch, FetchPages at once; results by position. decided[f] is closed
+	// once page f's reservation is decided (its write began, or admit
+	// failed before it); page f+1 reserves only after it, and not at all
+	// once a reservation found no room (noRoom).
 	errs := make([]error, len(fetch))
 	sizes := make([]int64, len(fetch))
+	decided := make([]chan struct{}, len(fetch))
+	for f := range decided {
+		decided[f] = make(chan struct{})
+	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	next := 0
+	noRoom := false
 	for range min(t.fetchPages, len(fetch)) {
 		wg.Go(func() {
 			for {
@@ -557,52 +568,136 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					return
 				}
 				pos := fetch[f]
-				if ctx.Err() != nil {
-					errs[f] = ctx.Err()
-					continue
-				}
-				parent := layout.PageRoot(identity, p)
-				if pos > 0 {
-					parent = keys[pos-1]
-				}
-				want := &layout.Page{Key: keys[pos], Parent: parent, Identity: identity, PageTokens: p,
+				var once sync.Once
+				decide := func() { once.Do(func() { close(decided[f]) }) }
+				wrote := false
+				want := &layout.Page{Key: keys[pos], Parent: parents[pos], Identity: identity, PageTokens: p,
 					Tokens: tokens[pos*p : min(len(tokens), (pos+1)*p)]}
-				sizes[f], errs[f] = t.fetchPage(ctx, n, want)
+				fileBytes := func(int) (int64, error) {
+					if f > 0 {
+						select {
+						case <-decided[f-1]:
+						case <-ctx.Done():
+							return 0, ctx.Err()
+						}
+					}
+					mu.Lock()
+					stop := noRoom
+					mu.Unlock()
+					if stop {
+						return 0, errNotFetched
+					}
+					return fobjs[f].Size, nil
+				}
+				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
+					wrote = true
+					decide()
+					var err error
+					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f])
+					return err
+				})
+				if err != nil && !wrote {
+					mu.Lock()
+					noRoom = true // no room (or no reservation): later pages are not fetched
+					mu.Unlock()
+				}
+				decide()
+				mu.Lock()
+				held = append(held, h...)
+				mu.Unlock()
+				errs[f] = err
 			}
 		})
 	}
 	wg.Wait()
+	notFetched := 0
 	for f, pos := range fetch {
 		if errs[f] != nil {
+			if errors.Is(errs[f], errNotFetched) {
+				notFetched++
+				continue
+			}
 			if rep.Err == nil {
 				rep.Err = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, keys[pos], ns, errs[f])
 			}
 			t.e.logSafe(slog.LevelWarn, "kvpersist: remote page not fetched", "namespace", ns, "page", keys[pos].String(), "err", errs[f])
 			continue
 		}
-		rep.PagesFetched++ // published even past a failed page: each is valid alone
-		rep.BytesFetched += sizes[f]
+		if sizes[f] > 0 {
+			rep.PagesFetched++ // published even past a failed page: each is valid alone
+			rep.BytesFetched += sizes[f]
+			if fetched == nil {
+				fetched = map[layout.PageKey]bool{}
+			}
+			fetched[keys[pos]] = true
+		}
 	}
-	return rep
+	if notFetched > 0 {
+		t.e.logSafe(slog.LevelWarn, "kvpersist: remote pages not fetched after a page that found no room", "namespace", ns, "pages", notFetched)
+	}
+	return rep, held, fetched
 }
 
-// fetchPage fetches the page want.Key of namespace n into a temp file
-// beside its local path, verifies it (verifyPage) and publishes it
-// (publishFetched); it adds it to the index. A page published meanwhile by
-// a save is simply replaced by the same bytes (same key, same content).
-func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page) (int64, error) {
+// errNotFetched: a page after one whose reservation failed; never sent.
+var errNotFetched = errors.New("engine: not fetched: an earlier page of the chain found no room")
+
+// prepareDirs makes, as a save does, the namespace durably, pages/ and the
+// fan-out directories of the pages at positions fetch of keys, under the
+// namespace's shared lock (no collect of another process sweeps
+// meanwhile), and syncs pages/ under the store's sync policy.
+func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layout.PageKey, fetch []int) error {
+	if err := n.Create(); err != nil {
+		return err
+	}
+	unlock, err := n.Lock(ctx, false)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if err := n.CreatePagesDir(); err != nil {
+		return err
+	}
+	dirs := map[string]bool{}
+	for _, pos := range fetch {
+		d := filepath.Dir(n.PagePath(keys[pos]))
+		if !dirs[d] {
+			if err := n.CreateFanout(d); err != nil {
+				return err
+			}
+			dirs[d] = true
+		}
+	}
+	if t.e.store.Durable() { // the fan-out directories' entries in pages/
+		return t.e.store.SyncDir(n.PagesDir())
+	}
+	return nil
+}
+
+// fetchPage is the write of one fetched page's admission (it runs inside
+// pageCache.admitHeld, room reserved): under namespace n's shared lock it
+// fetches object o, the page want.Key, into a temp file beside its local
+// path, verifies it (verifyPage) and publishes it (publishFetched); it
+// adds it to the index. A page that a save published since the lookup is
+// not fetched (0 bytes, no error); one published meanwhile by a save is
+// simply replaced by the same bytes (same key, same content).
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object) (int64, error) {
+	if t.e.pages.Has(n.Name(), want.Key) {
+		return 0, nil
+	}
+	unlock, err := n.Lock(ctx, false)
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
 	start := time.Now()
-	name, err := t.st.PageName(n.Name(), want.Key.String())
-	if err != nil {
-		return 0, err
-	}
+	name := o.Name
 	path := n.PagePath(want.Key)
-	sf, err := layout.Stage(t.e.store.FS(), path, 0)
+	fsys := t.e.store.FS()
+	sf, err := layout.Stage(fsys, path, 0)
 	if err != nil {
 		return 0, err
 	}
-	fsys := t.e.store.FS()
-	size, err := t.st.Fetch(ctx, name, sf.File, func(_ io.ReaderAt, size int64) error {
+	err = t.st.FetchObject(ctx, o, sf.File, func(_ io.ReaderAt, size int64) error {
 		// The temp file is open for writing only: verify through a
 		// read-only descriptor of it.
 		f, err := fsys.Open(sf.Tmp)
@@ -613,7 +708,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		return verifyPage(f, name, want, size)
 	})
 	if err == nil {
-		err = t.publishFetched(sf, size)
+		err = t.publishFetched(sf)
 	} else {
 		sf.Abort()
 	}
@@ -627,7 +722,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if m := t.metrics(); m != nil {
 		var b int64
 		if err == nil {
-			b = size
+			b = o.Size
 		}
 		m.Remote(labels.RemoteFetch, res, b, time.Since(start))
 	}
@@ -636,15 +731,15 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	}
 	t.e.pages.Add(n.Name(), want.Key)
 	t.markKnown(n.Name(), want.Key)
-	return size, nil
+	return o.Size, nil
 }
 
 // publishFetched is the one place a fetched page enters the local tier:
 // fdatasync of the verified temp file, rename onto the page's path, fsync
 // of its fan-out directory (under the store's sync policy), as a save
-// publishes its pages. (A capacity reservation of the bounded cache wraps
-// this call.)
-func (t *tier) publishFetched(sf *layout.Staged, size int64) error {
+// publishes its pages. It runs inside the page's admission
+// (pageCache.admitHeld), whose reservation covers the file.
+func (t *tier) publishFetched(sf *layout.Staged) error {
 	return sf.Commit(t.e.store.PublishOptions(true, 0))
 }
 
@@ -704,7 +799,7 @@ func (e *Engine) LookupRemote(ctx context.Context, namespace, identity string, p
 		return PrefixHit{Local: local, Total: local}, err
 	}
 	var rep RemoteReport
-	_, cands, _ := e.tier.remoteCandidates(ctx, namespace, keys, &rep)
+	_, cands, _, _ := e.tier.remoteCandidates(ctx, namespace, keys, &rep)
 	total := local
 	if len(cands) > 0 {
 		last := local/pageTokens + len(cands) // pages of the prefix

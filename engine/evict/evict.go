@@ -727,7 +727,15 @@ func (c *Cache) oldest(s *nsState) (*nsState, *node) {
 // that is a victim not yet Removed (the save must not rewrite it: Pin
 // refuses victims, so the save knows it is going), or a new page that
 // would be its own ancestor (see Add).
-func (r *Reservation) Commit(p Page) error {
+func (r *Reservation) Commit(p Page) error { return r.commit(p, false) }
+
+// CommitPinned is Commit that also pins the page (one pin, as Pin), in the
+// same critical section: no Reserve can choose it as a victim between its
+// commit and the pin. A page fetched for a load is committed so, and
+// unpinned when the load ends. On error nothing is pinned.
+func (r *Reservation) CommitPinned(p Page) error { return r.commit(p, true) }
+
+func (r *Reservation) commit(p Page, pin bool) error {
 	if err := checkPage(p); err != nil {
 		return err
 	}
@@ -760,10 +768,18 @@ func (r *Reservation) Commit(p Page) error {
 		s.used += d
 		c.used += d
 		n.access = max(n.access, p.Access)
+		if pin {
+			n.pins++
+		}
 		c.fix(s, n)
 		return nil
 	}
 	c.insert(s, p)
+	if pin {
+		n = s.nodes[p.Key]
+		n.pins++
+		c.fix(s, n)
+	}
 	return nil
 }
 

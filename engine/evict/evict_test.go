@@ -333,3 +333,46 @@ func TestChainOps(t *testing.T) {
 		t.Fatalf("PinPrefix over a victim pinned %d, want 2", n)
 	}
 }
+
+// TestCommitPinned: a page committed with CommitPinned is pinned from its
+// commit on (a Reserve that needs its bytes fails rather than choose it),
+// holds one pin (one Unpin frees it), and then is evicted like any page;
+// CommitPinned of a page already tracked adds a pin to it too.
+func TestCommitPinned(t *testing.T) {
+	c, _ := New(Config{CapacityBytes: 200})
+	r, err := c.Reserve(Want{Namespace: "ns", Bytes: 200, AvailBytes: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.CommitPinned(Page{Namespace: "ns", Key: key(1), Bytes: 100, Access: 1}); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Commit(Page{Namespace: "ns", Key: key(2), Parent: key(1), HasParent: true, Bytes: 100, Access: 2}); err != nil {
+		t.Fatal(err)
+	}
+	// key(2) tracked, unpinned; committing it again pinned pins it.
+	if err := r.CommitPinned(Page{Namespace: "ns", Key: key(2), Parent: key(1), HasParent: true, Bytes: 100, Access: 3}); err != nil {
+		t.Fatal(err)
+	}
+	r.Release()
+	if _, err := c.Reserve(Want{Namespace: "ns", Bytes: 100, AvailBytes: -1}); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("Reserve with both pages pinned at commit: %v, want ErrNoSpace", err)
+	}
+	if err := c.Unpin("ns", key(2)); err != nil {
+		t.Fatal(err)
+	}
+	r2, err := c.Reserve(Want{Namespace: "ns", Bytes: 100, AvailBytes: -1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := victimKeys(r2.Victims); !slices.Equal(got, []Key{key(2)}) {
+		t.Fatalf("victims %v, want the unpinned leaf only", got)
+	}
+	if err := c.Unpin("ns", key(1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Unpin("ns", key(1)); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("a second Unpin of a page pinned once: %v, want ErrNotFound", err)
+	}
+	r2.Release()
+}

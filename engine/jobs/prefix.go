@@ -531,6 +531,18 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 // namespace's lock shared (when the lock file exists). Destinations are
 // not touched after LoadPrefix returns.
 func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*PrefixResult, Metrics, error) {
+	return LoadPrefixVerified(ctx, cfg, req, nil)
+}
+
+// LoadPrefixVerified is LoadPrefix for a caller that has just verified
+// some pages' bytes itself: with req.Verify, a page whose key verified
+// reports true is read without hashing its tensors again (its header, key,
+// parent, identity, page size, token ids, dtypes and shapes are still
+// checked as for any page). The engine's remote tier passes the pages its
+// read-through fetched in the same job: each was verified (every tensor's
+// xxh3-64, the key chain) from the temp file it then renamed into place.
+// verified nil is LoadPrefix.
+func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
 	ns, err := cfg.namespace(req.Namespace)
@@ -625,7 +637,7 @@ func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*Pref
 			fp.src.makeLazy(int64(nt))
 		}
 	}
-	exts, err := loadExtents(found, dests, req.Verify)
+	exts, err := loadExtents(found, dests, req.Verify, verified)
 	if err != nil {
 		return nil, m, err
 	}
@@ -671,8 +683,9 @@ func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*Pref
 
 // loadExtents is one extent per tensor of every page found, in page then
 // tensor order, each into its destination's view of the page's token range
-// (axis -2), all of group 0.
-func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]Extent, error) {
+// (axis -2), all of group 0; with verify, hashed unless verified says the
+// page's key was verified already (nil: none was).
+func loadExtents(found []foundPage, dests []TensorSpec, verify bool, verified func(layout.PageKey) bool) ([]Extent, error) {
 	nt := len(dests)
 	exts := make([]Extent, 0, len(found)*nt)
 	views := make([]gather.View, len(found)*nt)
@@ -683,6 +696,7 @@ func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]Extent, 
 	shapes := make([]int, len(found)*rank) // every view's shape, back to back
 	for pi := range found {
 		fp := &found[pi]
+		pv := verify && (verified == nil || !verified(fp.snap.Page.Key))
 		for ti, t := range fp.snap.Header.Caches[0].Tensors {
 			d := dests[ti].View
 			k := pi*nt + ti
@@ -693,7 +707,7 @@ func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]Extent, 
 				return nil, fmt.Errorf("%w: load prefix: destination %d: %v", ErrDestination, ti, err)
 			}
 			views[k] = v
-			exts = append(exts, pageExtent(fp, &t, &views[k], 0, verify))
+			exts = append(exts, pageExtent(fp, &t, &views[k], 0, pv))
 		}
 	}
 	return exts, nil

@@ -314,14 +314,7 @@ func TestPrefixCorruptAndMissingPages(t *testing.T) {
 	c := newConv(seqTokens(800, 6), pTensors, pHeads, pDim, 1024)
 	res := savePrefix(t, noSync(), ns, c, 800, 256)
 	p1 := testutil.PagePath(ns, res.Keys[1])
-	raw, err := os.ReadFile(p1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	raw[len(raw)-1] ^= 0xff // last byte of the last tensor's data
-	if err := os.WriteFile(p1, raw, 0o640); err != nil {
-		t.Fatal(err)
-	}
+	raw := flipLastByte(t, p1)
 	bufs, dest := c.dests(1024)
 	lr := loadPrefix(t, withHelpers(1), ns, c.tokens, dest, 256, true)
 	if lr.Tokens != 256 || !errors.Is(lr.Stop, jobs.ErrCorrupt) || len(lr.Keys) != 1 {
@@ -642,4 +635,56 @@ func TestPrefixProgress(t *testing.T) {
 			t.Fatalf("load: %d tokens, progress %d bytes in %d calls, want %d in %d", res.Tokens, sum, calls, want, 3*pTensors)
 		}
 	}
+}
+
+// TestPrefixLoadVerifiedSkipsOnlyNamedPages: LoadPrefixVerified hashes
+// every page except those its verified callback names. Pages 1 and 2 of
+// four carry a flipped tensor byte: naming page 1 verified lets the load
+// read through it (the flipped byte is loaded: it was not hashed) and stop
+// at page 2, which was hashed; naming neither stops at page 1 as
+// LoadPrefix does.
+func TestPrefixLoadVerifiedSkipsOnlyNamedPages(t *testing.T) {
+	ns := filepath.Join(t.TempDir(), "ns")
+	c := newConv(seqTokens(1024, 9), pTensors, pHeads, pDim, 1024)
+	res := savePrefix(t, noSync(), ns, c, 1024, 256)
+	for _, k := range res.Keys[1:3] {
+		flipLastByte(t, testutil.PagePath(ns, k))
+	}
+	load := func(verified func(layout.PageKey) bool) (*jobs.PrefixResult, [][]byte) {
+		bufs, dest := c.dests(1024)
+		lr, _, err := jobs.LoadPrefixVerified(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+		}, verified)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return lr, bufs
+	}
+	lr, _ := load(func(k layout.PageKey) bool { return k == res.Keys[1] })
+	if lr.Tokens != 512 || !errors.Is(lr.Stop, jobs.ErrCorrupt) || len(lr.Keys) != 2 {
+		t.Fatalf("page 1 named verified: loaded %d tokens, stop %v; want 512, ErrCorrupt at page 2", lr.Tokens, lr.Stop)
+	}
+	lr, _ = load(nil)
+	if lr.Tokens != 256 || !errors.Is(lr.Stop, jobs.ErrCorrupt) {
+		t.Fatalf("none named verified: loaded %d tokens, stop %v; want 256, ErrCorrupt at page 1", lr.Tokens, lr.Stop)
+	}
+	lr, _ = load(func(k layout.PageKey) bool { return k == res.Keys[0] })
+	if lr.Tokens != 256 || !errors.Is(lr.Stop, jobs.ErrCorrupt) {
+		t.Fatalf("page 0 named verified: loaded %d tokens, stop %v; want 256", lr.Tokens, lr.Stop)
+	}
+}
+
+// flipLastByte inverts the last byte of the page file path (the last
+// tensor's data) and returns the file's new bytes.
+func flipLastByte(t *testing.T, path string) []byte {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw[len(raw)-1] ^= 0xff
+	if err := os.WriteFile(path, raw, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	return raw
 }

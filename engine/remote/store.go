@@ -262,12 +262,26 @@ func (s *Store) Delete(ctx context.Context, name string) error {
 // requests, each returning every page of its directory). The first error
 // other than not-found ends the batch and is returned.
 func (s *Store) Exists(ctx context.Context, names []string) ([]bool, error) {
+	objs, err := s.StatAll(ctx, names)
 	out := make([]bool, len(names))
+	for i, o := range objs {
+		out[i] = o.Name != ""
+	}
+	return out, err
+}
+
+// StatAll is Exists returning what each HEAD said: objs[i] is names[i]'s
+// size, ETag and mtime, or the zero Object (Name "") when it does not
+// exist. Same requests, bounds and errors as Exists. A caller that fetches
+// the objects next passes them to FetchObject (no second HEAD), and knows
+// each object's size before it reserves room for it.
+func (s *Store) StatAll(ctx context.Context, names []string) ([]Object, error) {
+	out := make([]Object, len(names))
 	err := s.each(ctx, len(names), func(ctx context.Context, i int) error {
-		_, err := s.client.StatObject(ctx, s.cfg.Bucket, names[i], minio.StatObjectOptions{})
+		info, err := s.client.StatObject(ctx, s.cfg.Bucket, names[i], minio.StatObjectOptions{})
 		switch {
 		case err == nil:
-			out[i] = true
+			out[i] = Object{Name: names[i], Size: info.Size, ETag: strings.Trim(info.ETag, `"`), ModTime: info.LastModified}
 		case isNotFound(err):
 		default:
 			return opErr("stat", names[i], err)
@@ -353,24 +367,37 @@ func (s *Store) Fetch(ctx context.Context, name string, dst WriterReaderAt, veri
 	if err != nil {
 		return 0, err
 	}
+	if err := s.FetchObject(ctx, o, dst, verify); err != nil {
+		return 0, err
+	}
+	return o.Size, nil
+}
+
+// FetchObject is Fetch of an object already statted (o from Stat or
+// StatAll, o.Name set): no HEAD; the ranged GETs are pinned to o.ETag, so
+// exactly o.Size bytes are written to dst or the fetch fails (an object
+// replaced since the HEAD is ErrCorrupt, a deleted one ErrNotFound).
+// Errors as Fetch's.
+func (s *Store) FetchObject(ctx context.Context, o Object, dst WriterReaderAt, verify VerifyFunc) error {
+	name := o.Name
 	if o.Size > s.cfg.MaxObjectBytes {
-		return 0, &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: %d bytes > MaxObjectBytes %d", ErrTooLarge, o.Size, s.cfg.MaxObjectBytes)}
+		return &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: %d bytes > MaxObjectBytes %d", ErrTooLarge, o.Size, s.cfg.MaxObjectBytes)}
 	}
 	chunk := s.cfg.FetchChunkBytes
 	n := int((o.Size + chunk - 1) / chunk)
-	err = s.each(ctx, n, func(ctx context.Context, i int) error {
+	err := s.each(ctx, n, func(ctx context.Context, i int) error {
 		off := int64(i) * chunk
 		return s.getRange(ctx, name, o, off, min(chunk, o.Size-off), dst)
 	})
 	if err != nil {
-		return 0, err
+		return err
 	}
 	if verify != nil {
 		if err := verify(dst, o.Size); err != nil {
-			return 0, &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: %v", ErrCorrupt, err)}
+			return &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: %v", ErrCorrupt, err)}
 		}
 	}
-	return o.Size, nil
+	return nil
 }
 
 var copyBufs = sync.Pool{New: func() any { b := make([]byte, CopyBufferBytes); return &b }}

@@ -123,13 +123,24 @@ func storeConfig(prefix string) engine.RemoteConfig {
 // config.
 func newEngine(t *testing.T, root, prefix string, rec *metrics.Recorder, mod func(*engine.RemoteTier)) *engine.Engine {
 	t.Helper()
+	return newEngineCfg(t, root, prefix, rec, mod, nil)
+}
+
+// newEngineCfg is newEngine whose engine config modCfg may change (the
+// page cache's limits).
+func newEngineCfg(t *testing.T, root, prefix string, rec *metrics.Recorder, mod func(*engine.RemoteTier), modCfg func(*engine.Config)) *engine.Engine {
+	t.Helper()
 	rt := &engine.RemoteTier{Store: storeConfig(prefix), UploadBackoffMin: 20 * time.Millisecond, UploadBackoffMax: 300 * time.Millisecond}
 	if mod != nil {
 		mod(rt)
 	}
 	// The tier's warnings (pages not fetched, uploads failing while the
 	// server is down) are what these tests provoke: not logged.
-	e, err := engine.New(engine.Config{Root: root, NoSync: true, Metrics: rec, Remote: rt, Logger: slog.New(slog.DiscardHandler)})
+	cfg := engine.Config{Root: root, NoSync: true, Metrics: rec, Remote: rt, Logger: slog.New(slog.DiscardHandler)}
+	if modCfg != nil {
+		modCfg(&cfg)
+	}
+	e, err := engine.New(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,6 +192,19 @@ func load(t *testing.T, e *engine.Engine, tokens []uint32) (engine.Result, *kv) 
 		t.Fatalf("load: %v", res.Err)
 	}
 	return res, c
+}
+
+// writePages writes tokens' KV as the named snapshot name in the Pages
+// layout: a page manifest, which pins its pages in the engine's cache.
+func writePages(t *testing.T, e *engine.Engine, name string, tokens []uint32) {
+	t.Helper()
+	c := newKV(len(tokens))
+	c.fill(tokens)
+	res := e.Do(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: ns, Name: name}, Layout: engine.Pages,
+		Identity: ident, Tokens: tokens, PageTokens: ptoks, Caches: []engine.EntrySpec{{Tensors: c.specs(len(tokens))}}})
+	if res.Err != nil {
+		t.Fatalf("write %s: %v", name, res.Err)
+	}
 }
 
 func keysOf(t *testing.T, tokens []uint32) []layout.PageKey {

@@ -412,15 +412,7 @@ func TestPageManifestUploadedAfterItsPages(t *testing.T) {
 	rootA, rootB := t.TempDir(), t.TempDir()
 	conv := seq(11000, 3*ptoks+7)
 	keys := keysOf(t, conv)
-	write := func(e *engine.Engine, name string) {
-		c := newKV(len(conv))
-		c.fill(conv)
-		res := e.Do(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: ns, Name: name}, Layout: engine.Pages,
-			Identity: ident, Tokens: conv, PageTokens: ptoks, Caches: []engine.EntrySpec{{Tensors: c.specs(len(conv))}}})
-		if res.Err != nil {
-			t.Fatalf("write %s: %v", name, res.Err)
-		}
-	}
+	write := func(e *engine.Engine, name string) { writePages(t, e, name, conv) }
 	recA := newRecorder(t)
 	a := newEngine(t, rootA, prefix, recA, nil)
 	write(a, "conv-1")
