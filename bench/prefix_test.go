@@ -99,19 +99,30 @@ func benchPrefixSaveEmpty(b *testing.B, w *workload) {
 			}
 			written = res.Prefix.BytesWritten
 		},
-		limit: func(i int) {
-			if err := rawWriteN(filepath.Join(lim, fmt.Sprintf("raw%d", i)), w.contig, written); err != nil {
-				b.Fatal(err)
-			}
-		},
-		cleanup: func(i int) {
-			removeAll(b, filepath.Join(root, "ns"))
-			removeAll(b, filepath.Join(lim, fmt.Sprintf("raw%d", i)))
-			settle(b, root)
-		},
+		limit:   rawSaveLimit(b, w, lim, &written),
+		cleanup: cleanSave(b, root, lim),
 	})
 	b.SetBytes(written)
 	m.report(b, written)
+}
+
+// rawSaveLimit is a save row's limit: a raw write + fdatasync of as many
+// bytes as the save just wrote (*written), into lim.
+func rawSaveLimit(b *testing.B, w *workload, lim string, written *int64) func(int) {
+	return func(i int) {
+		if err := rawWriteN(filepath.Join(lim, fmt.Sprintf("raw%d", i)), w.contig, *written); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// cleanSave removes a save row's namespace and its limit's file.
+func cleanSave(b *testing.B, root, lim string) func(int) {
+	return func(i int) {
+		removeAll(b, filepath.Join(root, "ns"))
+		removeAll(b, filepath.Join(lim, fmt.Sprintf("raw%d", i)))
+		settle(b, root)
+	}
 }
 
 func benchPrefixSaveGrow(b *testing.B, w *workload) {
@@ -135,16 +146,8 @@ func benchPrefixSaveGrow(b *testing.B, w *workload) {
 			}
 			written = res.Prefix.BytesWritten
 		},
-		limit: func(i int) {
-			if err := rawWriteN(filepath.Join(lim, fmt.Sprintf("raw%d", i)), w.contig, written); err != nil {
-				b.Fatal(err)
-			}
-		},
-		cleanup: func(i int) {
-			removeAll(b, filepath.Join(root, "ns"))
-			removeAll(b, filepath.Join(lim, fmt.Sprintf("raw%d", i)))
-			settle(b, root)
-		},
+		limit:   rawSaveLimit(b, w, lim, &written),
+		cleanup: cleanSave(b, root, lim),
 	})
 	b.SetBytes(written)
 	m.report(b, written)

@@ -24,6 +24,12 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m, goleak.IgnoreCurrent()) }
 // histText renders the expected exposition of one kind's latency histogram
 // from the observed seconds, counting each bucket by plain comparison.
 func histText(kind string, obs ...float64) string {
+	return histogramText("kvpersist_job_duration_seconds", "kind", kind, obs...)
+}
+
+// histogramText renders the expected exposition of the histogram family
+// name for one value of its single label, from the observed seconds.
+func histogramText(name, label, value string, obs ...float64) string {
 	var b strings.Builder
 	var sum float64
 	for _, le := range DefaultLatencyBuckets {
@@ -33,14 +39,14 @@ func histText(kind string, obs ...float64) string {
 				n++
 			}
 		}
-		fmt.Fprintf(&b, "kvpersist_job_duration_seconds_bucket{kind=%q,le=%q} %d\n", kind, fmt.Sprint(le), n)
+		fmt.Fprintf(&b, "%s_bucket{%s=%q,le=%q} %d\n", name, label, value, fmt.Sprint(le), n)
 	}
 	for _, v := range obs {
 		sum += v
 	}
-	fmt.Fprintf(&b, "kvpersist_job_duration_seconds_bucket{kind=%q,le=\"+Inf\"} %d\n", kind, len(obs))
-	fmt.Fprintf(&b, "kvpersist_job_duration_seconds_sum{kind=%q} %v\n", kind, sum)
-	fmt.Fprintf(&b, "kvpersist_job_duration_seconds_count{kind=%q} %d\n", kind, len(obs))
+	fmt.Fprintf(&b, "%s_bucket{%s=%q,le=\"+Inf\"} %d\n", name, label, value, len(obs))
+	fmt.Fprintf(&b, "%s_sum{%s=%q} %v\n", name, label, value, sum)
+	fmt.Fprintf(&b, "%s_count{%s=%q} %d\n", name, label, value, len(obs))
 	return b.String()
 }
 

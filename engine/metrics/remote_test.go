@@ -20,26 +20,9 @@ var remoteFamilies = []string{"kvpersist_remote_ops_total", "kvpersist_remote_du
 // so sums in float64 are exact in any order.
 
 // remoteHistText renders one op's remote latency histogram from the
-// observed seconds, counting each bucket by plain comparison.
+// observed seconds.
 func remoteHistText(op string, obs ...float64) string {
-	var b strings.Builder
-	var sum float64
-	for _, le := range DefaultLatencyBuckets {
-		n := 0
-		for _, v := range obs {
-			if v <= le {
-				n++
-			}
-		}
-		fmt.Fprintf(&b, "kvpersist_remote_duration_seconds_bucket{op=%q,le=%q} %d\n", op, fmt.Sprint(le), n)
-	}
-	for _, v := range obs {
-		sum += v
-	}
-	fmt.Fprintf(&b, "kvpersist_remote_duration_seconds_bucket{op=%q,le=\"+Inf\"} %d\n", op, len(obs))
-	fmt.Fprintf(&b, "kvpersist_remote_duration_seconds_sum{op=%q} %v\n", op, sum)
-	fmt.Fprintf(&b, "kvpersist_remote_duration_seconds_count{op=%q} %d\n", op, len(obs))
-	return b.String()
+	return histogramText("kvpersist_remote_duration_seconds", "op", op, obs...)
 }
 
 // TestRemoteMetrics: a recorder exports no remote family until the tier
