@@ -376,9 +376,11 @@ type Result struct {
 	// Prefix is the report of a SavePrefixRequest or LoadPrefixRequest
 	// (also on error, when the job got that far); nil for other kinds.
 	Prefix *PrefixResult
-	// Remote is what the object-store tier did for a LoadPrefixRequest
-	// (pages found, fetched, the first failure); nil for other kinds and
-	// without Config.Remote.
+	// Remote is what the object-store tier did for a LoadPrefixRequest or
+	// a ReadRequest (pages found, fetched, the first failure; for a read,
+	// the pages of a page manifest and the manifest itself when it was
+	// only remote: a failure is also joined to Err); nil for other kinds
+	// and without Config.Remote.
 	Remote *RemoteReport
 	Err    error
 }

@@ -646,10 +646,7 @@ var errNotFetched = errors.New("engine: not fetched: an earlier page of the chai
 // namespace's shared lock (no collect of another process sweeps
 // meanwhile), and syncs pages/ under the store's sync policy.
 func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layout.PageKey, fetch []int) error {
-	if err := n.Create(); err != nil {
-		return err
-	}
-	unlock, err := n.Lock(ctx, false)
+	unlock, err := createLocked(ctx, n)
 	if err != nil {
 		return err
 	}
@@ -749,7 +746,9 @@ func (t *tier) publishFetched(sf *layout.Staged) error {
 // is the one named; every tensor's xxh3-64 matches; it ends exactly where
 // its last tensor ends, so a short or long object fails), and it is
 // exactly the page the prompt's chain expects at its position: parent,
-// identity, page size and token ids.
+// identity, page size and token ids (want.Tokens nil: a named read's page,
+// whose manifest names keys only; its key, checked against SHA-256(parent
+// ‖ tokens), fixes them).
 func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
 	var pg *layout.Page
 	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
@@ -760,7 +759,7 @@ func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
 		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)
 	case pg.Identity != want.Identity || pg.PageTokens != want.PageTokens:
 		return fmt.Errorf("%s has identity %q and %d tokens per page, the load %q and %d", name, pg.Identity, pg.PageTokens, want.Identity, want.PageTokens)
-	case !slices.Equal(pg.Tokens, want.Tokens):
+	case want.Tokens != nil && !slices.Equal(pg.Tokens, want.Tokens): // nil: a named read (the key fixes them)
 		return fmt.Errorf("%s holds other token ids than the prompt's", name)
 	}
 	return nil
