@@ -123,17 +123,29 @@ type tier struct {
 	fetchPages int
 	refreshAge time.Duration
 
+	backoffMax time.Duration // RemoteTier.UploadBackoffMax: the base of manifestRetryWait
+
 	mu      sync.Mutex
 	known   map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
 	pending map[string]*pendingUpload              // object name -> upload queued or in flight
+	// Uploads across failures and restarts (remote_journal.go), per
+	// namespace: given up (for the journal written at close), listed by
+	// the journal read at start, and those of them done.
+	unsent, loaded, settled map[string]*journalSet
+	closing                 bool                          // close began: no manifest is scheduled again
+	retries                 map[*time.Timer]manifestRetry // manifests waiting to be queued again
+	retryWG                 sync.WaitGroup                // their callbacks
 }
 
 type pendingUpload struct {
 	ns       string
 	key      layout.PageKey // a page's; zero for a manifest
 	manifest bool
-	start    time.Time     // first attempt (zero before it)
-	done     chan struct{} // closed when the upload ended; err is then set
+	name     string           // a manifest's snapshot name
+	keys     []layout.PageKey // a manifest's pages
+	attempt  int              // a manifest's re-queues so far (manifestRetries)
+	start    time.Time        // first attempt (zero before it)
+	done     chan struct{}    // closed when the upload ended; err is then set
 	err      error
 }
 
@@ -148,7 +160,12 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
-		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{}}
+		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{},
+		unsent: map[string]*journalSet{}, loaded: map[string]*journalSet{}, settled: map[string]*journalSet{},
+		retries: map[*time.Timer]manifestRetry{}, backoffMax: rc.UploadBackoffMax}
+	if t.backoffMax == 0 {
+		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
+	}
 	if t.window == 0 {
 		t.window = 16 // remote.Config's default Concurrency
 	}
@@ -173,14 +190,16 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
 	t.queueDepth() // the remote metrics are exported from now on
+	t.resume()     // the uploads an earlier engine gave up (remote_journal.go)
 	return t, nil
 }
 
-// close finishes or abandons the uploads within ctx, then closes the
-// store's idle connections. Called by Engine.Close after every job acked,
-// so no save enqueues meanwhile.
+// close finishes or abandons the uploads within ctx, writes the uploads
+// journals (closeUploads), then closes the store's idle connections.
+// Called by Engine.Close after every job acked, so no save enqueues
+// meanwhile.
 func (t *tier) close(ctx context.Context) error {
-	err := t.up.Close(ctx)
+	err := t.closeUploads(ctx)
 	t.st.Close()
 	t.queueDepth()
 	return err
@@ -279,11 +298,11 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 		t.mu.Unlock()
 		f, err := fsys.Open(path)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("%w: %s: %w", errSourceChanged, path, err)
 		}
 		if st, err := f.Stat(); err != nil || st.Size() != size || !st.ModTime().Equal(mtime) {
 			f.Close()
-			return nil, fmt.Errorf("engine: %s changed since it was queued for upload", path)
+			return nil, fmt.Errorf("%w: %s", errSourceChanged, path)
 		}
 		return f, nil
 	}})
@@ -311,6 +330,13 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 // may delete before the manifest protects it.
 func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 	defer t.queueDepth()
+	t.queueManifest(ref, keys, 0)
+}
+
+// queueManifest is manifestWritten's queueing; attempt counts the times
+// the manifest was queued again after a failure (manifestDone). A
+// manifest the queue refuses (full) is scheduled again as a failure is.
+func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
 	pages := t.enqueuePages(ref.Namespace, keys)
 	path, err := t.e.Path(ref)
 	if err != nil {
@@ -320,7 +346,8 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 	if err != nil {
 		return
 	}
-	t.enqueueFile(name, path, &pendingUpload{ns: ref.Namespace, manifest: true}, func(ctx context.Context) error {
+	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, keys: keys, attempt: attempt}
+	q := t.enqueueFile(name, path, p, func(ctx context.Context) error {
 		for _, p := range pages {
 			select {
 			case <-p.done:
@@ -333,6 +360,9 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 		}
 		return t.manifestReady(ctx, ref.Namespace, keys)
 	})
+	if q == nil && p.err != nil { // refused by the queue (full, or closed)
+		_ = t.manifestDone(p, p.err)
+	}
 }
 
 // manifestReady checks that every page keys names is stored (one HEAD
@@ -387,6 +417,18 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	}
 	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)
+	}
+	if p != nil { // remote_journal.go: retries, the journal
+		again := false
+		switch {
+		case p.manifest:
+			again = t.manifestDone(p, r.Err)
+		case errors.Is(r.Err, remote.ErrAbandoned):
+			t.remember(p)
+		}
+		if !again { // done, given up (remembered), or never possible
+			t.settle(p.ns, p.key, p.name)
+		}
 	}
 	if m := t.metrics(); m != nil {
 		m.Remote(labels.RemoteUpload, res, r.Bytes, d)

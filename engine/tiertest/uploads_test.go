@@ -1,0 +1,214 @@
+package tiertest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/faultproxy"
+)
+
+// waitFor polls cond every 10 ms until it holds, failing the test after a
+// minute (a bound for a stuck test, not a measured time).
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(time.Minute)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("still waiting for %s after a minute", what)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// checkObjects fails unless the bucket under st holds exactly the pages
+// keys of root and the manifests names of root, each object byte-identical
+// to the local file.
+func checkObjects(t *testing.T, prefix, root string, keys []layout.PageKey, names ...string) {
+	t.Helper()
+	st := openStore(t, prefix)
+	got := objects(t, st)
+	want := map[string][]byte{}
+	for _, k := range keys {
+		name, _ := st.PageName(ns, k.String())
+		want[name] = readFile(t, pagePath(root, k))
+	}
+	for _, n := range names {
+		name, _ := st.ManifestName(ns, n)
+		want[name] = readFile(t, filepath.Join(root, ns, n))
+	}
+	if len(got) != len(want) {
+		t.Fatalf("bucket holds %d objects, want %d (%d pages, manifests %v)", len(got), len(want), len(keys), names)
+	}
+	for name, w := range want {
+		if !bytes.Equal(got[name], w) {
+			t.Fatalf("object %s: %d bytes, differs from the local file (%d bytes)", name, len(got[name]), len(w))
+		}
+	}
+}
+
+// TestFailedManifestUploadRetried: the pages of a conversation are
+// stored; then every HEAD and PUT fails (503) while a page manifest naming
+// them is written, so its upload fails (manifestReady's HEADs). Once the
+// store answers again, the engine queues the manifest again by itself
+// (before: it was never retried), its first PUTs still fail for a while,
+// and Close finds it in the bucket, byte-identical to the local file. At
+// every PUT of the manifest that reached the store, every page it names
+// was already stored.
+func TestFailedManifestUploadRetried(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	conv := seq(31000, 3*ptoks+5)
+	keys := keysOf(t, conv)
+	p := faultproxy.Start(t, srv.Endpoint)
+	rec := newRecorder(t)
+	e := newEngine(t, root, prefix, rec, func(rt *engine.RemoteTier) {
+		rt.Store.Endpoint = p.Endpoint
+		rt.Store.MaxRetries = 1
+	})
+	save(t, e, conv)
+	waitFor(t, "the pages' uploads", func() bool { return snapshotOps(rec)["upload/ok"] == uint64(len(keys)) })
+
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Head | faultproxy.Put, Fault: faultproxy.Status})
+	writePages(t, e, "conv-m", conv)
+	waitFor(t, "the manifest's failed upload", func() bool { return snapshotOps(rec)["upload/error"] >= 1 })
+
+	st := openStore(t, prefix) // straight to the server, not through the proxy
+	mname, _ := st.ManifestName(ns, "conv-m")
+	isManifestPut := func(r *http.Request) bool {
+		return r.Method == http.MethodPut && strings.HasSuffix(r.URL.Path, "/"+mname)
+	}
+	var mu sync.Mutex
+	var putsSeen int
+	var missing []string // pages absent at a manifest PUT
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Put, Fault: faultproxy.Status, Count: 3, Match: func(r *http.Request) bool {
+		if !isManifestPut(r) {
+			return false
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		putsSeen++
+		for _, k := range keys {
+			name, _ := st.PageName(ns, k.String())
+			if _, err := st.Stat(context.Background(), name); err != nil {
+				missing = append(missing, name)
+			}
+		}
+		return true
+	}})
+	closeEngine(t, e)
+	checkObjects(t, prefix, root, keys, "conv-m")
+	mu.Lock()
+	defer mu.Unlock()
+	if putsSeen < 4 || p.Injected(faultproxy.Put) < 3 || len(missing) > 0 {
+		t.Fatalf("manifest PUTs %d (want >= 4: 3 failed, then created), faults %d, pages absent at a manifest PUT: %v",
+			putsSeen, p.Injected(faultproxy.Put), missing)
+	}
+}
+
+// TestAbandonedUploadsResumeAfterRestart: an engine saves a conversation
+// and writes a page manifest while the store is unreachable (every request
+// refused), then closes with a cancelled context: its uploads are
+// abandoned (ErrUploadsAbandoned) and listed in the namespace's uploads
+// journal. A new engine on the same root, with the store reachable, queues
+// them again in New (no save names them): Close finds every page and the
+// manifest in the bucket, byte-identical to the local files.
+func TestAbandonedUploadsResumeAfterRestart(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	conv := seq(33000, 4*ptoks+3)
+	named := seq(35000, 2*ptoks+1)
+	keys := append(keysOf(t, conv), keysOf(t, named)...)
+	p := faultproxy.Start(t, srv.Endpoint)
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Any, Fault: faultproxy.Refuse})
+	rec := newRecorder(t)
+	e := newEngine(t, root, prefix, rec, func(rt *engine.RemoteTier) {
+		rt.Store.Endpoint = p.Endpoint
+		rt.Store.MaxRetries = 1
+	})
+	save(t, e, conv)
+	writePages(t, e, "named-1", named)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := e.Close(ctx); !errors.Is(err, engine.ErrUploadsAbandoned) {
+		t.Fatalf("Close: %v, want ErrUploadsAbandoned", err)
+	}
+	if _, err := os.Lstat(filepath.Join(root, ns, layout.UploadsName)); err != nil {
+		t.Fatalf("no uploads journal: %v", err)
+	}
+	if got := objects(t, openStore(t, prefix)); len(got) != 0 {
+		t.Fatalf("the unreachable store holds %d objects", len(got))
+	}
+
+	e2 := newEngine(t, root, prefix, newRecorder(t), nil)
+	closeEngine(t, e2)
+	checkObjects(t, prefix, root, keys, "named-1")
+
+	// The journal was rewritten empty: a third engine queues nothing.
+	rec3 := newRecorder(t)
+	e3 := newEngine(t, root, prefix, rec3, nil)
+	closeEngine(t, e3)
+	if ops := snapshotOps(rec3); ops["upload/ok"]+ops["upload/existed"] != 0 {
+		t.Fatalf("a third engine uploaded again: %v", ops)
+	}
+}
+
+// TestHostileUploadsJournalIgnored: a journal that does not decode (bytes
+// of another file, a flipped byte) does not stop New: it is ignored with a
+// log line naming it, nothing is queued from it, and the engine works.
+func TestHostileUploadsJournalIgnored(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	conv := seq(37000, 2*ptoks)
+	e := newEngine(t, root, prefix, newRecorder(t), nil)
+	save(t, e, conv)
+	closeEngine(t, e)
+	path := filepath.Join(root, ns, layout.UploadsName)
+	for _, b := range [][]byte{[]byte("KVPUPL1\n\xff\xff\xff\xff\x00\x00\x00\x00garbage!"), readFile(t, pagePath(root, keysOf(t, conv)[0]))} {
+		if err := os.WriteFile(path, b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		var logs bytes.Buffer
+		var lmu sync.Mutex
+		rec := newRecorder(t)
+		e := newEngineCfg(t, root, prefix, rec, nil, func(c *engine.Config) {
+			c.Logger = slog.New(slog.NewTextHandler(lockedWriter{&lmu, &logs}, nil))
+		})
+		res, c := load(t, e, conv)
+		if res.Prefix.Tokens != len(conv) {
+			t.Fatalf("load after a hostile journal: %d tokens, want %d", res.Prefix.Tokens, len(conv))
+		}
+		c.checkLoaded(t, conv, len(conv))
+		closeEngine(t, e)
+		lmu.Lock()
+		l := logs.String()
+		lmu.Unlock()
+		if !strings.Contains(l, "uploads journal ignored") || !strings.Contains(l, path) {
+			t.Fatalf("no log line naming the ignored journal: %q", l)
+		}
+		if ops := snapshotOps(rec); ops["upload/ok"]+ops["upload/existed"] != 0 {
+			t.Fatalf("uploads queued from a hostile journal: %v", ops)
+		}
+	}
+}
+
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  *bytes.Buffer
+}
+
+func (l lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
