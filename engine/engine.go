@@ -268,6 +268,8 @@ func New(cfg Config) (*Engine, error) {
 			_ = e.pc.close()
 			return nil, err
 		}
+		forget := e.tier.forget
+		e.pc.onRemoved.Store(&forget)
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))

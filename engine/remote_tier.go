@@ -40,11 +40,14 @@ func RemoteConfigFromEnv(endpoint, bucket, prefix string) RemoteConfig {
 var (
 	// ErrRemoteCorrupt: a fetched object was not the page its name and the
 	// prompt's key chain say (short, long, replaced during the fetch, a bad
-	// header, key, parent, identity, tokens or tensor hash). A miss: it is
-	// never published locally nor loaded (RemoteReport.Err).
+	// header, key, parent, identity, tokens or tensor hash), or not a valid
+	// page manifest. A miss: it is never published locally nor loaded
+	// (RemoteReport.Err; a named read fails with it joined to its error).
 	ErrRemoteCorrupt = remote.ErrCorrupt
 	// ErrUploadsAbandoned: Close's context ended with uploads pending; they
-	// were given up (the local pages are intact).
+	// were given up (the local pages are intact) and written to their
+	// namespace's uploads journal (<root>/<ns>/.uploads), which the next
+	// New on the root queues again.
 	ErrUploadsAbandoned = remote.ErrAbandoned
 )
 
@@ -75,6 +78,13 @@ type RemoteTier struct {
 	// attempts of one upload (full jitter, doubling); defaults 100 ms and
 	// 5 s (remote.UploaderConfig).
 	UploadBackoffMin, UploadBackoffMax time.Duration
+	// KnownPages caps the pages the engine remembers as stored remotely
+	// (all namespaces; about 100 bytes each), so that it neither HEADs
+	// nor uploads them again. An entry is dropped when its local page is
+	// evicted or found gone, and an arbitrary one when the set is full;
+	// a dropped entry costs one HEAD when its page is next saved. Default
+	// 262,144 (about 26 MB); at least 1.
+	KnownPages int
 	// RefreshAge: before a page manifest is uploaded, every page it names
 	// whose mtime (the store's clock) is older than this is refreshed
 	// (Store.Refresh), so that remote GC keeps it. It must be at most half
@@ -125,9 +135,11 @@ type tier struct {
 
 	backoffMax time.Duration // RemoteTier.UploadBackoffMax: the base of manifestRetryWait
 
-	mu      sync.Mutex
-	known   map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
-	pending map[string]*pendingUpload              // object name -> upload queued or in flight
+	mu       sync.Mutex
+	known    map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
+	nknown   int                                    // entries of known, at most knownCap
+	knownCap int                                    // RemoteTier.KnownPages
+	pending  map[string]*pendingUpload              // object name -> upload queued or in flight
 	// Uploads across failures and restarts (remote_journal.go), per
 	// namespace: given up (for the journal written at close), listed by
 	// the journal read at start, and those of them done.
@@ -173,12 +185,16 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		t.fetchPages = 16
 	}
 	t.refreshAge = rc.RefreshAge
+	t.knownCap = rc.KnownPages
+	if t.knownCap == 0 {
+		t.knownCap = defaultKnownPages
+	}
 	if t.refreshAge == 0 {
 		t.refreshAge = 30 * time.Minute
 	}
-	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 {
+	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 || t.knownCap < 1 {
 		st.Close()
-		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0)", ErrConfig, rc.FetchPages, rc.RefreshAge)
+		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0), KnownPages %d (want >= 1)", ErrConfig, rc.FetchPages, rc.RefreshAge, rc.KnownPages)
 	}
 	t.up, err = remote.NewUploader(st, remote.UploaderConfig{
 		Workers: rc.UploadWorkers, QueueLen: rc.UploadQueue,
@@ -221,6 +237,12 @@ func (t *tier) isKnown(ns string, k layout.PageKey) bool {
 	return ok
 }
 
+// defaultKnownPages is RemoteTier.KnownPages's default.
+const defaultKnownPages = 1 << 18
+
+// markKnown records page k of ns as stored remotely; when the set holds
+// knownCap entries, an arbitrary one is dropped first (it costs a HEAD
+// when that page is next saved).
 func (t *tier) markKnown(ns string, k layout.PageKey) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -229,7 +251,59 @@ func (t *tier) markKnown(ns string, k layout.PageKey) {
 		m = map[layout.PageKey]struct{}{}
 		t.known[ns] = m
 	}
+	if _, ok := m[k]; ok {
+		return
+	}
+	if t.nknown >= t.knownCap {
+		t.dropOneKnownLocked()
+	}
 	m[k] = struct{}{}
+	t.nknown++
+}
+
+// dropOneKnownLocked drops an arbitrary entry of the known set. t.mu held.
+func (t *tier) dropOneKnownLocked() {
+	for ns, m := range t.known {
+		for k := range m {
+			delete(m, k)
+			t.nknown--
+			if len(m) == 0 {
+				delete(t.known, ns)
+			}
+			return
+		}
+	}
+}
+
+// forget drops page k of ns from the known set: its local file was
+// evicted or found gone (pageCache.unindex, forgetIfGone). The set then
+// holds only pages the local tier has (the ones a save can queue without
+// writing); a later save writes the page again, and its upload HEADs the
+// object first (StatFirst) and sends nothing when it is stored.
+func (t *tier) forget(ns string, k layout.PageKey) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m := t.known[ns]
+	if _, ok := m[k]; !ok {
+		return
+	}
+	delete(m, k)
+	t.nknown--
+	if len(m) == 0 {
+		delete(t.known, ns)
+	}
+}
+
+// RemoteKnownPages returns how many pages the engine remembers as stored
+// in the object store (at most RemoteTier.KnownPages); 0 without a remote
+// tier.
+func (e *Engine) RemoteKnownPages() int {
+	if e.tier == nil {
+		return 0
+	}
+	e.tier.mu.Lock()
+	defer e.tier.mu.Unlock()
+	return e.tier.nknown
 }
 
 // saved enqueues the pages of a durable save (keys, in chain order) for

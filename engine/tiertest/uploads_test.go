@@ -212,3 +212,76 @@ func (l lockedWriter) Write(b []byte) (int, error) {
 	defer l.mu.Unlock()
 	return l.w.Write(b)
 }
+
+// TestKnownSetTrimmed: the pages an engine remembers as stored remotely
+// shrink when their local files are evicted (a cache of 8 pages: saving Y
+// evicts X's 6 pages, and X's entries go with them), and never exceed
+// RemoteTier.KnownPages. A trimmed entry costs only a HEAD: a later save
+// of a page the set dropped is found stored (upload "existed", no bytes
+// sent), and X, evicted locally, still loads bit-exact from the store.
+func TestKnownSetTrimmed(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root, rootP := t.TempDir(), t.TempDir()
+	x, y := seq(41000, 6*ptoks), seq(43000, 6*ptoks)
+	kx, ky := keysOf(t, x), keysOf(t, y)
+	probe := newEngine(t, rootP, bucketPrefix(t), newRecorder(t), nil)
+	save(t, probe, x)
+	page := fullPageAlloc(t, rootP, kx)
+	closeEngine(t, probe)
+
+	rec := newRecorder(t)
+	e := newEngineCfg(t, root, prefix, rec, nil, func(c *engine.Config) { c.CapacityBytes = 8 * page })
+	save(t, e, x)
+	waitFor(t, "X's uploads", func() bool { return snapshotOps(rec)["upload/ok"] == uint64(len(kx)) })
+	if n := e.RemoteKnownPages(); n != len(kx) {
+		t.Fatalf("%d pages known stored after X's uploads, want %d", n, len(kx))
+	}
+	save(t, e, y) // 6 more pages in a cache of 8: X's 4 last pages are evicted
+	waitFor(t, "Y's uploads", func() bool { return snapshotOps(rec)["upload/ok"] == uint64(len(kx)+len(ky)) })
+	stored := 0
+	for _, k := range append(append([]layout.PageKey{}, kx...), ky...) {
+		if _, err := os.Lstat(pagePath(root, k)); err == nil {
+			stored++
+		}
+	}
+	if n := e.RemoteKnownPages(); stored != 8 || n != stored {
+		t.Fatalf("%d pages known stored with %d pages local, want 8 and 8 (the evicted pages' entries dropped)", n, stored)
+	}
+	res, c := load(t, e, x)
+	if res.Prefix.Tokens != len(x) || res.Remote.PagesFetched == 0 {
+		t.Fatalf("X loaded %d tokens with %d pages fetched, want %d and > 0", res.Prefix.Tokens, res.Remote.PagesFetched, len(x))
+	}
+	c.checkLoaded(t, x, len(x))
+	closeEngine(t, e)
+
+	// The cap: 3 entries at most. Saving Y again (every page local) queues
+	// the 3 or more pages the set dropped: each is a HEAD that finds it
+	// stored, nothing is sent, and the bucket is unchanged.
+	before := objects(t, openStore(t, prefix))
+	rec2 := newRecorder(t)
+	e2 := newEngine(t, rootP, prefix, rec2, func(rt *engine.RemoteTier) { rt.KnownPages = 3 })
+	save(t, e2, y)
+	waitFor(t, "Y's uploads on the capped engine", func() bool {
+		o := snapshotOps(rec2)
+		return o["upload/ok"]+o["upload/existed"] == uint64(len(ky))
+	})
+	if n := e2.RemoteKnownPages(); n != 3 {
+		t.Fatalf("%d pages known stored, want the cap of 3", n)
+	}
+	save(t, e2, y)
+	closeEngine(t, e2)
+	ops := snapshotOps(rec2)
+	if ops["upload/ok"] != 0 || ops["upload/existed"] != uint64(2*len(ky)-3) || rec2.Snapshot().Remote.UploadBytes != 0 {
+		t.Fatalf("capped engine's uploads %v, %d bytes; want %d existed (6, then the 3 the set dropped), none sent",
+			ops, rec2.Snapshot().Remote.UploadBytes, 2*len(ky)-3)
+	}
+	after := objects(t, openStore(t, prefix))
+	if len(after) != len(before) {
+		t.Fatalf("bucket holds %d objects, had %d", len(after), len(before))
+	}
+	for name, b := range before {
+		if !bytes.Equal(after[name], b) {
+			t.Fatalf("object %s changed", name)
+		}
+	}
+}
