@@ -276,10 +276,9 @@ func (t *tier) dropOneKnownLocked() {
 }
 
 // forget drops page k of ns from the known set: its local file was
-// evicted or found gone (pageCache.unindex, forgetIfGone). The set then
-// holds only pages the local tier has (the ones a save can queue without
-// writing); a later save writes the page again, and its upload HEADs the
-// object first (StatFirst) and sends nothing when it is stored.
+// evicted or found gone (pageCache.unindex, forgetIfGone). A later save
+// writes the page again and queues it; its upload HEADs the object first
+// (StatFirst) and sends nothing when it is stored.
 func (t *tier) forget(ns string, k layout.PageKey) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
