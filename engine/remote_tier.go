@@ -95,6 +95,10 @@ type RemoteTier struct {
 
 // RemoteReport says what the object-store tier did for one load (Result.
 // Remote; nil when the engine has no remote tier).
+//
+// For a ReadRequest (a named read of a page manifest) the pages asked are
+// those the manifest names that the local index lacks; the manifest
+// itself, fetched when it was only remote, is not counted.
 type RemoteReport struct {
 	// PagesAsked: pages after the local prefix whose existence was asked of
 	// the store (HEADs); PagesFound: those it holds, in chain order up to

@@ -69,6 +69,7 @@ func TestNamedReadThroughOnB(t *testing.T) {
 			t.Fatalf("B's page %s differs from A's", k)
 		}
 	}
+	checkUsageIsDisk(t, b, rootB, 1<<40) // the fetched pages are accounted by the page cache
 	res, dest = readNamed(b, "conv-1", len(conv))
 	if res.Err != nil || res.Remote.PagesAsked != 0 || res.Remote.PagesFetched != 0 {
 		t.Fatalf("second read on B: %v, remote %+v; want local", res.Err, res.Remote)
@@ -143,5 +144,27 @@ func TestNamedReadCorruptRemoteObject(t *testing.T) {
 				t.Fatalf("temp files left: %v", tmp)
 			}
 		})
+	}
+}
+
+// TestNamedReadWithoutRoom: B's cache (4 pages) is full of pages a page
+// manifest of its own pins. A named read of a 2-page snapshot stored only
+// remotely finds no room: the read fails with ErrNoSpace (joined to the
+// not-found of the manifest, which is not published), nothing is fetched
+// or written, and B's pages and accounting are unchanged.
+func TestNamedReadWithoutRoom(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootA, rootB := t.TempDir(), t.TempDir()
+	x, y := seq(25000, 2*ptoks), seq(27000, 4*ptoks)
+	kx, ky := keysOf(t, x), keysOf(t, y)
+	b, rec, capacity, before := fullOfPinned(t, prefix, rootA, rootB, kx, y, func(a *engine.Engine) { writePages(t, a, "x", x) })
+	res, _ := readNamed(b, "x", len(x))
+	if !errors.Is(res.Err, engine.ErrNoSpace) || !errors.Is(res.Err, engine.ErrNotFound) || res.Remote.PagesFetched != 0 {
+		t.Fatalf("read: %v (remote %+v); want ErrNoSpace and not found, nothing fetched", res.Err, res.Remote)
+	}
+	checkNothingFetched(t, b, rootB, rec, capacity, before, kx)
+	checkStored(t, rootB, "Y", ky, bools(len(ky), func(int) bool { return true }))
+	if _, err := os.Lstat(filepath.Join(rootB, ns, "x")); !os.IsNotExist(err) {
+		t.Fatalf("manifest published without its pages (lstat: %v)", err)
 	}
 }
