@@ -395,19 +395,26 @@ func (e *Engine) execute(j *job, res *Result) {
 		}
 		err = e.executeWrite(j.ctx, &cfg, &w, res)
 	case *ReadRequest:
-		var held []evict.Key
-		if e.tier != nil { // read-through of a page manifest (remote_named.go)
-			res.Remote, held = e.tier.readNamed(j.ctx, r.Ref)
-		}
 		var snap *layout.Snapshot
 		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
-		if len(held) > 0 {
-			_ = e.pc.pol.UnpinAll(r.Namespace, held)
+		if err != nil && e.tier != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrMissingPage)) {
+			// Read-through of a page manifest (remote_named.go): only
+			// when the local tier lacks the name or a page it names.
+			var held []evict.Key
+			var fetched bool
+			res.Remote, held, fetched = e.tier.readNamed(j.ctx, r.Ref)
+			if fetched && res.Remote.Err == nil {
+				snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
+			}
+			if len(held) > 0 {
+				_ = e.pc.pol.UnpinAll(r.Namespace, held)
+			}
+			if err != nil && res.Remote.Err != nil {
+				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", res.Remote.Err))
+			}
 		}
 		if err == nil {
 			res.Header = snap.Header
-		} else if res.Remote != nil && res.Remote.Err != nil {
-			err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", res.Remote.Err))
 		}
 	case *DeleteRequest:
 		res.Metrics, err = jobs.Delete(j.ctx, &cfg, r)

@@ -380,9 +380,10 @@ type Result struct {
 	Prefix *PrefixResult
 	// Remote is what the object-store tier did for a LoadPrefixRequest or
 	// a ReadRequest (pages found, fetched, the first failure; for a read,
-	// the pages of a page manifest and the manifest itself when it was
-	// only remote: a failure is also joined to Err); nil for other kinds
-	// and without Config.Remote.
+	// set only when the local read found the name or a page of its page
+	// manifest missing: the pages and the manifest itself when it was only
+	// remote, a failure also joined to Err); nil for other kinds, for a
+	// read served locally, and without Config.Remote.
 	Remote *RemoteReport
 	Err    error
 }

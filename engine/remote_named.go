@@ -18,8 +18,10 @@ import (
 // page manifest (layout Pages) whose manifest or pages exist only in the
 // bucket. See ARCHITECTURE.md, "Remote tier", "Read-through (named read)".
 
-// readNamed runs before a ReadRequest of ref on an engine with a remote
-// tier, on the read's worker. When the local manifest is missing it fetches
+// readNamed runs when a ReadRequest of ref on an engine with a remote tier
+// failed because the name or a page it names is missing locally
+// (ErrNotFound, ErrMissingPage), on the read's worker; a local read that
+// succeeds costs the tier nothing. When the local manifest is missing it fetches
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the
@@ -32,22 +34,23 @@ import (
 // (the durable publish of a save, under the namespace's shared lock) and
 // recorded as the page cache's manifest (its pages pinned while it
 // exists), so a local manifest never names a page this engine failed to
-// fetch. held are the pins of the fetched pages: the caller releases them
-// when the read ends. rep says what the tier did; rep.Err is its first
+// fetch. fetched reports that a manifest or a page was published: the
+// caller reads again. held are the pins of the fetched pages: the caller
+// releases them when that read ends. rep says what the tier did; rep.Err is its first
 // failure (errors.Is ErrRemoteCorrupt for an object that failed
 // verification), and the read then fails as it would locally (the
 // manifest not found, or ErrMissingPage) with rep.Err joined to its error.
 // A manifest of another layout, or any local decoding error, is left to
 // the read.
-func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []evict.Key) {
+func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []evict.Key, fetched bool) {
 	rep = &RemoteReport{}
 	n, err := t.e.store.Namespace(ref.Namespace)
 	if err != nil {
-		return rep, nil
+		return rep, nil, false
 	}
 	path, err := n.Path(ref.Name)
 	if err != nil {
-		return rep, nil
+		return rep, nil, false
 	}
 	fsys := t.e.store.FS()
 	var body []byte // the fetched manifest, published once its pages are local
@@ -55,41 +58,42 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 	if _, lerr := fsys.Lstat(path); lerr == nil {
 		f, err := fsys.Open(path)
 		if err != nil {
-			return rep, nil
+			return rep, nil, false
 		}
 		snap, err := layout.Decode(f, path)
 		f.Close()
 		if err != nil || snap.Pages == nil {
-			return rep, nil // the read reports it, or it needs no page
+			return rep, nil, false // the read reports it, or it needs no page
 		}
 		pl = snap.Pages
 	} else {
 		if !vfs.IsNotExist(lerr) {
-			return rep, nil
+			return rep, nil, false
 		}
 		name, err := t.st.ManifestName(ref.Namespace, ref.Name)
 		if err != nil {
-			return rep, nil
+			return rep, nil, false
 		}
 		b, snap, err := t.st.FetchManifest(ctx, name)
 		if errors.Is(err, remote.ErrNotFound) {
-			return rep, nil // in neither tier: the read says not found
+			return rep, nil, false // in neither tier: the read says not found
 		}
 		if err != nil {
 			rep.Err = fmt.Errorf("engine: remote manifest %s: %w", name, err)
 			t.e.logSafe(slog.LevelWarn, "kvpersist: remote manifest not fetched", "object", name, "err", err)
-			return rep, nil
+			return rep, nil, false
 		}
 		body, pl = b, snap.Pages
 	}
 	held, rep.Err = t.fetchNamedPages(ctx, ref.Namespace, pl, rep)
 	if rep.Err != nil || body == nil {
-		return rep, held
+		return rep, held, rep.PagesFetched > 0
 	}
 	if err := t.publishManifest(ctx, ref, path, body, pl); err != nil {
 		rep.Err = fmt.Errorf("engine: publishing the fetched manifest %s: %w", ref, err)
+		return rep, held, rep.PagesFetched > 0
 	}
-	return rep, held
+	return rep, held, true
 }
 
 // fetchNamedPages fetches the pages of pl that the local index lacks
