@@ -92,7 +92,7 @@ func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
 		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 		t.remember(p)
 	default:
-		t.scheduleManifest(p.ns, p.name, p.keys, p.attempt+1)
+		t.scheduleManifest(p.ns, p.name, p.attempt+1)
 		return true
 	}
 	return false
@@ -131,36 +131,58 @@ func (t *tier) settle(ns string, key layout.PageKey, manifest string) {
 // manifestRetry is a manifest waiting to be queued again.
 type manifestRetry struct {
 	ns, name string
-	keys     []layout.PageKey
 	attempt  int
+	tm       *time.Timer
 }
 
-// scheduleManifest queues manifest name of ns (naming keys) again after
-// manifestRetryWait(attempt), on a timer owned by the tier: close stops
-// the timers not yet fired (queueing their manifests at once) and waits
-// for the callbacks of those that fired.
-func (t *tier) scheduleManifest(ns, name string, keys []layout.PageKey, attempt int) {
-	r := manifestRetry{ns: ns, name: name, keys: keys, attempt: attempt}
+// scheduleManifest queues manifest name of ns again after
+// manifestRetryWait(attempt), on a timer owned by the tier (one per
+// manifest name: a name already waiting keeps its timer): close stops the
+// timers not yet fired (queueing their manifests at once) and waits for
+// the callbacks of those that fired. The manifest is queued with the keys
+// its local file names then (requeueManifest), not those it named when
+// it failed: a name rewritten meanwhile is uploaded after its own pages.
+func (t *tier) scheduleManifest(ns, name string, attempt int) {
+	id := ns + "/" + name
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closing {
 		setOf(t.unsent, ns).manifests[name] = true
 		return
 	}
-	var tm *time.Timer
+	if t.retries[id] != nil {
+		return
+	}
+	r := &manifestRetry{ns: ns, name: name, attempt: attempt}
 	t.retryWG.Add(1)
-	tm = time.AfterFunc(t.manifestRetryWait(attempt), func() {
+	r.tm = time.AfterFunc(t.manifestRetryWait(attempt), func() {
 		defer t.retryWG.Done()
 		t.mu.Lock()
-		_, mine := t.retries[tm] // else close took it (and queued it)
-		delete(t.retries, tm)
+		mine := t.retries[id] == r // else close took it (and queued it)
+		if mine {
+			delete(t.retries, id)
+		}
 		t.mu.Unlock()
 		if mine {
-			t.queueManifest(Ref{Namespace: ns, Name: name}, keys, attempt)
-			t.queueDepth()
+			t.requeueManifest(r.ns, r.name, r.attempt)
 		}
 	})
-	t.retries[tm] = r
+	t.retries[id] = r
+}
+
+// requeueManifest queues manifest name of ns again (attempt), with the
+// keys its local file names now; one that is gone or no longer a page
+// manifest is dropped (logged) and settled.
+func (t *tier) requeueManifest(ns, name string, attempt int) {
+	ref := Ref{Namespace: ns, Name: name}
+	keys, err := t.localPageManifest(ref)
+	if err != nil {
+		t.e.logSafe(slog.LevelWarn, "kvpersist: page manifest not uploaded: its local file changed", "namespace", ns, "name", name, "err", err)
+		t.settle(ns, layout.PageKey{}, name)
+		return
+	}
+	t.queueManifest(ref, keys, attempt)
+	t.queueDepth()
 }
 
 // stopRetries runs at close, before the uploader closes: the manifest
@@ -172,9 +194,9 @@ func (t *tier) scheduleManifest(ns, name string, keys []layout.PageKey, attempt 
 func (t *tier) stopRetries() {
 	t.mu.Lock()
 	t.closing = true
-	var now []manifestRetry
-	for tm, r := range t.retries {
-		if tm.Stop() {
+	var now []*manifestRetry
+	for _, r := range t.retries {
+		if r.tm.Stop() {
 			t.retryWG.Done() // its callback never runs
 		}
 		now = append(now, r)
@@ -183,7 +205,7 @@ func (t *tier) stopRetries() {
 	t.mu.Unlock()
 	t.retryWG.Wait()
 	for _, r := range now {
-		t.queueManifest(Ref{Namespace: r.ns, Name: r.name}, r.keys, r.attempt)
+		t.requeueManifest(r.ns, r.name, r.attempt)
 	}
 }
 
@@ -378,14 +400,7 @@ func (t *tier) resume() {
 		}
 		t.enqueuePages(ns, queue)
 		for _, m := range manifests {
-			ref := Ref{Namespace: ns, Name: m}
-			keys, err := t.localPageManifest(ref)
-			if err != nil {
-				t.e.logSafe(slog.LevelWarn, "kvpersist: journaled manifest not uploaded", "namespace", ns, "name", m, "err", err)
-				t.settle(ns, layout.PageKey{}, m)
-				continue
-			}
-			t.queueManifest(ref, keys, 0)
+			t.requeueManifest(ns, m, 0)
 		}
 	}
 	t.queueDepth()

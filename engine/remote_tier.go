@@ -148,20 +148,19 @@ type tier struct {
 	// namespace: given up (for the journal written at close), listed by
 	// the journal read at start, and those of them done.
 	unsent, loaded, settled map[string]*journalSet
-	closing                 bool                          // close began: no manifest is scheduled again
-	retries                 map[*time.Timer]manifestRetry // manifests waiting to be queued again
-	retryWG                 sync.WaitGroup                // their callbacks
+	closing                 bool                      // close began: no manifest is scheduled again
+	retries                 map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
+	retryWG                 sync.WaitGroup            // their callbacks
 }
 
 type pendingUpload struct {
 	ns       string
 	key      layout.PageKey // a page's; zero for a manifest
 	manifest bool
-	name     string           // a manifest's snapshot name
-	keys     []layout.PageKey // a manifest's pages
-	attempt  int              // a manifest's re-queues so far (manifestRetries)
-	start    time.Time        // first attempt (zero before it)
-	done     chan struct{}    // closed when the upload ended; err is then set
+	name     string        // a manifest's snapshot name
+	attempt  int           // a manifest's re-queues so far (manifestRetries)
+	start    time.Time     // first attempt (zero before it)
+	done     chan struct{} // closed when the upload ended; err is then set
 	err      error
 }
 
@@ -178,7 +177,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
 		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{},
 		unsent: map[string]*journalSet{}, loaded: map[string]*journalSet{}, settled: map[string]*journalSet{},
-		retries: map[*time.Timer]manifestRetry{}, backoffMax: rc.UploadBackoffMax}
+		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
 	if t.backoffMax == 0 {
 		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
 	}
@@ -423,7 +422,7 @@ func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
 	if err != nil {
 		return
 	}
-	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, keys: keys, attempt: attempt}
+	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt}
 	q := t.enqueueFile(name, path, p, func(ctx context.Context) error {
 		for _, p := range pages {
 			select {
