@@ -271,9 +271,12 @@ func TestKnownSetTrimmed(t *testing.T) {
 	save(t, e2, y)
 	closeEngine(t, e2)
 	ops := snapshotOps(rec2)
-	if ops["upload/ok"] != 0 || ops["upload/existed"] != uint64(2*len(ky)-3) || rec2.Snapshot().Remote.UploadBytes != 0 {
-		t.Fatalf("capped engine's uploads %v, %d bytes; want %d existed (6, then the 3 the set dropped), none sent",
-			ops, rec2.Snapshot().Remote.UploadBytes, 2*len(ky)-3)
+	// The second save queues the 3 pages the set lacks, and maybe more: an
+	// upload it queued can finish (and, the set full, drop an entry) while
+	// it still checks later pages of the chain.
+	if ex := ops["upload/existed"]; ops["upload/ok"] != 0 || ex < uint64(2*len(ky)-3) || ex > uint64(2*len(ky)) || rec2.Snapshot().Remote.UploadBytes != 0 {
+		t.Fatalf("capped engine's uploads %v, %d bytes; want %d to %d existed (6, then the 3 or more the set dropped), none sent",
+			ops, rec2.Snapshot().Remote.UploadBytes, 2*len(ky)-3, 2*len(ky))
 	}
 	after := objects(t, openStore(t, prefix))
 	if len(after) != len(before) {
