@@ -93,7 +93,7 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 		rep.Err = fmt.Errorf("engine: publishing the fetched manifest %s: %w", ref, err)
 		return rep, held, rep.PagesFetched > 0
 	}
-	return rep, held, true
+	return rep, held, true // published, or the name written meanwhile: read again
 }
 
 // fetchNamedPages fetches the pages of pl that the local index lacks
@@ -193,20 +193,31 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 
 // publishManifest publishes the verified bytes of a fetched manifest as
 // the local file path of ref (temp file, fdatasync, rename, directory
-// fsync, under the namespace's shared lock, as a write publishes it) and
-// records it as the page cache's manifest of ref: its pages stay pinned
-// while it exists, as those of a manifest written here.
+// fsync, as a write publishes it) and records it as the page cache's
+// manifest of ref: its pages stay pinned while it exists, as those of a
+// manifest written here. It runs under the namespace's exclusive lock and
+// publishes only when path is still missing (else it does nothing): a
+// write publishes under the shared lock, so a name written meanwhile
+// (by another engine on the root; one of this engine waits for the read)
+// is newer than the remote manifest and is never replaced by it.
 func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body []byte, pl *layout.PageList) error {
 	n, err := t.e.store.Namespace(ref.Namespace)
 	if err != nil {
 		return err
 	}
-	unlock, err := createLocked(ctx, n)
+	if err := n.Create(); err != nil {
+		return err
+	}
+	unlock, err := n.Lock(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	err = layout.Publish(t.e.store.FS(), path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
+	fsys := t.e.store.FS()
+	if _, err := fsys.Lstat(path); !vfs.IsNotExist(err) {
+		return err // nil: the name exists now, written meanwhile
+	}
+	err = layout.Publish(fsys, path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
 		return layout.WriteFull(f, body, 0)
 	})
 	if err != nil {

@@ -1,0 +1,115 @@
+package tiertest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// Named reads and manifest uploads racing other writers: a second engine
+// on the same root (another process's view of it), a rewrite of a name
+// while its upload waits, a read cancelled while it fetches.
+
+// isPageGet matches the GETs that fetch a page (not a manifest).
+func isPageGet(r *http.Request) bool {
+	return r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/pages/")
+}
+
+// noTier is an engine config change: no remote tier (an engine of another
+// process on the same root, or a tool).
+func noTier(c *engine.Config) { c.Remote = nil }
+
+// TestNamedReadKeepsANameWrittenMeanwhile: A reads a name that exists only
+// remotely (v1, uploaded by X). While A fetches its pages, B, another
+// engine on A's root, writes the name locally (v2, other tokens). B's
+// write is the newest and must stay: A's read-through must not rename the
+// older remote manifest over it. A's read then reads the local name (v2),
+// and the local file is still B's.
+func TestNamedReadKeepsANameWrittenMeanwhile(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	v1, v2 := seq(41000, 3*ptoks), seq(43000, 3*ptoks)
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, "conv", v1)
+	closeEngine(t, x)
+
+	b := newEngineCfg(t, root, prefix, newRecorder(t), nil, noTier)
+	var hookErr error
+	var written []byte // B's manifest, read right after its write
+	hook := &hookRT{next: http.DefaultTransport.(*http.Transport).Clone(), match: isPageGet, hook: func() {
+		c := newKV(len(v2))
+		c.fill(v2)
+		res := b.Do(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: ns, Name: "conv"}, Layout: engine.Pages,
+			Identity: ident, Tokens: v2, PageTokens: ptoks, Caches: []engine.EntrySpec{{Tensors: c.specs(len(v2))}}})
+		if hookErr = res.Err; hookErr == nil {
+			written, hookErr = os.ReadFile(filepath.Join(root, ns, "conv"))
+		}
+	}}
+	a := newEngine(t, root, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.Store.Transport = hook })
+	res, dest := readNamed(a, "conv", len(v1))
+	if hookErr != nil || hook.seen.Load() == 0 {
+		t.Fatalf("B's write during A's fetch: %v (%d page GETs)", hookErr, hook.seen.Load())
+	}
+	if got := readFile(t, filepath.Join(root, ns, "conv")); !bytes.Equal(got, written) {
+		t.Fatal("A's read-through replaced the name B wrote meanwhile with the older remote manifest")
+	}
+	if res.Err != nil {
+		t.Fatalf("A's read: %v (remote %+v)", res.Err, res.Remote)
+	}
+	checkNamed(t, dest, v2)
+	if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
+		t.Fatalf("temp files left: %v", tmp)
+	}
+}
+
+// TestNamedReadCancelledMidFetch: a named read whose context ends while
+// its pages are fetched fails with the context's error; it leaves no temp
+// file, publishes no manifest, and the engine's accounting equals a walk
+// of the page tree. Nothing written to the caller's buffers after the ack
+// is checked by reading the buffers twice, a while apart: the second read
+// of the engine's pages happens after the ack and must not race (-race).
+func TestNamedReadCancelledMidFetch(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	conv := seq(55000, 6*ptoks)
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, "conv", conv)
+	closeEngine(t, x)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	hook := &nthRT{next: http.DefaultTransport.(*http.Transport).Clone(), match: isPageGet, n: 3, hook: cancel}
+	a := newEngine(t, root, prefix, newRecorder(t), func(rt *engine.RemoteTier) {
+		rt.Store.Transport = hook
+		rt.FetchPages = 2
+	})
+	n := heads * len(conv) * headDim * item
+	dest := [][]byte{make([]byte, n), make([]byte, n)}
+	res := a.Do(ctx, &engine.ReadRequest{Ref: engine.Ref{Namespace: ns, Name: "conv"}, Dest: dest, Verify: true})
+	if !errors.Is(res.Err, context.Canceled) {
+		t.Fatalf("cancelled read: %v (remote %+v); want context.Canceled", res.Err, res.Remote)
+	}
+	// The buffers are the caller's again: writing them must not race with
+	// anything the engine still runs.
+	for _, d := range dest {
+		clear(d)
+	}
+	if _, err := os.Lstat(filepath.Join(root, ns, "conv")); !os.IsNotExist(err) {
+		t.Fatalf("manifest published by a cancelled read (lstat: %v)", err)
+	}
+	checkUsageIsDisk(t, a, root, 1<<40)
+	res, dest = readNamed(a, "conv", len(conv))
+	if res.Err != nil {
+		t.Fatalf("read after the cancelled one: %v (remote %+v)", res.Err, res.Remote)
+	}
+	checkNamed(t, dest, conv)
+	checkUsageIsDisk(t, a, root, 1<<40)
+}
