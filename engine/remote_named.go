@@ -96,15 +96,25 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 	return rep, held, true // published, or the name written meanwhile: read again
 }
 
-// fetchNamedPages fetches the pages of pl that the local index lacks
-// (readNamed). Nothing is fetched unless the store holds every one of
+// fetchNamedPages fetches the pages of pl that the local index lacks or
+// whose file is gone (readNamed). Nothing is fetched unless the store holds every one of
 // them (a missing page is ErrMissingPage, found by the HEADs).
 func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []evict.Key, err error) {
+	n, err := t.e.store.Namespace(ns)
+	if err != nil {
+		return nil, err
+	}
 	var fetch []int // positions in pl.Keys
 	var names []string
 	for i, k := range pl.Keys {
+		// The index may list a page whose file another engine on the
+		// root has evicted since (the read failed on it): it is
+		// forgotten and fetched like a page never stored here.
 		if t.e.pages.Has(ns, k) {
-			continue
+			if _, err := t.e.store.FS().Lstat(n.PagePath(k)); err == nil {
+				continue
+			}
+			t.e.forgetIfGone(ns, k)
 		}
 		name, err := t.st.PageName(ns, k.String())
 		if err != nil {
@@ -131,10 +141,6 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 			t.markKnown(ns, pl.Keys[fetch[w+i]])
 		}
 		objs = append(objs, got...)
-	}
-	n, err := t.e.store.Namespace(ns)
-	if err != nil {
-		return nil, err
 	}
 	if err := t.prepareDirs(ctx, n, pl.Keys, fetch); err != nil {
 		return nil, err

@@ -70,6 +70,41 @@ func TestNamedReadKeepsANameWrittenMeanwhile(t *testing.T) {
 	}
 }
 
+// TestNamedReadFetchesAPageEvictedByAnotherEngine: A saves a prefix S (2
+// pages); B, another engine on A's root with a cache of 2 pages, saves Y
+// and evicts S's pages. X (its own root) writes a page manifest of S and 2
+// more pages and uploads it. A's named read of it must fetch S's pages
+// too: A's index still lists them, but their files are gone (before: they
+// were skipped, the fetched manifest was published naming 2 missing
+// pages, and the read failed with ErrMissingPage).
+func TestNamedReadFetchesAPageEvictedByAnotherEngine(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	s, y := seq(45000, 2*ptoks), seq(47000, 2*ptoks)
+	conv := append(append([]uint32{}, s...), seq(49000, 2*ptoks)...)
+	ks, kc := keysOf(t, s), keysOf(t, conv)
+	a := newEngine(t, root, prefix, newRecorder(t), nil)
+	save(t, a, s)
+	capacity := 2 * fullPageAlloc(t, root, ks)
+	b := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { noTier(c); c.CapacityBytes = capacity })
+	save(t, b, y)
+	checkStored(t, root, "S", ks, bools(len(ks), func(int) bool { return false }))
+
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, "conv", conv)
+	closeEngine(t, x)
+
+	res, dest := readNamed(a, "conv", len(conv))
+	if res.Err != nil {
+		t.Fatalf("A's read: %v (remote %+v)", res.Err, res.Remote)
+	}
+	checkNamed(t, dest, conv)
+	if res.Remote.PagesFetched != len(kc) {
+		t.Fatalf("fetched %d pages, want %d (S's evicted pages too)", res.Remote.PagesFetched, len(kc))
+	}
+	checkStored(t, root, "conv", kc, bools(len(kc), func(int) bool { return true }))
+}
+
 // TestNamedReadCancelledMidFetch: a named read whose context ends while
 // its pages are fetched fails with the context's error; it leaves no temp
 // file, publishes no manifest, and the engine's accounting equals a walk
