@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine"
@@ -103,6 +104,40 @@ func TestNamedReadFetchesAPageEvictedByAnotherEngine(t *testing.T) {
 		t.Fatalf("fetched %d pages, want %d (S's evicted pages too)", res.Remote.PagesFetched, len(kc))
 	}
 	checkStored(t, root, "conv", kc, bools(len(kc), func(int) bool { return true }))
+}
+
+// TestRewrittenManifestUploadedAfterAQueuedOne: a page manifest is
+// written while the uploads of its pages are held (the first page PUT
+// waits), so its own upload is still queued when the name is written
+// again with other tokens. The first upload then finds its local file
+// changed and is not sent; the second version, which the rewrite could
+// not queue (the name was queued already), must still reach the bucket
+// while the engine runs (the manifest is queued again): the remote
+// manifest equals the local file, and every page of both versions is
+// stored.
+func TestRewrittenManifestUploadedAfterAQueuedOne(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	v1, v2 := seq(51000, 2*ptoks), seq(53000, 2*ptoks)
+	release := make(chan struct{})
+	var once sync.Once
+	hook := &hookRT{next: http.DefaultTransport.(*http.Transport).Clone(),
+		match: func(r *http.Request) bool {
+			return r.Method == http.MethodPut && strings.Contains(r.URL.Path, "/pages/")
+		},
+		hook: func() { <-release }}
+	defer once.Do(func() { close(release) })
+	e := newEngine(t, root, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.Store.Transport = hook })
+	writePages(t, e, "conv", v1)
+	waitFor(t, "the first page PUT", func() bool { return hook.seen.Load() > 0 })
+	writePages(t, e, "conv", v2)
+	once.Do(func() { close(release) })
+	st := openStore(t, prefix)
+	mname, _ := st.ManifestName(ns, "conv")
+	local := readFile(t, filepath.Join(root, ns, "conv"))
+	waitFor(t, "the rewritten manifest in the bucket", func() bool { return bytes.Equal(objects(t, st)[mname], local) })
+	closeEngine(t, e)
+	checkObjects(t, prefix, root, append(keysOf(t, v1), keysOf(t, v2)...), "conv")
 }
 
 // TestNamedReadCancelledMidFetch: a named read whose context ends while
