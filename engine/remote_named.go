@@ -97,8 +97,11 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 }
 
 // fetchNamedPages fetches the pages of pl that the local index lacks or
-// whose file is gone (readNamed). Nothing is fetched unless the store holds every one of
-// them (a missing page is ErrMissingPage, found by the HEADs).
+// whose file is gone (readNamed). Nothing is fetched unless the store
+// holds every one of them (a missing page is ErrMissingPage, found by the
+// HEADs). The pages of pl already local are pinned first (held, as a
+// LoadPrefix pins its local prefix), so the room made for the fetched
+// pages is never theirs: the read needs them too.
 func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []evict.Key, err error) {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
@@ -107,35 +110,45 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 	var fetch []int // positions in pl.Keys
 	var names []string
 	for i, k := range pl.Keys {
-		// The index may list a page whose file another engine on the
-		// root has evicted since (the read failed on it): it is
-		// forgotten and fetched like a page never stored here.
 		if t.e.pages.Has(ns, k) {
+			pinned, err := t.pinLocal(ctx, ns, evict.Key(k))
+			if err != nil {
+				return held, err
+			}
 			if _, err := t.e.store.FS().Lstat(n.PagePath(k)); err == nil {
+				if pinned {
+					held = append(held, evict.Key(k))
+				}
 				continue
+			}
+			// The index lists a page whose file another engine on the
+			// root has evicted since (the read failed on it): it is
+			// forgotten and fetched like a page never stored here.
+			if pinned {
+				_ = t.e.pc.pol.Unpin(ns, evict.Key(k))
 			}
 			t.e.forgetIfGone(ns, k)
 		}
 		name, err := t.st.PageName(ns, k.String())
 		if err != nil {
-			return nil, err
+			return held, err
 		}
 		fetch = append(fetch, i)
 		names = append(names, name)
 	}
 	if len(fetch) == 0 {
-		return nil, nil
+		return held, nil
 	}
 	objs := make([]remote.Object, 0, len(names))
 	for w := 0; w < len(names); w += t.window {
 		got, err := t.st.StatAll(ctx, names[w:min(len(names), w+t.window)])
 		rep.PagesAsked += len(got)
 		if err != nil {
-			return nil, err
+			return held, err
 		}
 		for i, o := range got {
 			if o.Name == "" {
-				return nil, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
+				return held, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
 			}
 			rep.PagesFound++
 			t.markKnown(ns, pl.Keys[fetch[w+i]])
@@ -143,7 +156,7 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 		objs = append(objs, got...)
 	}
 	if err := t.prepareDirs(ctx, n, pl.Keys, fetch); err != nil {
-		return nil, err
+		return held, err
 	}
 	parent := func(i int) layout.PageKey {
 		if i == 0 {
@@ -231,6 +244,26 @@ func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body [
 	}
 	t.e.pc.setManifest(ref.Namespace, ref.Name, evictKeys(pl.Keys))
 	return nil
+}
+
+// pinLocal pins page k of ns, a page of the local tier, for a named read:
+// a page being evicted is waited for (then it is gone, or kept and
+// pinned). pinned is false when the page is not tracked by this engine's
+// cache (written by another process: never this engine's victim) or is
+// gone.
+func (t *tier) pinLocal(ctx context.Context, ns string, k evict.Key) (pinned bool, err error) {
+	pc := t.e.pc
+	for {
+		if pc.pol.Pin(ns, k) {
+			return true, nil
+		}
+		if !pc.pol.Evicting(ns, k) {
+			return false, nil
+		}
+		if err := pc.waitVictim(ctx, ns, k); err != nil {
+			return false, err
+		}
+	}
 }
 
 // createLocked makes namespace n durably, as a save does, and takes its

@@ -183,3 +183,38 @@ func TestNamedReadCancelledMidFetch(t *testing.T) {
 	checkNamed(t, dest, conv)
 	checkUsageIsDisk(t, a, root, 1<<40)
 }
+
+// TestNamedReadKeepsItsLocalPages: A's cache holds 3 pages: a prefix S (2
+// pages, saved first, so least recently used) and Z (1 page). A named
+// read of a manifest of S and one more page, stored only remotely, must
+// make room for that page without evicting S's pages, which the read
+// needs: Z's page is evicted, the read gets every byte, and the
+// accounting equals the disk (before: S's leaf was evicted for the
+// fetched page, the manifest was published naming it, and the read failed
+// with ErrMissingPage).
+func TestNamedReadKeepsItsLocalPages(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	s, z := seq(57000, 2*ptoks), seq(59000, ptoks)
+	conv := append(append([]uint32{}, s...), seq(61000, ptoks)...)
+	kz, kc := keysOf(t, z), keysOf(t, conv)
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, "conv", conv)
+	closeEngine(t, x)
+	capacity := 3 * fullPageAlloc(t, rootX, kc)
+
+	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.CapacityBytes = capacity })
+	save(t, a, s)
+	save(t, a, z)
+	res, dest := readNamed(a, "conv", len(conv))
+	if res.Err != nil {
+		t.Fatalf("read: %v (remote %+v)", res.Err, res.Remote)
+	}
+	checkNamed(t, dest, conv)
+	if res.Remote.PagesFetched != 1 {
+		t.Fatalf("fetched %d pages, want 1", res.Remote.PagesFetched)
+	}
+	checkStored(t, root, "conv", kc, bools(len(kc), func(int) bool { return true }))
+	checkStored(t, root, "Z", kz, bools(len(kz), func(int) bool { return false }))
+	checkUsageIsDisk(t, a, root, capacity)
+}
