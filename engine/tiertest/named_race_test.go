@@ -218,3 +218,37 @@ func TestNamedReadKeepsItsLocalPages(t *testing.T) {
 	checkStored(t, root, "Z", kz, bools(len(kz), func(int) bool { return false }))
 	checkUsageIsDisk(t, a, root, capacity)
 }
+
+// TestConcurrentNamedReadsOfOneRemoteName: reads of one path run
+// together, so several reads of a name stored only remotely fetch its
+// pages and publish its manifest at once. Each gets every byte, no temp
+// file is left, and every page is accounted once: the accounting equals a
+// walk of the page tree.
+func TestConcurrentNamedReadsOfOneRemoteName(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	conv := seq(63000, 5*ptoks+7)
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, "conv", conv)
+	closeEngine(t, x)
+
+	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.Workers = 4 })
+	const readers = 4
+	var wg sync.WaitGroup
+	results := make([]engine.Result, readers)
+	dests := make([][][]byte, readers)
+	for i := range readers {
+		wg.Go(func() { results[i], dests[i] = readNamed(a, "conv", len(conv)) })
+	}
+	wg.Wait()
+	for i := range readers {
+		if results[i].Err != nil {
+			t.Fatalf("reader %d: %v (remote %+v)", i, results[i].Err, results[i].Remote)
+		}
+		checkNamed(t, dests[i], conv)
+	}
+	checkUsageIsDisk(t, a, root, 1<<40)
+	if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
+		t.Fatalf("temp files left: %v", tmp)
+	}
+}
