@@ -11,6 +11,8 @@ import (
 	"sync"
 	"testing"
 
+	"github.com/minio/minio-go/v7"
+
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
@@ -251,4 +253,39 @@ func TestConcurrentNamedReadsOfOneRemoteName(t *testing.T) {
 	if tmp := testutil.TempFiles(t, root); len(tmp) > 0 {
 		t.Fatalf("temp files left: %v", tmp)
 	}
+}
+
+// TestManifestUploadedAfterRemoteGCDeletedItsPages: an engine saves a
+// prefix (its pages uploaded, so known stored); remote gc then deletes
+// them (prefix pages no manifest names are garbage once past the grace;
+// here deleted with plain DELETEs of the client). A page manifest of the
+// same tokens written later must still reach the bucket with its pages
+// while the engine runs: the manifest's HEADs find the pages missing, and
+// the retry must upload them again rather than trust the known set
+// (before: every retry skipped them as known, and the manifest was given
+// up until the next start).
+func TestManifestUploadedAfterRemoteGCDeletedItsPages(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	conv := seq(65000, 3*ptoks)
+	keys := keysOf(t, conv)
+	rec := newRecorder(t)
+	e := newEngine(t, root, prefix, rec, nil)
+	save(t, e, conv)
+	waitFor(t, "the pages' uploads", func() bool { return snapshotOps(rec)["upload/ok"] == uint64(len(keys)) })
+	st := openStore(t, prefix)
+	for _, k := range keys {
+		name, _ := st.PageName(ns, k.String())
+		if err := st.Client().RemoveObject(context.Background(), st.Bucket(), name, minio.RemoveObjectOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := objects(t, st); len(got) != 0 {
+		t.Fatalf("%d objects left after the deletes", len(got))
+	}
+	writePages(t, e, "conv", conv)
+	mname, _ := st.ManifestName(ns, "conv")
+	local := readFile(t, filepath.Join(root, ns, "conv"))
+	waitFor(t, "the manifest in the bucket", func() bool { return bytes.Equal(objects(t, st)[mname], local) })
+	checkObjects(t, prefix, root, keys, "conv")
 }
