@@ -150,27 +150,42 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 // operation and path.
 func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
-	var m Metrics
 	if req == nil {
-		return nil, m, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
+		return nil, Metrics{}, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
 	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix: %w", err)
+		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
 	}
-	p := pageTokens(req.PageTokens)
-	n := len(req.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
-	}
-	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	pl, err := PlanPrefixSave(req)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+		return nil, Metrics{}, err
 	}
-	if err := checkPrefixTensors(req.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
-		return nil, m, fmt.Errorf("save prefix %s: %w", ns.Dir(), err)
+	return savePlanned(ctx, cfg, ns, pl, start)
+}
+
+// SavePlannedPrefix is SavePrefix of the request pl was planned for
+// (PlanPrefixSave), without keying and checking it again: the engine plans
+// a save to reserve room for its new pages, then runs it with this. The
+// request must not have changed since it was planned. Errors as
+// SavePrefix's (the checks PlanPrefixSave made are not repeated); a nil pl
+// is ErrInvalidRequest.
+func SavePlannedPrefix(ctx context.Context, cfg *Config, pl *PagePlan) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	if pl == nil || pl.req == nil {
+		return nil, Metrics{}, fmt.Errorf("%w: nil or empty *PagePlan", ErrInvalidRequest)
 	}
-	tensors := resolveTensors(req.Tensors)
+	ns, err := cfg.namespace(pl.req.Namespace)
+	if err != nil {
+		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
+	}
+	return savePlanned(ctx, cfg, ns, pl, start)
+}
+
+// savePlanned runs a checked, keyed save into ns.
+func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *PagePlan, start time.Time) (*PrefixResult, Metrics, error) {
+	var m Metrics
+	req, keys, tensors, n := pl.req, pl.Keys, pl.tensors, len(pl.tokens)
 	// The namespace directory (never a symlink), durably (the root synced
 	// in any case, as for Write), then its lock, shared: collect may not
 	// sweep meanwhile.
@@ -186,7 +201,7 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, req.Identity, p, req.Tokens, tensors, keys, res, &m, req.Progress)
+	err = savePages(ctx, cfg, ns, pl.identity, pl.PageTokens, pl.tokens, tensors, keys, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
@@ -585,8 +600,24 @@ func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*Pref
 // xxh3-64, the key chain) from the temp file it then renamed into place.
 // verified nil is LoadPrefix.
 func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
+	return LoadPrefixChain(ctx, cfg, req, nil, verified)
+}
+
+// LoadPrefixChain is LoadPrefixVerified given the prompt's page keys,
+// keys = layout.PageChain(req.Identity, P, req.Tokens), which a caller that
+// has already computed them (the engine: for its pins and its remote
+// tier's read-through) passes so that the chain is hashed once per load;
+// nil computes them. Keys of another length than the prompt's pages are
+// ErrInvalidRequest; keys of the right length but not the prompt's chain
+// are the caller's bug: a page stored under such a key is not loaded
+// unless its header names the prompt's token ids (checkPage), but the
+// prefix then reported may be shorter than the stored one.
+func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
+	if req == nil {
+		return nil, m, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
+	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
@@ -596,9 +627,16 @@ func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest
 	if n == 0 {
 		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if keys == nil {
+		keys, _, err = layout.PageChain(req.Identity, p, req.Tokens)
+	} else if err = layout.CheckIdentity(req.Identity); err == nil {
+		err = layout.CheckPageTokens(p)
+	}
 	if err != nil {
 		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if want := (n + p - 1) / p; len(keys) != want {
+		return nil, m, fmt.Errorf("%w: load prefix %s: %d page keys given for %d pages of tokens", ErrInvalidRequest, ns.Dir(), len(keys), want)
 	}
 	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
 		return nil, m, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)

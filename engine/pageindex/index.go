@@ -137,6 +137,21 @@ func (x *Index) RemoveIfGone(ns string, key layout.PageKey, gone func() bool) {
 	}
 }
 
+// Present returns how many of keys, from the first, are recorded in
+// namespace ns (len(keys) when all are): Lookup for a caller that has the
+// prompt's page keys already (layout.PageChain), without hashing.
+func (x *Index) Present(ns string, keys []layout.PageKey) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	set := x.ns[ns]
+	for i, k := range keys {
+		if _, ok := set[k]; !ok {
+			return i
+		}
+	}
+	return len(keys)
+}
+
 // Has reports whether key is recorded in namespace ns.
 func (x *Index) Has(ns string, key layout.PageKey) bool {
 	x.mu.RLock()

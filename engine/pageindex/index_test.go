@@ -198,3 +198,30 @@ func TestDurableMarks(t *testing.T) {
 		t.Fatalf("removed keys kept their marks")
 	}
 }
+
+// TestPresent: Present counts the leading keys recorded (Lookup's walk
+// without the hashing), stopping at the first absent one.
+func TestPresent(t *testing.T) {
+	x := pageindex.New()
+	keys, _, err := layout.PageChain("id", 16, toks(16*4+3, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := x.Present("a", keys); n != 0 {
+		t.Fatalf("empty index: %d", n)
+	}
+	x.Add("a", keys[0], keys[1], keys[3], keys[4])
+	if n := x.Present("a", keys); n != 2 {
+		t.Fatalf("keys 0, 1, 3 and the leaf recorded: Present %d, want 2", n)
+	}
+	x.Add("a", keys[2])
+	if n, l := x.Present("a", keys), len(keys); n != l {
+		t.Fatalf("every key recorded: Present %d, want %d", n, l)
+	}
+	if n, _ := x.Lookup("a", "id", 16, toks(16*4+3, 1)); n != 16*4+3 {
+		t.Fatalf("Lookup disagrees: %d", n)
+	}
+	if n := x.Present("b", keys); n != 0 {
+		t.Fatalf("another namespace: %d", n)
+	}
+}
