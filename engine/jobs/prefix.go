@@ -134,7 +134,10 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
 // every fan-out directory holding a page of the save and pages/ are
-// fsynced (those of reused pages while the new pages are written). When
+// fsynced (those of reused pages while the new pages are written), except
+// the directory of a reused page that cfg.Durable knows durable with the
+// FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
+// "Known-durable pages"); on success every page is marked there. When
 // SavePrefix returns nil, every page of the tokens is durable under its
 // key.
 //
