@@ -595,7 +595,9 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 	return start, cands, local, objs
 }
 
-// readThrough runs before a prefix load: the pages of tokens' chain after
+// readThrough runs before a prefix load (keys: tokens' page keys,
+// layout.PageChain, computed once by the load; nil when they could not
+// be): the pages of tokens' chain after
 // the local prefix that the store holds are fetched (FetchPages at once,
 // each with ranged GETs in flight), verified against the key chain the
 // prompt implies and their tensor hashes, and published to the local tier;
@@ -620,17 +622,16 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
 	}
-	keys, _, err := layout.PageChain(identity, p, tokens)
-	if err != nil || len(tokens) == 0 {
+	if keys == nil || len(tokens) == 0 {
 		return rep, nil, nil // the load reports the invalid request
 	}
-	if l, err := t.e.pages.Lookup(ns, identity, p, tokens); err != nil || l == len(tokens) {
-		return rep, nil, nil
+	if t.e.pages.Present(ns, keys) == len(keys) {
+		return rep, nil, nil // every page is local
 	}
 	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
 	var fetch []int // positions in keys
