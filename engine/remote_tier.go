@@ -64,9 +64,13 @@ type RemoteTier struct {
 	// uploaded now (counted as errors and logged) and are enqueued again by
 	// the next save that names them.
 	UploadQueue int
-	// FetchPages: pages of one load fetched at once; default 16. Each page
+	// FetchPages: pages of one load whose GETs are in flight at once;
+	// default 16. A page gives its turn back once its bytes are in its
+	// temp file, and is verified and published while the next pages' GETs
+	// run (up to FetchPages pages publishing behind them). Each page
 	// is one GET when it fits in Store.FetchChunkBytes, else ranged GETs
-	// of that size, up to Store.Concurrency in flight. Store.FetchChunkBytes
+	// of that size, up to Store.Concurrency in flight (then it is verified
+	// by reading it back: its bytes arrive out of order). Store.FetchChunkBytes
 	// left 0 means 64 MiB here (not remote's 8 MiB): on SeaweedFS a 1 GiB
 	// prefix of 32 MiB pages loaded at 0.25 GB/s with one GET per page and
 	// 16 pages in flight, at 0.11-0.13 GB/s with 8 MiB ranges and 4 or 8
@@ -723,7 +727,8 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if err != nil {
 		return 0, err
 	}
-	stream := remote.NewPageStream(&kickWriter{f: sf.File}, want.Key.String(), o.Size)
+	kw := newKickWriter(sf.File)
+	stream := remote.NewPageStream(kw, want.Key.String(), o.Size)
 	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
 		fetched()
 		if pg, ok := stream.Verified(); ok {
@@ -738,6 +743,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		defer f.Close()
 		return verifyPage(f, name, want, size)
 	})
+	kw.stop() // before the file is closed
 	if err == nil {
 		err = t.publishFetched(sf)
 	} else {
@@ -769,21 +775,47 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 // (sync_file_range) each time this many more bytes were written to it.
 const writebackBytes = 8 << 20
 
-// kickWriter writes to a fetched page's temp file and starts its writeback
-// every writebackBytes (vfs.File.StartWriteback, no durability promise:
-// the publish's fdatasync makes it durable), so the disk writes while the
-// GET still runs. Safe for the concurrent writes of several ranges.
+// kickWriter writes to a fetched page's temp file and has its writeback
+// started every writebackBytes (vfs.File.StartWriteback, no durability
+// promise: the publish's fdatasync makes it durable), so the disk writes
+// while the GET still runs. sync_file_range may block when the disk's
+// queue is full, so it runs on the kickWriter's own goroutine (started by
+// newKickWriter, ended by stop), never on the GET's: a write only signals
+// it. Safe for the concurrent writes of several ranges.
 type kickWriter struct {
 	f       vfs.File
 	written atomic.Int64
+	kick    chan struct{}
+	done    chan struct{}
+}
+
+func newKickWriter(f vfs.File) *kickWriter {
+	w := &kickWriter{f: f, kick: make(chan struct{}, 1), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for range w.kick {
+			_ = w.f.StartWriteback(0, 0) // a hint; failures show in the fdatasync
+		}
+	}()
+	return w
 }
 
 func (w *kickWriter) WriteAt(p []byte, off int64) (int, error) {
 	n, err := w.f.WriteAt(p, off)
 	if after := w.written.Add(int64(n)); after/writebackBytes != (after-int64(n))/writebackBytes {
-		_ = w.f.StartWriteback(0, 0) // a hint; failures show in the fdatasync
+		select {
+		case w.kick <- struct{}{}:
+		default: // a kick is pending: it covers these bytes too
+		}
 	}
 	return n, err
+}
+
+// stop ends the goroutine once its pending kick ran. Called once the
+// writes are over (FetchObject returned), before the file is closed.
+func (w *kickWriter) stop() {
+	close(w.kick)
+	<-w.done
 }
 
 // publishFetched is the one place a fetched page enters the local tier:
