@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -117,6 +118,19 @@ type pageCache struct {
 	scanned   map[string]time.Time                // ns → its directory's mtime at the last manifest scan
 	scannedAt map[string]time.Time                // ns → when that scan was made
 	tooBig    map[string]bool                     // namespaces too large to checkpoint (logged once)
+
+	// onRemoved, when set (the remote tier's forget), is told of every
+	// page file the cache removed or found gone (unindex).
+	onRemoved atomic.Pointer[func(ns string, k layout.PageKey)]
+}
+
+// unindex drops page k of namespace ns, whose file is gone, from the
+// index, and tells onRemoved.
+func (pc *pageCache) unindex(ns string, k layout.PageKey) {
+	pc.index.Remove(ns, k)
+	if f := pc.onRemoved.Load(); f != nil {
+		(*f)(ns, k)
+	}
 }
 
 // newCachePolicy checks the page cache's limits of cfg (ErrConfig) and
@@ -971,7 +985,7 @@ func (pc *pageCache) unlinkGroup(n *store.Namespace, vs []evict.Victim, group []
 						continue
 					}
 					pc.pol.Removed(ns, vs[j].Key)
-					pc.index.Remove(ns, layout.PageKey(vs[j].Key))
+					pc.unindex(ns, layout.PageKey(vs[j].Key))
 					mu.Lock()
 					removed[j] = true
 					if pj, ok := parent[j]; ok {
@@ -1133,7 +1147,7 @@ func (pc *pageCache) resync(ns string) {
 		}
 		if _, err := pc.fs.Lstat(n.PagePath(layout.PageKey(r.Key))); vfs.IsNotExist(err) {
 			pc.pol.Removed(ns, r.Key)
-			pc.index.Remove(ns, layout.PageKey(r.Key))
+			pc.unindex(ns, layout.PageKey(r.Key))
 			changed = true
 		}
 	}

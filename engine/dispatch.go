@@ -9,6 +9,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
@@ -396,6 +397,22 @@ func (e *Engine) execute(j *job, res *Result) {
 	case *ReadRequest:
 		var snap *layout.Snapshot
 		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
+		if err != nil && e.tier != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrMissingPage)) {
+			// Read-through of a page manifest (remote_named.go): only
+			// when the local tier lacks the name or a page it names.
+			var held []evict.Key
+			var fetched bool
+			res.Remote, held, fetched = e.tier.readNamed(j.ctx, r.Ref)
+			if fetched && res.Remote.Err == nil {
+				snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
+			}
+			if len(held) > 0 {
+				_ = e.pc.pol.UnpinAll(r.Namespace, held)
+			}
+			if err != nil && res.Remote.Err != nil {
+				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", res.Remote.Err))
+			}
+		}
 		if err == nil {
 			res.Header = snap.Header
 		}

@@ -268,6 +268,8 @@ func New(cfg Config) (*Engine, error) {
 			_ = e.pc.close()
 			return nil, err
 		}
+		forget := e.tier.forget
+		e.pc.onRemoved.Store(&forget)
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
@@ -376,9 +378,12 @@ type Result struct {
 	// Prefix is the report of a SavePrefixRequest or LoadPrefixRequest
 	// (also on error, when the job got that far); nil for other kinds.
 	Prefix *PrefixResult
-	// Remote is what the object-store tier did for a LoadPrefixRequest
-	// (pages found, fetched, the first failure); nil for other kinds and
-	// without Config.Remote.
+	// Remote is what the object-store tier did for a LoadPrefixRequest or
+	// a ReadRequest (pages found, fetched, the first failure; for a read,
+	// set only when the local read found the name or a page of its page
+	// manifest missing: the pages and the manifest itself when it was only
+	// remote, a failure also joined to Err); nil for other kinds, for a
+	// read served locally, and without Config.Remote.
 	Remote *RemoteReport
 	Err    error
 }

@@ -240,6 +240,9 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	e.pages.RemoveIfGone(ns, key, gone)
 	if gone() {
 		e.pc.removedBehind(ns, key)
+		if e.tier != nil {
+			e.tier.forget(ns, key)
+		}
 	}
 }
 

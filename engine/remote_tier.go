@@ -41,11 +41,14 @@ func RemoteConfigFromEnv(endpoint, bucket, prefix string) RemoteConfig {
 var (
 	// ErrRemoteCorrupt: a fetched object was not the page its name and the
 	// prompt's key chain say (short, long, replaced during the fetch, a bad
-	// header, key, parent, identity, tokens or tensor hash). A miss: it is
-	// never published locally nor loaded (RemoteReport.Err).
+	// header, key, parent, identity, tokens or tensor hash), or not a valid
+	// page manifest. A miss: it is never published locally nor loaded
+	// (RemoteReport.Err; a named read fails with it joined to its error).
 	ErrRemoteCorrupt = remote.ErrCorrupt
 	// ErrUploadsAbandoned: Close's context ended with uploads pending; they
-	// were given up (the local pages are intact).
+	// were given up (the local pages are intact) and written to their
+	// namespace's uploads journal (<root>/<ns>/.uploads), which the next
+	// New on the root queues again.
 	ErrUploadsAbandoned = remote.ErrAbandoned
 )
 
@@ -80,6 +83,13 @@ type RemoteTier struct {
 	// attempts of one upload (full jitter, doubling); defaults 100 ms and
 	// 5 s (remote.UploaderConfig).
 	UploadBackoffMin, UploadBackoffMax time.Duration
+	// KnownPages caps the pages the engine remembers as stored remotely
+	// (all namespaces; about 100 bytes each), so that it neither HEADs
+	// nor uploads them again. An entry is dropped when its local page is
+	// evicted or found gone, and an arbitrary one when the set is full;
+	// a dropped entry costs one HEAD when its page is next saved. Default
+	// 262,144 (about 26 MB); at least 1.
+	KnownPages int
 	// RefreshAge: before a page manifest is uploaded, every page it names
 	// whose mtime (the store's clock) is older than this is refreshed
 	// (Store.Refresh), so that remote GC keeps it. It must be at most half
@@ -90,6 +100,10 @@ type RemoteTier struct {
 
 // RemoteReport says what the object-store tier did for one load (Result.
 // Remote; nil when the engine has no remote tier).
+//
+// For a ReadRequest (a named read of a page manifest) the pages asked are
+// those the manifest names that the local index lacks; the manifest
+// itself, fetched when it was only remote, is not counted.
 type RemoteReport struct {
 	// PagesAsked: pages after the local prefix whose existence was asked of
 	// the store (HEADs); PagesFound: those it holds, in chain order up to
@@ -128,15 +142,28 @@ type tier struct {
 	fetchPages int
 	refreshAge time.Duration
 
-	mu      sync.Mutex
-	known   map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
-	pending map[string]*pendingUpload              // object name -> upload queued or in flight
+	backoffMax time.Duration // RemoteTier.UploadBackoffMax: the base of manifestRetryWait
+
+	mu       sync.Mutex
+	known    map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
+	nknown   int                                    // entries of known, at most knownCap
+	knownCap int                                    // RemoteTier.KnownPages
+	pending  map[string]*pendingUpload              // object name -> upload queued or in flight
+	// Uploads across failures and restarts (remote_journal.go), per
+	// namespace: given up (for the journal written at close), listed by
+	// the journal read at start, and those of them done.
+	unsent, loaded, settled map[string]*journalSet
+	closing                 bool                      // close began: no manifest is scheduled again
+	retries                 map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
+	retryWG                 sync.WaitGroup            // their callbacks
 }
 
 type pendingUpload struct {
 	ns       string
 	key      layout.PageKey // a page's; zero for a manifest
 	manifest bool
+	name     string        // a manifest's snapshot name
+	attempt  int           // a manifest's re-queues so far (manifestRetries)
 	start    time.Time     // first attempt (zero before it)
 	done     chan struct{} // closed when the upload ended; err is then set
 	err      error
@@ -153,7 +180,12 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
-		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{}}
+		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{},
+		unsent: map[string]*journalSet{}, loaded: map[string]*journalSet{}, settled: map[string]*journalSet{},
+		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
+	if t.backoffMax == 0 {
+		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
+	}
 	if t.window == 0 {
 		t.window = 16 // remote.Config's default Concurrency
 	}
@@ -161,12 +193,16 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		t.fetchPages = 16
 	}
 	t.refreshAge = rc.RefreshAge
+	t.knownCap = rc.KnownPages
+	if t.knownCap == 0 {
+		t.knownCap = defaultKnownPages
+	}
 	if t.refreshAge == 0 {
 		t.refreshAge = 30 * time.Minute
 	}
-	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 {
+	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 || t.knownCap < 1 {
 		st.Close()
-		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0)", ErrConfig, rc.FetchPages, rc.RefreshAge)
+		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0), KnownPages %d (want >= 1)", ErrConfig, rc.FetchPages, rc.RefreshAge, rc.KnownPages)
 	}
 	t.up, err = remote.NewUploader(st, remote.UploaderConfig{
 		Workers: rc.UploadWorkers, QueueLen: rc.UploadQueue,
@@ -178,14 +214,16 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
 	t.queueDepth() // the remote metrics are exported from now on
+	t.resume()     // the uploads an earlier engine gave up (remote_journal.go)
 	return t, nil
 }
 
-// close finishes or abandons the uploads within ctx, then closes the
-// store's idle connections. Called by Engine.Close after every job acked,
-// so no save enqueues meanwhile.
+// close finishes or abandons the uploads within ctx, writes the uploads
+// journals (closeUploads), then closes the store's idle connections.
+// Called by Engine.Close after every job acked, so no save enqueues
+// meanwhile.
 func (t *tier) close(ctx context.Context) error {
-	err := t.up.Close(ctx)
+	err := t.closeUploads(ctx)
 	t.st.Close()
 	t.queueDepth()
 	return err
@@ -207,6 +245,12 @@ func (t *tier) isKnown(ns string, k layout.PageKey) bool {
 	return ok
 }
 
+// defaultKnownPages is RemoteTier.KnownPages's default.
+const defaultKnownPages = 1 << 18
+
+// markKnown records page k of ns as stored remotely; when the set holds
+// knownCap entries, an arbitrary one is dropped first (it costs a HEAD
+// when that page is next saved).
 func (t *tier) markKnown(ns string, k layout.PageKey) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -215,7 +259,58 @@ func (t *tier) markKnown(ns string, k layout.PageKey) {
 		m = map[layout.PageKey]struct{}{}
 		t.known[ns] = m
 	}
+	if _, ok := m[k]; ok {
+		return
+	}
+	if t.nknown >= t.knownCap {
+		t.dropOneKnownLocked()
+	}
 	m[k] = struct{}{}
+	t.nknown++
+}
+
+// dropOneKnownLocked drops an arbitrary entry of the known set. t.mu held.
+func (t *tier) dropOneKnownLocked() {
+	for ns, m := range t.known {
+		for k := range m {
+			delete(m, k)
+			t.nknown--
+			if len(m) == 0 {
+				delete(t.known, ns)
+			}
+			return
+		}
+	}
+}
+
+// forget drops page k of ns from the known set: its local file was
+// evicted or found gone (pageCache.unindex, forgetIfGone). A later save
+// writes the page again and queues it; its upload HEADs the object first
+// (StatFirst) and sends nothing when it is stored.
+func (t *tier) forget(ns string, k layout.PageKey) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m := t.known[ns]
+	if _, ok := m[k]; !ok {
+		return
+	}
+	delete(m, k)
+	t.nknown--
+	if len(m) == 0 {
+		delete(t.known, ns)
+	}
+}
+
+// RemoteKnownPages returns how many pages the engine remembers as stored
+// in the object store (at most RemoteTier.KnownPages); 0 without a remote
+// tier.
+func (e *Engine) RemoteKnownPages() int {
+	if e.tier == nil {
+		return 0
+	}
+	e.tier.mu.Lock()
+	defer e.tier.mu.Unlock()
+	return e.tier.nknown
 }
 
 // saved enqueues the pages of a durable save (keys, in chain order) for
@@ -284,11 +379,11 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 		t.mu.Unlock()
 		f, err := fsys.Open(path)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("%w: %s: %w", errSourceChanged, path, err)
 		}
 		if st, err := f.Stat(); err != nil || st.Size() != size || !st.ModTime().Equal(mtime) {
 			f.Close()
-			return nil, fmt.Errorf("engine: %s changed since it was queued for upload", path)
+			return nil, fmt.Errorf("%w: %s", errSourceChanged, path)
 		}
 		return f, nil
 	}})
@@ -316,6 +411,13 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 // may delete before the manifest protects it.
 func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 	defer t.queueDepth()
+	t.queueManifest(ref, keys, 0)
+}
+
+// queueManifest is manifestWritten's queueing; attempt counts the times
+// the manifest was queued again after a failure (manifestDone). A
+// manifest the queue refuses (full) is scheduled again as a failure is.
+func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
 	pages := t.enqueuePages(ref.Namespace, keys)
 	path, err := t.e.Path(ref)
 	if err != nil {
@@ -325,7 +427,8 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 	if err != nil {
 		return
 	}
-	t.enqueueFile(name, path, &pendingUpload{ns: ref.Namespace, manifest: true}, func(ctx context.Context) error {
+	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt}
+	q := t.enqueueFile(name, path, p, func(ctx context.Context) error {
 		for _, p := range pages {
 			select {
 			case <-p.done:
@@ -338,6 +441,9 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 		}
 		return t.manifestReady(ctx, ref.Namespace, keys)
 	})
+	if q == nil && p.err != nil { // refused by the queue (full, or closed)
+		_ = t.manifestDone(p, p.err)
+	}
 }
 
 // manifestReady checks that every page keys names is stored (one HEAD
@@ -392,6 +498,18 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	}
 	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)
+	}
+	if p != nil { // remote_journal.go: retries, the journal
+		again := false
+		switch {
+		case p.manifest:
+			again = t.manifestDone(p, r.Err)
+		case errors.Is(r.Err, remote.ErrAbandoned):
+			t.remember(p)
+		}
+		if !again { // done, given up (remembered), or never possible
+			t.settle(p.ns, p.key, p.name)
+		}
 	}
 	if m := t.metrics(); m != nil {
 		m.Remote(labels.RemoteUpload, res, r.Bytes, d)
@@ -667,10 +785,7 @@ var errNotFetched = errors.New("engine: not fetched: an earlier page of the chai
 // namespace's shared lock (no collect of another process sweeps
 // meanwhile), and syncs pages/ under the store's sync policy.
 func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layout.PageKey, fetch []int) error {
-	if err := n.Create(); err != nil {
-		return err
-	}
-	unlock, err := n.Lock(ctx, false)
+	unlock, err := createLocked(ctx, n)
 	if err != nil {
 		return err
 	}
@@ -833,7 +948,9 @@ func (t *tier) publishFetched(sf *layout.Staged) error {
 // is the one named; every tensor's xxh3-64 matches; it ends exactly where
 // its last tensor ends, so a short or long object fails), and it is
 // exactly the page the prompt's chain expects at its position: parent,
-// identity, page size and token ids.
+// identity, page size and token ids (want.Tokens nil: a named read's page,
+// whose manifest names keys only; its key, checked against SHA-256(parent
+// ‖ tokens), fixes them).
 func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
 	var pg *layout.Page
 	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
@@ -851,7 +968,7 @@ func checkWant(name string, pg, want *layout.Page) error {
 		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)
 	case pg.Identity != want.Identity || pg.PageTokens != want.PageTokens:
 		return fmt.Errorf("%s has identity %q and %d tokens per page, the load %q and %d", name, pg.Identity, pg.PageTokens, want.Identity, want.PageTokens)
-	case !slices.Equal(pg.Tokens, want.Tokens):
+	case want.Tokens != nil && !slices.Equal(pg.Tokens, want.Tokens): // nil: a named read (the key fixes them)
 		return fmt.Errorf("%s holds other token ids than the prompt's", name)
 	}
 	return nil

@@ -34,6 +34,13 @@ const LockName = ".lock"
 // never deleted by collect.
 const RecencyName = ".recency"
 
+// UploadsName is the per-namespace journal of the remote tier's uploads
+// given up by an engine's Close (ARCHITECTURE.md, "The uploads journal"):
+// <namespace>/.uploads, written atomically and durably by the engine and
+// read by the next engine on the root; never a snapshot (a dot name) and
+// never deleted by collect.
+const UploadsName = ".uploads"
+
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of
 // [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks" or
 // "pages" (the directories of a namespace). Such a name is one path

@@ -196,12 +196,20 @@ func (m memObject) ReadAt(p []byte, off int64) (int, error) {
 // before anything is fetched; one that fails verification is ErrCorrupt;
 // a missing one ErrNotFound.
 func (s *Store) ReadManifest(ctx context.Context, name string) (*layout.Snapshot, error) {
+	_, snap, err := s.FetchManifest(ctx, name)
+	return snap, err
+}
+
+// FetchManifest is ReadManifest also returning the object's bytes (the
+// engine's named read-through publishes them as the local manifest). The
+// bytes are returned only when they verified.
+func (s *Store) FetchManifest(ctx context.Context, name string) ([]byte, *layout.Snapshot, error) {
 	o, err := s.Stat(ctx, name)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if o.Size > MaxManifestBytes {
-		return nil, &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: a manifest of %d bytes (limit %d)", ErrTooLarge, o.Size, MaxManifestBytes)}
+		return nil, nil, &OpError{Op: "get", Name: name, Err: fmt.Errorf("%w: a manifest of %d bytes (limit %d)", ErrTooLarge, o.Size, MaxManifestBytes)}
 	}
 	buf := make(memObject, o.Size)
 	var snap *layout.Snapshot
@@ -212,9 +220,9 @@ func (s *Store) ReadManifest(ctx context.Context, name string) (*layout.Snapshot
 		return VerifyManifest(&snap)(r, size)
 	})
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	return snap, nil
+	return buf, snap, nil
 }
 
 // LivePages is the CollectOptions.Live of kvpersist's page manifests: it

@@ -91,6 +91,9 @@ type Listing struct {
 	// (the engine's; never a snapshot, never deleted, not listed as
 	// skipped).
 	HasRecency bool
+	// HasUploads: the remote tier's uploads journal, .uploads, exists
+	// (layout.UploadsName).
+	HasUploads bool
 	// HasBlocksDir, HasPagesDir: blocks/ and pages/ exist as directories.
 	HasBlocksDir, HasPagesDir bool
 	Snapshots                 []Snapshot // sorted by name
@@ -181,6 +184,8 @@ func (n *Namespace) list(decode, deep bool) (*Listing, error) {
 			l.HasLock = true
 		case name == layout.RecencyName && e.Type().IsRegular():
 			l.HasRecency = true
+		case name == layout.UploadsName && e.Type().IsRegular():
+			l.HasUploads = true
 		case layout.IsTemp(name):
 			l.temp(path, e)
 		case name == layout.BlocksDirName && e.IsDir():

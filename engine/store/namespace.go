@@ -47,6 +47,10 @@ func (n *Namespace) LockPath() string { return filepath.Join(n.dir, layout.LockN
 // (layout.RecencyName).
 func (n *Namespace) RecencyPath() string { return filepath.Join(n.dir, layout.RecencyName) }
 
+// UploadsPath is the remote tier's uploads journal, <dir>/.uploads
+// (layout.UploadsName).
+func (n *Namespace) UploadsPath() string { return filepath.Join(n.dir, layout.UploadsName) }
+
 // BlocksDir is <dir>/blocks.
 func (n *Namespace) BlocksDir() string { return filepath.Join(n.dir, layout.BlocksDirName) }
 

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/metrics"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -213,15 +214,7 @@ func TestFetchWithEverythingPinnedIsAMiss(t *testing.T) {
 	rootA, rootB := t.TempDir(), t.TempDir()
 	x, y := seq(50000, 2*ptoks), seq(60000, 4*ptoks)
 	kx, ky := keysOf(t, x), keysOf(t, y)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, x)
-	closeEngine(t, a)
-	capacity := 4 * fullPageAlloc(t, rootA, kx)
-
-	rec := newRecorder(t)
-	b := newEngineCfg(t, rootB, prefix, rec, nil, func(c *engine.Config) { c.CapacityBytes = capacity })
-	writePages(t, b, "keep", y)
-	before := checkUsageIsDisk(t, b, rootB, capacity)
+	b, rec, capacity, before := fullOfPinned(t, prefix, rootA, rootB, kx, y, func(a *engine.Engine) { save(t, a, x) })
 	stored := map[layout.PageKey][]byte{}
 	for _, k := range ky {
 		stored[k] = readFile(t, pagePath(rootB, k))
@@ -235,19 +228,43 @@ func TestFetchWithEverythingPinnedIsAMiss(t *testing.T) {
 	if r := res.Remote; r == nil || !errors.Is(r.Err, engine.ErrNoSpace) || r.PagesFound != len(kx) || r.PagesFetched != 0 || r.BytesFetched != 0 {
 		t.Fatalf("remote report %+v; want %d pages found, none fetched, ErrNoSpace", r, len(kx))
 	}
-	if n := snapshotOps(rec)["fetch/ok"] + snapshotOps(rec)["fetch/error"]; n != 0 {
-		t.Fatalf("%d fetches sent without room: %v", n, snapshotOps(rec))
-	}
-	after := checkUsageIsDisk(t, b, rootB, capacity)
-	if after.UsedBytes != before.UsedBytes || after.Pages != before.Pages {
-		t.Fatalf("usage changed from %d bytes in %d pages to %d in %d", before.UsedBytes, before.Pages, after.UsedBytes, after.Pages)
-	}
-	checkStored(t, rootB, "X", kx, bools(len(kx), func(int) bool { return false }))
+	checkNothingFetched(t, b, rootB, rec, capacity, before, kx)
 	for k, want := range stored {
 		if !bytes.Equal(readFile(t, pagePath(rootB, k)), want) {
 			t.Fatalf("stored page %s changed", k)
 		}
 	}
+}
+
+// fullOfPinned stores with put, on an engine A (root rootA), what a test
+// fetches later (keys, full pages), then opens B (root rootB, metrics
+// rec) with a cache of 4 such pages, filled by a page manifest "keep" of
+// y (4 pages, pinned). before is B's usage then.
+func fullOfPinned(t *testing.T, prefix, rootA, rootB string, keys []layout.PageKey, y []uint32, put func(*engine.Engine)) (b *engine.Engine, rec *metrics.Recorder, capacity int64, before engine.Usage) {
+	t.Helper()
+	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
+	put(a)
+	closeEngine(t, a)
+	capacity = 4 * fullPageAlloc(t, rootA, keys)
+	rec = newRecorder(t)
+	b = newEngineCfg(t, rootB, prefix, rec, nil, func(c *engine.Config) { c.CapacityBytes = capacity })
+	writePages(t, b, "keep", y)
+	return b, rec, capacity, checkUsageIsDisk(t, b, rootB, capacity)
+}
+
+// checkNothingFetched fails if e (root, metrics rec) sent a fetch, if its
+// accounting (equal to its disk) moved from before, or if a page of keys
+// is stored.
+func checkNothingFetched(t *testing.T, e *engine.Engine, root string, rec *metrics.Recorder, capacity int64, before engine.Usage, keys []layout.PageKey) {
+	t.Helper()
+	if n := snapshotOps(rec)["fetch/ok"] + snapshotOps(rec)["fetch/error"]; n != 0 {
+		t.Fatalf("%d fetches sent without room: %v", n, snapshotOps(rec))
+	}
+	after := checkUsageIsDisk(t, e, root, capacity)
+	if after.UsedBytes != before.UsedBytes || after.Pages != before.Pages {
+		t.Fatalf("usage changed from %d bytes in %d pages to %d in %d", before.UsedBytes, before.Pages, after.UsedBytes, after.Pages)
+	}
+	checkStored(t, root, "fetched", keys, bools(len(keys), func(int) bool { return false }))
 }
 
 // nthRT calls hook before the n-th request matching match is sent (the

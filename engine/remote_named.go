@@ -1,0 +1,226 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+
+	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+)
+
+// Named reads through the object-store tier (issue 15): a ReadRequest of a
+// page manifest (layout Pages) whose manifest or pages exist only in the
+// bucket. See ARCHITECTURE.md, "Remote tier", "Read-through (named read)".
+
+// readNamed runs when a ReadRequest of ref on an engine with a remote tier
+// failed because the name or a page it names is missing locally
+// (ErrNotFound, ErrMissingPage), on the read's worker; a local read that
+// succeeds costs the tier nothing. When the local manifest is missing it fetches
+// the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
+// verified by remote.VerifyManifest, into memory); when the manifest
+// (local or fetched) is a page manifest, every page it names that the
+// local index lacks is looked up (StatAll, Store.Concurrency HEADs per
+// round trip) and, when the store holds them all, fetched FetchPages at a
+// time through the bounded page cache exactly as a LoadPrefix read-through
+// fetches (pageCache.admitHeld around fetchPage: room reserved first,
+// verified against the manifest's key chain, published atomically, committed
+// pinned). Only when every page is local is a fetched manifest published
+// (the durable publish of a save, under the namespace's shared lock) and
+// recorded as the page cache's manifest (its pages pinned while it
+// exists), so a local manifest never names a page this engine failed to
+// fetch. fetched reports that a manifest or a page was published: the
+// caller reads again. held are the pins of the fetched pages: the caller
+// releases them when that read ends. rep says what the tier did; rep.Err is its first
+// failure (errors.Is ErrRemoteCorrupt for an object that failed
+// verification), and the read then fails as it would locally (the
+// manifest not found, or ErrMissingPage) with rep.Err joined to its error.
+// A manifest of another layout, or any local decoding error, is left to
+// the read.
+func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []evict.Key, fetched bool) {
+	rep = &RemoteReport{}
+	n, err := t.e.store.Namespace(ref.Namespace)
+	if err != nil {
+		return rep, nil, false
+	}
+	path, err := n.Path(ref.Name)
+	if err != nil {
+		return rep, nil, false
+	}
+	fsys := t.e.store.FS()
+	var body []byte // the fetched manifest, published once its pages are local
+	var pl *layout.PageList
+	if _, lerr := fsys.Lstat(path); lerr == nil {
+		f, err := fsys.Open(path)
+		if err != nil {
+			return rep, nil, false
+		}
+		snap, err := layout.Decode(f, path)
+		f.Close()
+		if err != nil || snap.Pages == nil {
+			return rep, nil, false // the read reports it, or it needs no page
+		}
+		pl = snap.Pages
+	} else {
+		if !vfs.IsNotExist(lerr) {
+			return rep, nil, false
+		}
+		name, err := t.st.ManifestName(ref.Namespace, ref.Name)
+		if err != nil {
+			return rep, nil, false
+		}
+		b, snap, err := t.st.FetchManifest(ctx, name)
+		if errors.Is(err, remote.ErrNotFound) {
+			return rep, nil, false // in neither tier: the read says not found
+		}
+		if err != nil {
+			rep.Err = fmt.Errorf("engine: remote manifest %s: %w", name, err)
+			t.e.logSafe(slog.LevelWarn, "kvpersist: remote manifest not fetched", "object", name, "err", err)
+			return rep, nil, false
+		}
+		body, pl = b, snap.Pages
+	}
+	held, rep.Err = t.fetchNamedPages(ctx, ref.Namespace, pl, rep)
+	if rep.Err != nil || body == nil {
+		return rep, held, rep.PagesFetched > 0
+	}
+	if err := t.publishManifest(ctx, ref, path, body, pl); err != nil {
+		rep.Err = fmt.Errorf("engine: publishing the fetched manifest %s: %w", ref, err)
+		return rep, held, rep.PagesFetched > 0
+	}
+	return rep, held, true
+}
+
+// fetchNamedPages fetches the pages of pl that the local index lacks
+// (readNamed). Nothing is fetched unless the store holds every one of
+// them (a missing page is ErrMissingPage, found by the HEADs).
+func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []evict.Key, err error) {
+	var fetch []int // positions in pl.Keys
+	var names []string
+	for i, k := range pl.Keys {
+		if t.e.pages.Has(ns, k) {
+			continue
+		}
+		name, err := t.st.PageName(ns, k.String())
+		if err != nil {
+			return nil, err
+		}
+		fetch = append(fetch, i)
+		names = append(names, name)
+	}
+	if len(fetch) == 0 {
+		return nil, nil
+	}
+	objs := make([]remote.Object, 0, len(names))
+	for w := 0; w < len(names); w += t.window {
+		got, err := t.st.StatAll(ctx, names[w:min(len(names), w+t.window)])
+		rep.PagesAsked += len(got)
+		if err != nil {
+			return nil, err
+		}
+		for i, o := range got {
+			if o.Name == "" {
+				return nil, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
+			}
+			rep.PagesFound++
+			t.markKnown(ns, pl.Keys[fetch[w+i]])
+		}
+		objs = append(objs, got...)
+	}
+	n, err := t.e.store.Namespace(ns)
+	if err != nil {
+		return nil, err
+	}
+	if err := t.prepareDirs(ctx, n, pl.Keys, fetch); err != nil {
+		return nil, err
+	}
+	parent := func(i int) layout.PageKey {
+		if i == 0 {
+			return layout.PageRoot(pl.Identity, pl.PageTokens)
+		}
+		return pl.Keys[i-1]
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	var first error
+	slots := make(chan struct{}, t.fetchPages) // pages fetched at once
+	for f, pos := range fetch {
+		slots <- struct{}{}
+		mu.Lock()
+		stop := first != nil
+		mu.Unlock()
+		if stop {
+			<-slots
+			break
+		}
+		wg.Go(func() {
+			defer func() { <-slots }()
+			// The manifest names keys, not token ids: the chain (key =
+			// SHA-256(parent ‖ tokens), parent = the key before) fixes the
+			// tokens; verifyPage leaves them unchecked (nil).
+			want := &layout.Page{Key: pl.Keys[pos], Parent: parent(pos), Identity: pl.Identity, PageTokens: pl.PageTokens}
+			var size int64
+			h, err := t.e.pc.admitHeld(ctx, ns, pl.Keys[pos:pos+1], []layout.PageKey{want.Parent},
+				func(int) (int64, error) { return objs[f].Size, nil },
+				func() error {
+					var err error
+					size, err = t.fetchPage(ctx, n, want, objs[f], func() {})
+					return err
+				})
+			mu.Lock()
+			defer mu.Unlock()
+			held = append(held, h...)
+			if err != nil && first == nil {
+				first = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, pl.Keys[pos], ns, err)
+			}
+			if err == nil && size > 0 {
+				rep.PagesFetched++
+				rep.BytesFetched += size
+			}
+		})
+	}
+	wg.Wait()
+	if first != nil {
+		t.e.logSafe(slog.LevelWarn, "kvpersist: remote page of a named snapshot not fetched", "namespace", ns, "err", first)
+	}
+	return held, first
+}
+
+// publishManifest publishes the verified bytes of a fetched manifest as
+// the local file path of ref (temp file, fdatasync, rename, directory
+// fsync, under the namespace's shared lock, as a write publishes it) and
+// records it as the page cache's manifest of ref: its pages stay pinned
+// while it exists, as those of a manifest written here.
+func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body []byte, pl *layout.PageList) error {
+	n, err := t.e.store.Namespace(ref.Namespace)
+	if err != nil {
+		return err
+	}
+	unlock, err := createLocked(ctx, n)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	err = layout.Publish(t.e.store.FS(), path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
+		return layout.WriteFull(f, body, 0)
+	})
+	if err != nil {
+		return err
+	}
+	t.e.pc.setManifest(ref.Namespace, ref.Name, evictKeys(pl.Keys))
+	return nil
+}
+
+// createLocked makes namespace n durably, as a save does, and takes its
+// lock shared (no collect of another process sweeps meanwhile).
+func createLocked(ctx context.Context, n *store.Namespace) (unlock func(), err error) {
+	if err := n.Create(); err != nil {
+		return nil, err
+	}
+	return n.Lock(ctx, false)
+}
