@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -193,6 +194,16 @@ func directLimit(exts []extent, depth int, bufs [][]byte) (int64, error) {
 	return total.Load(), first
 }
 
+// cpuTime is the CPU time (user + system) the process has used so far
+// (getrusage RUSAGE_SELF): every goroutine's, the runtime's included.
+func cpuTime() time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
 func cmpOr(a, b error) error {
 	if a != nil {
 		return a
@@ -202,11 +213,15 @@ func cmpOr(a, b error) error {
 
 // coldState is what the cold rows keep between iterations.
 type coldState struct {
-	files   []string
-	exts    []extent
-	bufs    *arena // directDepths' largest depth x one request, aligned
-	perQD   map[int]time.Duration
-	logical int64
+	files []string
+	exts  []extent
+	bufs  *arena // directDepths' largest depth x one request, aligned
+	perQD map[int]time.Duration
+	// perQDCPU is the process's CPU time (user + system) during the timed
+	// runs of each depth: what reading the bytes with O_DIRECT costs the
+	// CPU (pinning pages, building and completing requests).
+	perQDCPU map[int]time.Duration
+	logical  int64
 }
 
 func newColdState(b *testing.B, snap *layout.Snapshot, path string, logical int64) *coldState {
@@ -229,7 +244,7 @@ func coldStateOf(b *testing.B, files []string, exts []extent, logical int64) *co
 	if err != nil {
 		b.Fatal(err)
 	}
-	return &coldState{files: files, exts: exts, bufs: mem, perQD: map[int]time.Duration{}, logical: logical}
+	return &coldState{files: files, exts: exts, bufs: mem, perQD: map[int]time.Duration{}, perQDCPU: map[int]time.Duration{}, logical: logical}
 }
 
 // best is the limit over the timed runs: the total time of the queue
@@ -258,9 +273,11 @@ func (c *coldState) limit(b *testing.B, count bool) time.Duration {
 	}
 	var best time.Duration
 	for _, qd := range directDepths {
+		c0 := cpuTime()
 		t0 := time.Now()
 		n, err := directLimit(c.exts, qd, bufs)
 		d := time.Since(t0)
+		cpu := cpuTime() - c0
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -269,6 +286,7 @@ func (c *coldState) limit(b *testing.B, count bool) time.Duration {
 		}
 		if count {
 			c.perQD[qd] += d
+			c.perQDCPU[qd] += cpu
 		}
 		if best == 0 || d < best {
 			best = d
@@ -303,7 +321,12 @@ func (c *coldState) report(b *testing.B, n int) {
 // depth of each iteration instead). Targets: single file >= 0.8, blocks >=
 // 0.7. Blocks also measure SHA-256 of the same bytes on every core in the
 // same run (sha256-MB/s): a verified block restore cannot beat the slower
-// of that and the disk, and x-bound is against it.
+// of that and the disk, and x-bound is against it. Nor can it beat the CPU
+// time of that hashing plus that of the O_DIRECT reads at the best depth
+// (process CPU time, getrusage), spread over every core (cpu-bound-MB/s,
+// bound-cpu-ms/op): x-cpu-bound is against the slowest of the three.
+// cpu-ms/op is the process's CPU time during each restore (the heap
+// sampler's few reads included).
 func BenchmarkRestoreCold(b *testing.B) {
 	b.Run("single", func(b *testing.B) {
 		forTokens(b, func(b *testing.B, w *workload) { benchRestoreCold(b, w, layout.Single, 0) })
@@ -350,6 +373,8 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	var direct, read int64
 	var minLimit time.Duration // the fastest depth of each iteration, summed
 	var shaTime time.Duration  // blocks: SHA-256 of the same bytes on every core
+	var shaCPU time.Duration   // blocks: the CPU time of that hashing
+	var oursCPU time.Duration  // the process's CPU time during the restores
 	var offs, lens []int
 	var sums [][32]byte
 	if lay == layout.Blocks {
@@ -361,8 +386,12 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	b.ReportAllocs()
 	m := alternate(b, steps{
 		prepOurs: func(int) { c.evict(b) },
-		ours: func(int) {
+		ours: func(i int) {
+			c0 := cpuTime()
 			res := do(b, e, req)
+			if i >= 0 {
+				oursCPU += cpuTime() - c0
+			}
 			direct, read = res.Metrics.DirectReadBytes, res.Metrics.ReadBytes
 		},
 		// One run per depth; no eviction needed: O_DIRECT bypasses the
@@ -372,10 +401,11 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 				minLimit += d
 			}
 			if lay == layout.Blocks {
-				t0 := time.Now()
+				c0, t0 := cpuTime(), time.Now()
 				shaLimit(w.contig, offs, lens, sums)
 				if i >= 0 {
 					shaTime += time.Since(t0)
+					shaCPU += cpuTime() - c0
 				}
 			}
 		},
@@ -396,10 +426,19 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	b.ReportMetric(float64(qd), "best-qd")
 	b.ReportMetric(float64(minLimit)/float64(m.ours), "x-min-limit")
 	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
+	b.ReportMetric(float64(oursCPU.Milliseconds())/float64(m.n), "cpu-ms/op")
 	if shaTime > 0 {
 		// The verified restore cannot beat the slower of reading at the
 		// best depth and hashing on every core: x-bound is against that.
 		b.ReportMetric(float64(w.logical)*float64(m.n)/shaTime.Seconds()/1e6, "sha256-MB/s")
 		b.ReportMetric(float64(max(best, shaTime))/float64(m.ours), "x-bound")
+		// Nor can it beat the CPU time both of those take (the O_DIRECT
+		// reads at the best depth cost the CPU too: pinning pages,
+		// completing requests), spread over every core: x-cpu-bound is
+		// against the slowest of the three.
+		cpuBound := (shaCPU + c.perQDCPU[qd]) / time.Duration(runtime.GOMAXPROCS(0))
+		b.ReportMetric(float64(w.logical)*float64(m.n)/cpuBound.Seconds()/1e6, "cpu-bound-MB/s")
+		b.ReportMetric(float64(max(best, shaTime, cpuBound))/float64(m.ours), "x-cpu-bound")
+		b.ReportMetric(float64((shaCPU+c.perQDCPU[qd]).Milliseconds())/float64(m.n), "bound-cpu-ms/op")
 	}
 }

@@ -16,6 +16,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -757,10 +758,20 @@ func (m measured) report(b *testing.B, limitBytes int64) {
 	b.ReportMetric(float64(m.peakHeap)/(1<<20), "peak-heap-MiB")
 }
 
-// removeAll removes path and fails tb on error.
+// removeAll removes path and fails tb on error. A directory that is not
+// empty after its entries were removed is tried again a few times: the
+// engine's background goroutine may write a namespace's recency
+// checkpoint into it meanwhile (a save row removes its namespace behind
+// the engine's back).
 func removeAll(tb testing.TB, path string) {
 	tb.Helper()
-	if err := os.RemoveAll(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	var err error
+	for range 5 {
+		if err = os.RemoveAll(path); err == nil || errors.Is(err, os.ErrNotExist) || !errors.Is(err, syscall.ENOTEMPTY) {
+			break
+		}
+	}
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
 		tb.Fatal(err)
 	}
 }

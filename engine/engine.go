@@ -297,6 +297,9 @@ func New(cfg Config) (*Engine, error) {
 		Yield:     e.waiting.Load,
 		ReadDepth: cfg.ReadDepth,
 		NoDirect:  cfg.NoDirect,
+		// The index remembers the page files this engine made durable,
+		// so that a save reusing one does not fsync its directory again.
+		Durable: pages,
 	}
 	if cfg.Workers == 1 {
 		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool

@@ -109,7 +109,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		}
 		err = e.pc.admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
 			var serr error
-			res.Prefix, res.Metrics, serr = jobs.SavePrefix(ctx, cfg, r)
+			res.Prefix, res.Metrics, serr = jobs.SavePlannedPrefix(ctx, cfg, plan) // keyed once
 			return serr
 		})
 		if err == nil {
@@ -129,8 +129,12 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		// Pages the read-through fetches are pinned at their commit, and
 		// the chain's pins are extended over them before the load reads;
 		// all are released when the load ends.
+		// The prompt's page keys, hashed once for the pins, the
+		// read-through and the load (nil for a bad identity or page
+		// size: the load reports it).
+		keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens)
 		var pins *loadPins
-		if keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens); kerr == nil {
+		if kerr == nil {
 			pins = e.pc.pinChain(r.Namespace, keys)
 			defer func() {
 				var loaded []layout.PageKey
@@ -144,7 +148,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if e.tier != nil { // read-through: remote pages into the local tier first
 			var held []evict.Key
 			var fetched map[layout.PageKey]bool
-			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens)
+			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys)
 			if len(fetched) > 0 {
 				// Verified by the fetch a moment ago: not hashed again.
 				verified = func(k layout.PageKey) bool { return fetched[k] }
@@ -156,11 +160,11 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				_ = e.pc.pol.UnpinAll(r.Namespace, held)
 			}
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefixVerified(ctx, cfg, r, verified)
+		res.Prefix, res.Metrics, err = jobs.LoadPrefixChain(ctx, cfg, r, keys, verified)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
-				e.dropCorruptPage(ctx, cfg, r, res.Prefix.Tokens)
+				e.dropCorruptPage(ctx, cfg, r, keys, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
 				e.forgetIfGone(r.Namespace, *k)
@@ -185,7 +189,7 @@ func pageTokensOf(p int) int {
 const corruptPageWait = 2 * time.Second
 
 // dropCorruptPage handles a load whose prefix ended at a corrupt page (the
-// page after its loaded tokens): the page is removed from the disk if it
+// page after its loaded tokens; keys are the prompt's page keys): the page is removed from the disk if it
 // is still corrupt under the namespace's exclusive lock
 // (jobs.RemoveCorruptPage, waiting at most corruptPageWait), so that the
 // next save writes it again (a save reuses a page whose header is right
@@ -195,13 +199,9 @@ const corruptPageWait = 2 * time.Second
 // (the next load that meets the page tries again); a page found whole
 // again (rewritten by a save meanwhile) stays. The load's own result is
 // not changed by any of this; failures are logged.
-func (e *Engine) dropCorruptPage(ctx context.Context, cfg *jobs.Config, r *LoadPrefixRequest, loaded int) {
-	p := r.PageTokens
-	if p == 0 {
-		p = layout.DefaultPageTokens
-	}
-	keys, _, err := layout.PageChain(r.Identity, p, r.Tokens)
-	if err != nil || loaded%p != 0 || loaded/p >= len(keys) {
+func (e *Engine) dropCorruptPage(ctx context.Context, cfg *jobs.Config, r *LoadPrefixRequest, keys []layout.PageKey, loaded int) {
+	p := pageTokensOf(r.PageTokens)
+	if loaded%p != 0 || loaded/p >= len(keys) {
 		return
 	}
 	key := keys[loaded/p]

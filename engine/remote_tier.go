@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -66,9 +67,13 @@ type RemoteTier struct {
 	// uploaded now (counted as errors and logged) and are enqueued again by
 	// the next save that names them.
 	UploadQueue int
-	// FetchPages: pages of one load fetched at once; default 16. Each page
+	// FetchPages: pages of one load whose GETs are in flight at once;
+	// default 16. A page gives its turn back once its bytes are in its
+	// temp file, and is verified and published while the next pages' GETs
+	// run (up to FetchPages pages publishing behind them). Each page
 	// is one GET when it fits in Store.FetchChunkBytes, else ranged GETs
-	// of that size, up to Store.Concurrency in flight. Store.FetchChunkBytes
+	// of that size, up to Store.Concurrency in flight (then it is verified
+	// by reading it back: its bytes arrive out of order). Store.FetchChunkBytes
 	// left 0 means 64 MiB here (not remote's 8 MiB): on SeaweedFS a 1 GiB
 	// prefix of 32 MiB pages loaded at 0.25 GB/s with one GET per page and
 	// 16 pages in flight, at 0.11-0.13 GB/s with 8 MiB ranges and 4 or 8
@@ -602,7 +607,9 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 	return start, cands, local, objs
 }
 
-// readThrough runs before a prefix load: the pages of tokens' chain after
+// readThrough runs before a prefix load (keys: tokens' page keys,
+// layout.PageChain, computed once by the load; nil when they could not
+// be): the pages of tokens' chain after
 // the local prefix that the store holds are fetched (FetchPages at once,
 // each with ranged GETs in flight), verified against the key chain the
 // prompt implies and their tensor hashes, and published to the local tier;
@@ -627,17 +634,16 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
 	}
-	keys, _, err := layout.PageChain(identity, p, tokens)
-	if err != nil || len(tokens) == 0 {
+	if keys == nil || len(tokens) == 0 {
 		return rep, nil, nil // the load reports the invalid request
 	}
-	if l, err := t.e.pages.Lookup(ns, identity, p, tokens); err != nil || l == len(tokens) {
-		return rep, nil, nil
+	if t.e.pages.Present(ns, keys) == len(keys) {
+		return rep, nil, nil // every page is local
 	}
 	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
 	var fetch []int // positions in keys
@@ -678,11 +684,17 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	for f := range decided {
 		decided[f] = make(chan struct{})
 	}
+	// gets holds a token per page whose GET is in flight: FetchPages at
+	// once. A page gives its token back as soon as its bytes are in the
+	// temp file, and verifies and publishes (fdatasync, rename, directory
+	// fsync) while the next pages' GETs run: up to FetchPages pages are
+	// publishing behind FetchPages GETs (2×FetchPages workers).
+	gets := make(chan struct{}, t.fetchPages)
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	next := 0
 	noRoom := false
-	for range min(t.fetchPages, len(fetch)) {
+	for range min(2*t.fetchPages, len(fetch)) {
 		wg.Go(func() {
 			for {
 				mu.Lock()
@@ -715,10 +727,20 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					return fobjs[f].Size, nil
 				}
 				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
+					// The GET token is taken before the next page may
+					// reserve, so pages take tokens in chain order.
+					select {
+					case gets <- struct{}{}:
+					case <-ctx.Done():
+						return ctx.Err()
+					}
+					var once sync.Once
+					release := func() { once.Do(func() { <-gets }) }
+					defer release()
 					wrote = true
 					decide()
 					var err error
-					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f])
+					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f], release)
 					return err
 				})
 				if err != nil && !wrote {
@@ -798,11 +820,20 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // fetchPage is the write of one fetched page's admission (it runs inside
 // pageCache.admitHeld, room reserved): under namespace n's shared lock it
 // fetches object o, the page want.Key, into a temp file beside its local
-// path, verifies it (verifyPage) and publishes it (publishFetched); it
-// adds it to the index. A page that a save published since the lookup is
+// path, verifies it and publishes it (publishFetched); it adds it to the
+// index. fetched is called once the object's bytes are all in the temp
+// file (the network part is over; readThrough's GET token is given back).
+// The page is verified from the bytes as they arrive (remote.PageStream:
+// header, key, every tensor's xxh3-64, its size) and against the chain
+// (checkWant), so it is not read back; when the stream cannot prove it
+// (bytes out of order: ranged GETs or a range retried; or a check fails)
+// it is verified by reading the temp file back (verifyPage), which names
+// what is wrong. The temp file's writeback is started every
+// writebackBytes (kickWriter), so the fdatasync of the publish finds
+// little left to write. A page that a save published since the lookup is
 // not fetched (0 bytes, no error); one published meanwhile by a save is
 // simply replaced by the same bytes (same key, same content).
-func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object) (int64, error) {
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func()) (int64, error) {
 	if t.e.pages.Has(n.Name(), want.Key) {
 		return 0, nil
 	}
@@ -819,7 +850,13 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if err != nil {
 		return 0, err
 	}
-	err = t.st.FetchObject(ctx, o, sf.File, func(_ io.ReaderAt, size int64) error {
+	kw := newKickWriter(sf.File)
+	stream := remote.NewPageStream(kw, want.Key.String(), o.Size)
+	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
+		fetched()
+		if pg, ok := stream.Verified(); ok {
+			return checkWant(name, pg, want)
+		}
 		// The temp file is open for writing only: verify through a
 		// read-only descriptor of it.
 		f, err := fsys.Open(sf.Tmp)
@@ -829,6 +866,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		defer f.Close()
 		return verifyPage(f, name, want, size)
 	})
+	kw.stop() // before the file is closed
 	if err == nil {
 		err = t.publishFetched(sf)
 	} else {
@@ -856,6 +894,53 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	return o.Size, nil
 }
 
+// writebackBytes: a fetched page's temp file has its writeback started
+// (sync_file_range) each time this many more bytes were written to it.
+const writebackBytes = 8 << 20
+
+// kickWriter writes to a fetched page's temp file and has its writeback
+// started every writebackBytes (vfs.File.StartWriteback, no durability
+// promise: the publish's fdatasync makes it durable), so the disk writes
+// while the GET still runs. sync_file_range may block when the disk's
+// queue is full, so it runs on the kickWriter's own goroutine (started by
+// newKickWriter, ended by stop), never on the GET's: a write only signals
+// it. Safe for the concurrent writes of several ranges.
+type kickWriter struct {
+	f       vfs.File
+	written atomic.Int64
+	kick    chan struct{}
+	done    chan struct{}
+}
+
+func newKickWriter(f vfs.File) *kickWriter {
+	w := &kickWriter{f: f, kick: make(chan struct{}, 1), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for range w.kick {
+			_ = w.f.StartWriteback(0, 0) // a hint; failures show in the fdatasync
+		}
+	}()
+	return w
+}
+
+func (w *kickWriter) WriteAt(p []byte, off int64) (int, error) {
+	n, err := w.f.WriteAt(p, off)
+	if after := w.written.Add(int64(n)); after/writebackBytes != (after-int64(n))/writebackBytes {
+		select {
+		case w.kick <- struct{}{}:
+		default: // a kick is pending: it covers these bytes too
+		}
+	}
+	return n, err
+}
+
+// stop ends the goroutine once its pending kick ran. Called once the
+// writes are over (FetchObject returned), before the file is closed.
+func (w *kickWriter) stop() {
+	close(w.kick)
+	<-w.done
+}
+
 // publishFetched is the one place a fetched page enters the local tier:
 // fdatasync of the verified temp file, rename onto the page's path, fsync
 // of its fan-out directory (under the store's sync policy), as a save
@@ -879,6 +964,13 @@ func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
 	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
 		return fmt.Errorf("%s: %w", name, err)
 	}
+	return checkWant(name, pg, want)
+}
+
+// checkWant: the verified page pg (object name) is exactly the page the
+// prompt's chain expects at its position (want): parent, identity, page
+// size and token ids.
+func checkWant(name string, pg, want *layout.Page) error {
 	switch {
 	case pg.Parent != want.Parent:
 		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)

@@ -27,6 +27,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
@@ -67,6 +68,28 @@ type Config struct {
 	ReadDepth int
 	// NoDirect turns O_DIRECT reads off (buffered reads only).
 	NoDirect bool
+	// Durable, when non-nil, remembers the page files known durable, so
+	// that a prefix save that reuses one does not fsync its directory
+	// again (see DurablePages); nil: every reused page's directory is
+	// fsynced.
+	Durable DurablePages
+}
+
+// DurablePages remembers, per namespace (by name) and page key, the
+// vfs.FileID of a page file whose name was made durable: the page's
+// directory entry and its fan-out directory's entry in pages/ fsynced
+// after an lstat that gave that FileID. A prefix save (SavePrefix, a
+// layout.Pages write) that finds a stored page with the same FileID skips
+// its directory's fsync; it marks every page whose name it made durable
+// once it has succeeded. The rule and why it is safe: ARCHITECTURE.md,
+// "Known-durable pages". engine/pageindex.Index implements it. Both
+// methods must be safe for concurrent use.
+type DurablePages interface {
+	// DurableID is the FileID marked for key in namespace ns, or the
+	// zero FileID.
+	DurableID(ns string, key layout.PageKey) vfs.FileID
+	// MarkDurable marks keys[i] with ids[i] (a zero id forgets the mark).
+	MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID)
 }
 
 func (c *Config) fs() vfs.FS {

@@ -8,7 +8,8 @@ import (
 
 // PagePlan is a prefix save checked and keyed before it runs, so that the
 // engine can account for its new pages (reserve room in the page cache)
-// before SavePrefix creates any file. It holds the request's views: use it
+// before SavePrefix creates any file, and then run it without keying it
+// again (SavePlannedPrefix). It holds the request and its views: use it
 // only while the request is valid (until the save's ack).
 type PagePlan struct {
 	// Keys are the save's page keys in chain order (the leaf last);
@@ -18,17 +19,21 @@ type PagePlan struct {
 	// PageTokens is P, resolved (never 0).
 	PageTokens int
 
+	req      *SavePrefixRequest
 	identity string
 	tokens   []uint32
-	tensors  []TensorSpec
+	tensors  []TensorSpec // the request's, each with its itemsize (resolveTensors)
 	shapes   [][]int
 }
 
 // PlanPrefixSave checks r exactly as SavePrefix does before touching the
 // disk (identity, page size, at least one token, every view and dtype,
 // enough tokens on axis -2: ErrInvalidRequest naming the problem) and
-// returns its plan. It does no I/O.
+// returns its plan. It does no I/O. A nil r is ErrInvalidRequest.
 func PlanPrefixSave(r *SavePrefixRequest) (*PagePlan, error) {
+	if r == nil {
+		return nil, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
+	}
 	p := pageTokens(r.PageTokens)
 	if len(r.Tokens) == 0 {
 		return nil, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, r.Namespace)
@@ -41,7 +46,7 @@ func PlanPrefixSave(r *SavePrefixRequest) (*PagePlan, error) {
 		return nil, fmt.Errorf("save prefix %s: %w", r.Namespace, err)
 	}
 	pl := &PagePlan{Keys: keys, Parents: make([]layout.PageKey, len(keys)), PageTokens: p,
-		identity: r.Identity, tokens: r.Tokens, tensors: resolveTensors(r.Tensors)}
+		req: r, identity: r.Identity, tokens: r.Tokens, tensors: resolveTensors(r.Tensors)}
 	pl.Parents[0] = layout.PageRoot(r.Identity, p)
 	copy(pl.Parents[1:], keys)
 	pl.shapes = make([][]int, len(pl.tensors))

@@ -134,7 +134,10 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
 // every fan-out directory holding a page of the save and pages/ are
-// fsynced (those of reused pages while the new pages are written). When
+// fsynced (those of reused pages while the new pages are written), except
+// the directory of a reused page that cfg.Durable knows durable with the
+// FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
+// "Known-durable pages"); on success every page is marked there. When
 // SavePrefix returns nil, every page of the tokens is durable under its
 // key.
 //
@@ -150,27 +153,42 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 // operation and path.
 func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
-	var m Metrics
 	if req == nil {
-		return nil, m, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
+		return nil, Metrics{}, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
 	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: save prefix: %w", err)
+		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
 	}
-	p := pageTokens(req.PageTokens)
-	n := len(req.Tokens)
-	if n == 0 {
-		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
-	}
-	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	pl, err := PlanPrefixSave(req)
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: save prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+		return nil, Metrics{}, err
 	}
-	if err := checkPrefixTensors(req.Tensors, n, ErrInvalidRequest, "tensor", false); err != nil {
-		return nil, m, fmt.Errorf("save prefix %s: %w", ns.Dir(), err)
+	return savePlanned(ctx, cfg, ns, pl, start)
+}
+
+// SavePlannedPrefix is SavePrefix of the request pl was planned for
+// (PlanPrefixSave), without keying and checking it again: the engine plans
+// a save to reserve room for its new pages, then runs it with this. The
+// request must not have changed since it was planned. Errors as
+// SavePrefix's (the checks PlanPrefixSave made are not repeated); a nil pl
+// is ErrInvalidRequest.
+func SavePlannedPrefix(ctx context.Context, cfg *Config, pl *PagePlan) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	if pl == nil || pl.req == nil {
+		return nil, Metrics{}, fmt.Errorf("%w: nil or empty *PagePlan", ErrInvalidRequest)
 	}
-	tensors := resolveTensors(req.Tensors)
+	ns, err := cfg.namespace(pl.req.Namespace)
+	if err != nil {
+		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
+	}
+	return savePlanned(ctx, cfg, ns, pl, start)
+}
+
+// savePlanned runs a checked, keyed save into ns.
+func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *PagePlan, start time.Time) (*PrefixResult, Metrics, error) {
+	var m Metrics
+	req, keys, tensors, n := pl.req, pl.Keys, pl.tensors, len(pl.tokens)
 	// The namespace directory (never a symlink), durably (the root synced
 	// in any case, as for Write), then its lock, shared: collect may not
 	// sweep meanwhile.
@@ -186,7 +204,7 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, req.Identity, p, req.Tokens, tensors, keys, res, &m, req.Progress)
+	err = savePages(ctx, cfg, ns, pl.identity, pl.PageTokens, pl.tokens, tensors, keys, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
@@ -195,9 +213,13 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 // ns's pages/ (paths and directories from engine/store), the namespace
 // already created and locked: stored pages are reused (storedPage), new
 // ones written and committed by the fsync waiters, which meanwhile fsync
-// the fan-out directories of the reused pages (a concurrent writer may
-// have renamed one in without syncing yet); then the fan-out directories
-// of the new pages and pages/ are fsynced. It fills res's counts and m's
+// the fan-out directories of the reused pages not known durable (a
+// concurrent writer, or one that died, may have renamed one in without
+// syncing: cfg.Durable, "Known-durable pages" in ARCHITECTURE.md); then
+// each new page is lstat'ed and the fan-out directories of the new pages
+// and pages/ are fsynced; on success every page is marked durable with
+// the FileID of the lstat that preceded its directory's fsync (or of the
+// mark it matched). It fills res's counts and m's
 // write metrics, and tells progress (when non-nil), on this goroutine,
 // each page's tensor bytes once the page is reused or published.
 func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics, progress func(int64)) error {
@@ -222,14 +244,25 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 			progress(d)
 		}
 	}
-	made := map[string]bool{}    // fan-out directories created or checked
-	newDirs := map[string]bool{} // fan-out directories of new pages: fsynced at the end
-	early := map[string]bool{}   // fan-out directories of reused pages: fsynced by the committer
+	made := map[string]bool{} // fan-out directories created or checked
+	// newDirs: fan-out directories fsynced at the end: of new pages, and of
+	// reused ones found after their early fsync was handed.
+	newDirs := map[string]bool{}
+	early := map[string]bool{} // fan-out directories of reused pages: fsynced by the committer
 	shapes := make([][]int, len(tensors))
 	for i, t := range tensors {
 		shapes[i] = make([]int, len(t.View.Shape))
 	}
 	var hdr []byte // scratch for storedPage
+	// ids[i]: the FileID of page i's file from an lstat made before its
+	// directory's fsync (reused pages: storedPage's; new pages: after the
+	// commits), or the mark it matched; the zero FileID when unknown.
+	ids := make([]vfs.FileID, len(keys))
+	var fresh []int // positions of the pages this save publishes
+	marks := cfg.Durable
+	if !st.Durable() {
+		marks = nil // nothing is fsynced: nothing is known durable
+	}
 	parent := layout.PageRoot(identity, p)
 	for i, key := range keys {
 		tell()
@@ -257,15 +290,25 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 		}
 		m.LogicalBytes += pl.size - pl.dataStart
 		var reuse, exists bool
-		if reuse, exists, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
+		var id vfs.FileID
+		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
 			break
 		}
 		if reuse {
 			res.PagesReused++
 			res.BytesReused += pl.size
-			if st.Durable() && !early[dir] {
+			ids[i] = id
+			known := marks != nil && id != (vfs.FileID{}) && marks.DurableID(ns.Name(), key) == id
+			switch {
+			case !st.Durable() || known:
+			case !early[dir]:
+				// fsynced by the committer, after this lstat
 				early[dir] = true
 				c.hand(stagedBlock{dir: dir})
+			default:
+				// An earlier page's fsync of dir may have run before
+				// this page's lstat: fsync dir again at the end.
+				newDirs[dir] = true
 			}
 			if progress != nil {
 				progress(pl.tensorBytes)
@@ -276,6 +319,7 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 			res.PagesReplaced++
 		}
 		newDirs[dir] = true
+		fresh = append(fresh, i)
 		tb := pl.tensorBytes
 		if err = stagePage(ctx, cfg, st, c, pl, &copied, &peak, func() { published.Add(tb) }); err != nil {
 			break
@@ -287,15 +331,28 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	}
 	tell() // pages published since the last call, whatever the outcome
 	if err == nil && st.Durable() {
-		dirs := make([]string, 0, len(newDirs))
+		// The new pages' FileIDs, each from an lstat before its
+		// directory's fsync below: whatever file that lstat saw (ours,
+		// or one a concurrent writer renamed over it) is durable under
+		// the name once the fsync returns.
+		if marks != nil {
+			for _, i := range fresh {
+				if fi, lerr := st.FS().Lstat(ns.PagePath(keys[i])); lerr == nil {
+					ids[i] = vfs.IDOf(fi)
+				}
+			}
+		}
+		// The fan-out directories and pages/ (which holds their entries)
+		// at once: each must be durable before the ack, in no order.
+		dirs := make([]string, 0, len(newDirs)+1)
 		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
-		if err = syncDirs(ctx, st, dirs, pagesDir); err == nil {
-			if serr := st.SyncDir(pagesDir); serr != nil {
-				err = fmt.Errorf("jobs: save prefix: fsync directory %s: %w", pagesDir, serr)
-			}
+		dirs = append(dirs, pagesDir)
+		err = syncDirs(ctx, st, dirs, pagesDir)
+		if err == nil && marks != nil {
+			marks.MarkDurable(ns.Name(), keys, ids)
 		}
 	}
 	res.PagesWritten = int(c.files.Load())
@@ -359,24 +416,27 @@ var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 // returned): no JSON is decoded, and the page's data is not read (a load
 // with verification finds a corrupt tensor). exists reports whether
 // anything is at path (to be replaced when not reusable; a directory is an
-// error). A file that cannot be opened or read whole is not reusable.
-func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, _ []byte, err error) {
+// error). A file that cannot be opened or read whole is not reusable. id
+// is the FileID of the lstat that found the file (vfs.IDOf), taken before
+// the file is opened.
+func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
 	fi, err := fsys.Lstat(path)
 	if err != nil {
 		if vfs.IsNotExist(err) {
-			return false, false, buf, nil
+			return false, false, id, buf, nil
 		}
-		return false, false, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
+		return false, false, id, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
 	}
 	if fi.IsDir() {
-		return false, true, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+		return false, true, id, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
 	}
 	if !fi.Mode().IsRegular() || fi.Size() != pl.size {
-		return false, true, buf, nil
+		return false, true, id, buf, nil
 	}
+	id = vfs.IDOf(fi)
 	f, err := fsys.Open(path) // no symlink followed, no FIFO blocks
 	if err != nil {
-		return false, !vfs.IsNotExist(err), buf, nil
+		return false, !vfs.IsNotExist(err), id, buf, nil
 	}
 	defer f.Close()
 	n := layout.PrefixLen + len(pl.js)
@@ -385,9 +445,9 @@ func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, e
 	}
 	buf = buf[:n]
 	if layout.ReadFull(f, buf, 0) != nil {
-		return false, true, buf, nil
+		return false, true, id, buf, nil
 	}
-	return sameHeader(buf, pl.js, pl.dataStart), true, buf, nil
+	return sameHeader(buf, pl.js, pl.dataStart), true, id, buf, nil
 }
 
 // sameHeader reports whether file (a file's first PrefixLen+len(js)
@@ -543,8 +603,24 @@ func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*Pref
 // xxh3-64, the key chain) from the temp file it then renamed into place.
 // verified nil is LoadPrefix.
 func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
+	return LoadPrefixChain(ctx, cfg, req, nil, verified)
+}
+
+// LoadPrefixChain is LoadPrefixVerified given the prompt's page keys,
+// keys = layout.PageChain(req.Identity, P, req.Tokens), which a caller that
+// has already computed them (the engine: for its pins and its remote
+// tier's read-through) passes so that the chain is hashed once per load;
+// nil computes them. Keys of another length than the prompt's pages are
+// ErrInvalidRequest; keys of the right length but not the prompt's chain
+// are the caller's bug: a page stored under such a key is not loaded
+// unless its header names the prompt's token ids (checkPage), but the
+// prefix then reported may be shorter than the stored one.
+func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
 	start := time.Now()
 	var m Metrics
+	if req == nil {
+		return nil, m, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
+	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
@@ -554,9 +630,16 @@ func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest
 	if n == 0 {
 		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
+	if keys == nil {
+		keys, _, err = layout.PageChain(req.Identity, p, req.Tokens)
+	} else if err = layout.CheckIdentity(req.Identity); err == nil {
+		err = layout.CheckPageTokens(p)
+	}
 	if err != nil {
 		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+	}
+	if want := (n + p - 1) / p; len(keys) != want {
+		return nil, m, fmt.Errorf("%w: load prefix %s: %d page keys given for %d pages of tokens", ErrInvalidRequest, ns.Dir(), len(keys), want)
 	}
 	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
 		return nil, m, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -687,4 +688,62 @@ func flipLastByte(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return raw
+}
+
+// TestPrefixPlannedSaveAndChainLoad: SavePlannedPrefix of a plan saves
+// exactly what SavePrefix of its request does (same keys, pages written,
+// then reused by SavePrefix), and LoadPrefixChain given the prompt's keys
+// loads the bytes LoadPrefix loads; keys of another length than the
+// prompt's pages are ErrInvalidRequest, and a nil plan too.
+func TestPrefixPlannedSaveAndChainLoad(t *testing.T) {
+	ns := filepath.Join(t.TempDir(), "ns")
+	c := newConv(seqTokens(700, 3), pTensors, pHeads, pDim, 700)
+	cfg := inRoot(noSync(), ns)
+	req := &jobs.SavePrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(700), PageTokens: 256}
+	plan, err := jobs.PlanPrefixSave(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, _, err := jobs.SavePlannedPrefix(context.Background(), cfg, plan)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _, _ := layout.PageChain("tiny/bf16", 256, c.tokens)
+	if !slices.Equal(res.Keys, want) || res.PagesWritten != 3 || res.PagesReused != 0 || res.Tokens != 700 {
+		t.Fatalf("planned save: %d keys (chain equal: %v), %d written, %d reused, %d tokens", len(res.Keys), slices.Equal(res.Keys, want), res.PagesWritten, res.PagesReused, res.Tokens)
+	}
+	again, _, err := jobs.SavePrefix(context.Background(), cfg, req)
+	if err != nil || again.PagesReused != 3 || again.PagesWritten != 0 {
+		t.Fatalf("SavePrefix after the planned save: %+v %v", again, err)
+	}
+	if _, _, err := jobs.SavePlannedPrefix(context.Background(), cfg, nil); !errors.Is(err, jobs.ErrInvalidRequest) {
+		t.Fatalf("nil plan: %v", err)
+	}
+	load := func(keys []layout.PageKey) (*jobs.PrefixResult, [][]byte, error) {
+		bufs, dest := c.dests(700)
+		lr, _, err := jobs.LoadPrefixChain(context.Background(), cfg, &jobs.LoadPrefixRequest{
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+		}, keys, nil)
+		return lr, bufs, err
+	}
+	byKeys, got, err := load(want)
+	if err != nil {
+		t.Fatal(err)
+	}
+	byNil, ref, err := load(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if byKeys.Tokens != 700 || byNil.Tokens != 700 || !slices.Equal(byKeys.Keys, want) {
+		t.Fatalf("loaded %d tokens with keys, %d without", byKeys.Tokens, byNil.Tokens)
+	}
+	c.checkDest(t, got, 700, 700)
+	for i := range got {
+		if !bytes.Equal(got[i], ref[i]) {
+			t.Fatalf("tensor %d: bytes loaded with the keys differ from LoadPrefix's", i)
+		}
+	}
+	if _, _, err := load(want[:2]); !errors.Is(err, jobs.ErrInvalidRequest) {
+		t.Fatalf("2 keys for 3 pages: %v", err)
+	}
 }

@@ -5,11 +5,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"path/filepath"
 	"slices"
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/gather"
@@ -108,20 +110,22 @@ func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
 
 // Read restores the snapshot <cfg.Root>/<req.Namespace>/<req.Name> into
 // req.Dest. It decodes and validates the file first (layout.Decode), checks
-// the destinations (CheckDest) and, for a manifest, opens every block it
-// names and checks its size, all before any byte of a destination is
-// written; it never writes past a destination's length. The data is read
+// the destinations (CheckDest) and, for a manifest, checks every block it
+// names (Lstat: a regular file of the manifest's size; see openBlocks), all
+// before any byte of a destination is written; it never writes past a destination's length. The data is read
 // by ReadExtents: cfg.ReadDepth requests in flight, O_DIRECT where the file
 // system supports it and the file is not in the page cache. A name that is
 // not one valid path element is layout.ErrBadName.
 //
 // What a destination holds after a failure:
 //   - an error from decoding, CheckDest (ErrDestination, ErrMismatch), the
-//     lock, or opening and sizing the blocks (ErrMissingBlock, ErrBlockSize,
-//     a symlinked directory, an I/O error: a *ReadError naming every tensor
-//     with such a block): no destination has been touched;
-//   - a *ReadError from reading (ErrCorrupt, an I/O error): the tensors it
-//     names hold unspecified bytes (a mix of their old contents and the
+//     lock, or checking the blocks (ErrMissingBlock, ErrBlockSize, a
+//     symlinked block (ELOOP) or directory, an I/O error: a *ReadError
+//     naming every tensor with such a block): no destination has been
+//     touched;
+//   - a *ReadError from reading (ErrCorrupt, an I/O error, a block that
+//     cannot be opened to be read or is no longer a regular file of its
+//     size: ErrBlockSize): the tensors it names hold unspecified bytes (a mix of their old contents and the
 //     file's); every other tensor was read completely (and verified, with
 //     Verify);
 //   - ctx's error: every destination holds unspecified bytes.
@@ -298,28 +302,38 @@ func blockPath(snap *layout.Snapshot, hash string) string {
 	return ns.SnapshotBlockPath(snap, hash)
 }
 
-// openBlocks opens every distinct block the manifest names (without
-// following symlinks; the directories between the namespace and the blocks
-// must be real directories) and checks each is a regular file of exactly
-// the manifest's count, several at a time (cfg.ReadDepth). Every failure is
+// openBlocks checks every distinct block the manifest names, several at a
+// time (cfg.ReadDepth): by Lstat, it must be a regular file (not a
+// symlink) of exactly the manifest's count, and the directories between
+// the namespace and the blocks must be real directories. Every failure is
 // reported, per tensor, in a *ReadError, before any destination is touched:
 // the read holds the namespace's shared lock, so collect cannot remove a
-// block between this check and the read.
+// block between this check and the read. No block is opened here: each is
+// a lazy Source, opened by the first read from it (inside the reading
+// goroutines, so the opens overlap the reads and the hashing), checked
+// again to be a regular file of the manifest's count, and closed after its
+// last reference is read: a read holds at most about cfg.ReadDepth block
+// files open, whatever the manifest's size, and opens each once.
 func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layout.Snapshot) (*readBlocks, error) {
 	fsys := cfg.fs()
 	nsDir := filepath.Dir(snap.Path)
 	type want struct {
 		hash  string
 		bytes int64
+		uses  int64 // references in the manifest
 	}
 	var uniq []want
+	index := map[string]int{} // hash -> index in uniq
 	b := &readBlocks{srcs: map[string]*Source{}, paths: map[string]string{}}
 	for _, t := range snap.Header.Slots() {
 		for _, ref := range t.Blocks {
-			if _, seen := b.paths[ref.Hash]; !seen {
-				b.paths[ref.Hash] = blockPath(snap, ref.Hash)
-				uniq = append(uniq, want{ref.Hash, ref.Bytes})
+			if k, seen := index[ref.Hash]; seen {
+				uniq[k].uses++
+				continue
 			}
+			index[ref.Hash] = len(uniq)
+			b.paths[ref.Hash] = blockPath(snap, ref.Hash)
+			uniq = append(uniq, want{ref.Hash, ref.Bytes, 1})
 		}
 	}
 	// The directories between the namespace and the blocks, once each.
@@ -332,7 +346,6 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 		}
 	}
 	mode := directFor(cfg, manifest)
-	srcs := make([]*Source, len(uniq))
 	errs := make([]error, len(uniq))
 	err := inFlight(ctx, cfg, cfg.readDepth(), len(uniq), func(i int) {
 		w := uniq[i]
@@ -343,37 +356,19 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 				return
 			}
 		}
-		s, err := openSourceWith(cfg, mode, path)
-		if err != nil {
-			if vfs.IsNotExist(err) {
-				err = fmt.Errorf("%w: %s", ErrMissingBlock, path)
-			}
+		fi, err := fsys.Lstat(path)
+		switch {
+		case vfs.IsNotExist(err):
+			errs[i] = fmt.Errorf("%w: %s", ErrMissingBlock, path)
+		case err != nil:
 			errs[i] = err
-			return
-		}
-		srcs[i] = s
-		if !s.regular || s.size != w.bytes {
-			errs[i] = fmt.Errorf("%w: %s has %d bytes (regular file: %v), the manifest says %d", ErrBlockSize, path, s.size, s.regular, w.bytes)
+		case fi.Mode()&fs.ModeSymlink != 0:
+			// What the read's open (O_NOFOLLOW) would say.
+			errs[i] = &fs.PathError{Op: "open", Path: path, Err: syscall.ELOOP}
+		case !fi.Mode().IsRegular() || fi.Size() != w.bytes:
+			errs[i] = fmt.Errorf("%w: %s has %d bytes (regular file: %v), the manifest says %d", ErrBlockSize, path, fi.Size(), fi.Mode().IsRegular(), w.bytes)
 		}
 	})
-	for i, s := range srcs {
-		if s != nil {
-			b.srcs[uniq[i].hash] = s
-		}
-	}
-	if len(uniq) > maxHeldBlocks {
-		// Too many to keep open: each is opened again when read, and
-		// closed after its last reference.
-		uses := map[string]int64{}
-		for _, t := range snap.Header.Slots() {
-			for _, ref := range t.Blocks {
-				uses[ref.Hash]++
-			}
-		}
-		for h, s := range b.srcs {
-			s.makeLazy(uses[h])
-		}
-	}
 	if err != nil {
 		return b, err
 	}
@@ -384,6 +379,9 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 		}
 	}
 	if len(bad) == 0 {
+		for _, w := range uniq {
+			b.srcs[w.hash] = lazySource(mode, b.paths[w.hash], w.bytes, w.uses)
+		}
 		return b, nil
 	}
 	failures := map[int]SlotError{}
@@ -399,9 +397,10 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 	return b, &ReadError{Path: snap.Path, Slots: sortedFailures(failures)}
 }
 
-// maxHeldBlocks is how many block files a read keeps open from the check
-// of their sizes to their read (a 1 GiB snapshot of 1 MiB blocks); a
-// manifest naming more reopens each block when it reads it.
+// maxHeldBlocks is how many files a prefix load keeps open from the check
+// of their sizes to their read; one naming more reopens each file when it
+// reads it. (A snapshot read opens its blocks only to read them: see
+// openBlocks.)
 var maxHeldBlocks = 1024
 
 // extents is one extent per block reference, in slot and block order,

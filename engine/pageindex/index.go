@@ -22,15 +22,68 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
-// Index holds the stored page keys of each namespace. It is safe for
-// concurrent use; lookups share a read lock.
+// Index holds the stored page keys of each namespace, and the pages known
+// durable (see DurableID). It is safe for concurrent use; lookups share a
+// read lock.
 type Index struct {
 	mu sync.RWMutex
 	ns map[string]map[layout.PageKey]struct{}
+	// durable: per namespace, the FileID of each page file made known
+	// durable by this process's saves (MarkDurable); a separate map, so
+	// that Lookup's set stays small. Forgotten with the key.
+	durable map[string]map[layout.PageKey]vfs.FileID
 }
 
 // New returns an empty index.
-func New() *Index { return &Index{ns: map[string]map[layout.PageKey]struct{}{}} }
+func New() *Index {
+	return &Index{ns: map[string]map[layout.PageKey]struct{}{}, durable: map[string]map[layout.PageKey]vfs.FileID{}}
+}
+
+// DurableID returns the FileID recorded by MarkDurable for page key of
+// namespace ns, or the zero FileID when none is. A save compares it with
+// the lstat of the page file it finds (jobs.DurablePages): equal means the
+// file is the one that was durable under its name when it was marked, so
+// its directory need not be fsynced again.
+func (x *Index) DurableID(ns string, key layout.PageKey) vfs.FileID {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	return x.durable[ns][key]
+}
+
+// MarkDurable records ids[i] as the FileID of page keys[i] of namespace
+// ns, known durable: the caller has made the page's directory entry, and
+// its fan-out directory's entry in pages/, durable after an lstat that
+// gave ids[i] (see ARCHITECTURE.md, "Known-durable pages"). A zero id
+// forgets the key's mark. len(ids) must equal len(keys).
+func (x *Index) MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	m := x.durable[ns]
+	for i, k := range keys {
+		if ids[i] == (vfs.FileID{}) {
+			delete(m, k)
+			continue
+		}
+		if m == nil {
+			m = make(map[layout.PageKey]vfs.FileID, len(keys))
+			x.durable[ns] = m
+		}
+		m[k] = ids[i]
+	}
+	if m != nil && len(m) == 0 {
+		delete(x.durable, ns)
+	}
+}
+
+// forgetDurable drops key's durable mark; x.mu held for writing.
+func (x *Index) forgetDurable(ns string, key layout.PageKey) {
+	if m := x.durable[ns]; m != nil {
+		delete(m, key)
+		if len(m) == 0 {
+			delete(x.durable, ns)
+		}
+	}
+}
 
 // Add records keys as stored in namespace ns.
 func (x *Index) Add(ns string, keys ...layout.PageKey) {
@@ -49,13 +102,15 @@ func (x *Index) Add(ns string, keys ...layout.PageKey) {
 	}
 }
 
-// Remove forgets keys of namespace ns (absent keys are ignored).
+// Remove forgets keys of namespace ns, and their durable marks (absent
+// keys are ignored).
 func (x *Index) Remove(ns string, keys ...layout.PageKey) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	set := x.ns[ns]
 	for _, k := range keys {
 		delete(set, k)
+		x.forgetDurable(ns, k)
 	}
 	if set != nil && len(set) == 0 {
 		delete(x.ns, ns)
@@ -76,9 +131,25 @@ func (x *Index) RemoveIfGone(ns string, key layout.PageKey, gone func() bool) {
 		return
 	}
 	delete(set, key)
+	x.forgetDurable(ns, key)
 	if len(set) == 0 {
 		delete(x.ns, ns)
 	}
+}
+
+// Present returns how many of keys, from the first, are recorded in
+// namespace ns (len(keys) when all are): Lookup for a caller that has the
+// prompt's page keys already (layout.PageChain), without hashing.
+func (x *Index) Present(ns string, keys []layout.PageKey) int {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	set := x.ns[ns]
+	for i, k := range keys {
+		if _, ok := set[k]; !ok {
+			return i
+		}
+	}
+	return len(keys)
 }
 
 // Has reports whether key is recorded in namespace ns.

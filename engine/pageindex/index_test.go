@@ -13,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
 func toks(n int, seed uint32) []uint32 {
@@ -165,5 +166,62 @@ func TestRemoveIfGone(t *testing.T) {
 	x.RemoveIfGone("other", keys[1], func() bool { asked++; return true })
 	if asked != 2 {
 		t.Fatalf("gone asked about keys not held: %d", asked)
+	}
+}
+
+// TestDurableMarks: a mark is returned as recorded, per namespace; a zero
+// FileID forgets it; Remove and RemoveIfGone forget a key's mark with the
+// key (a page removed and written again must earn its mark again), and
+// RemoveIfGone keeps both while the file is there.
+func TestDurableMarks(t *testing.T) {
+	x := pageindex.New()
+	k1, k2 := layout.PageKey{1}, layout.PageKey{2}
+	id1 := vfs.FileID{Dev: 8, Ino: 11, Size: 4096, CtimeNs: 1}
+	id2 := vfs.FileID{Dev: 8, Ino: 12, Size: 4096, CtimeNs: 2}
+	x.Add("a", k1, k2)
+	x.MarkDurable("a", []layout.PageKey{k1, k2}, []vfs.FileID{id1, id2})
+	if x.DurableID("a", k1) != id1 || x.DurableID("a", k2) != id2 || x.DurableID("b", k1) != (vfs.FileID{}) {
+		t.Fatalf("marks: %v %v %v", x.DurableID("a", k1), x.DurableID("a", k2), x.DurableID("b", k1))
+	}
+	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{{}})
+	if x.DurableID("a", k2) != (vfs.FileID{}) || x.DurableID("a", k1) != id1 {
+		t.Fatalf("a zero id did not forget only k2's mark")
+	}
+	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{id2})
+	x.RemoveIfGone("a", k2, func() bool { return false })
+	if x.DurableID("a", k2) != id2 {
+		t.Fatalf("RemoveIfGone of a present file forgot its mark")
+	}
+	x.RemoveIfGone("a", k2, func() bool { return true })
+	x.Remove("a", k1)
+	if x.DurableID("a", k1) != (vfs.FileID{}) || x.DurableID("a", k2) != (vfs.FileID{}) {
+		t.Fatalf("removed keys kept their marks")
+	}
+}
+
+// TestPresent: Present counts the leading keys recorded (Lookup's walk
+// without the hashing), stopping at the first absent one.
+func TestPresent(t *testing.T) {
+	x := pageindex.New()
+	keys, _, err := layout.PageChain("id", 16, toks(16*4+3, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := x.Present("a", keys); n != 0 {
+		t.Fatalf("empty index: %d", n)
+	}
+	x.Add("a", keys[0], keys[1], keys[3], keys[4])
+	if n := x.Present("a", keys); n != 2 {
+		t.Fatalf("keys 0, 1, 3 and the leaf recorded: Present %d, want 2", n)
+	}
+	x.Add("a", keys[2])
+	if n, l := x.Present("a", keys), len(keys); n != l {
+		t.Fatalf("every key recorded: Present %d, want %d", n, l)
+	}
+	if n, _ := x.Lookup("a", "id", 16, toks(16*4+3, 1)); n != 16*4+3 {
+		t.Fatalf("Lookup disagrees: %d", n)
+	}
+	if n := x.Present("b", keys); n != 0 {
+		t.Fatalf("another namespace: %d", n)
 	}
 }

@@ -92,6 +92,29 @@ func checkHashes(r io.ReaderAt, snap *layout.Snapshot) error {
 	return nil
 }
 
+// checkPageSnap is VerifyPage's check of a decoded page's header against
+// its name and size: a page (FormatPage) whose key is key, ending exactly
+// where its last tensor ends (the single-file rule writers follow: a
+// longer object is not the file that was uploaded).
+func checkPageSnap(snap *layout.Snapshot, key string, size int64) error {
+	if snap.Page == nil {
+		return fmt.Errorf("not a page file (formatVersion %d)", snap.Header.FormatVersion)
+	}
+	if got := snap.Page.Key.String(); got != key {
+		return fmt.Errorf("holds the page of key %s, not of its name", got)
+	}
+	end := int64(snap.DataStart)
+	for _, t := range snap.Header.Caches[0].Tensors {
+		if t.Bytes > 0 {
+			end = max(end, int64(snap.DataStart)+t.Off+t.Bytes)
+		}
+	}
+	if end != size {
+		return fmt.Errorf("%d bytes, its last tensor ends at %d", size, end)
+	}
+	return nil
+}
+
 // VerifyPage returns a VerifyFunc accepting only the page file of key (64
 // lowercase hex digits): its header decodes (layout.Decode, which also
 // checks that the page's key is the chain step from its parent key over
@@ -105,23 +128,8 @@ func VerifyPage(key string, out **layout.Page) VerifyFunc {
 		if err != nil {
 			return err
 		}
-		if snap.Page == nil {
-			return fmt.Errorf("not a page file (formatVersion %d)", snap.Header.FormatVersion)
-		}
-		if got := snap.Page.Key.String(); got != key {
-			return fmt.Errorf("holds the page of key %s, not of its name", got)
-		}
-		// A page file ends exactly where its last tensor ends (the
-		// single-file rule writers follow): a longer object is not the
-		// file that was uploaded.
-		end := int64(snap.DataStart)
-		for _, t := range snap.Header.Caches[0].Tensors {
-			if t.Bytes > 0 {
-				end = max(end, int64(snap.DataStart)+t.Off+t.Bytes)
-			}
-		}
-		if end != size {
-			return fmt.Errorf("%d bytes, its last tensor ends at %d", size, end)
+		if err := checkPageSnap(snap, key, size); err != nil {
+			return err
 		}
 		if err := checkHashes(r, snap); err != nil {
 			return err

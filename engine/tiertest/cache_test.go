@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"os"
 	"runtime"
@@ -291,9 +292,9 @@ func (h *nthRT) CloseIdleConnections() {
 
 // TestFetchedPageStaysPinnedUntilLoaded: B's cache holds 3 pages, one
 // pinned by a page manifest. B loads X (2 pages, remote, fetched one at a
-// time). While X's second page is being fetched, X's first page is
-// published and committed, and is the only page that could be evicted; a
-// save of one page beside the load then finds no room (ErrNoSpace) rather
+// time). While X's second page is being fetched and X's first page has
+// been published and committed (the only page that could be evicted), a
+// save of one page beside the load finds no room (ErrNoSpace) rather
 // than evict it, and the load gets both pages bit-exact. Once the load
 // ended the pin is gone: the same save succeeds, evicting X's leaf.
 func TestFetchedPageStaysPinnedUntilLoaded(t *testing.T) {
@@ -315,10 +316,19 @@ func TestFetchedPageStaysPinnedUntilLoaded(t *testing.T) {
 	}
 	var hookErr error
 	hook := &nthRT{next: http.DefaultTransport.(*http.Transport).Clone(), match: isRangedGet, n: 2, hook: func() {
-		// X's first page is committed; the second is being fetched.
-		if _, err := os.Lstat(pagePath(rootB, kx[0])); err != nil {
-			hookErr = err
-			return
+		// The second page is being fetched; the first one's publish
+		// may still be running (a GET token is given back once the
+		// bytes are in): wait until it is committed (keep's page and
+		// X's first).
+		for wait := time.Now(); ; time.Sleep(2 * time.Millisecond) {
+			_, err := os.Lstat(pagePath(rootB, kx[0]))
+			if err == nil && b.Usage().Pages == 2 {
+				break
+			}
+			if time.Since(wait) > 20*time.Second {
+				hookErr = fmt.Errorf("X's first page not committed while the second is fetched: lstat %v, usage %+v", err, b.Usage())
+				return
+			}
 		}
 		done := make(chan engine.Result, 1)
 		go func() { done <- saveZ() }()

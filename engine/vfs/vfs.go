@@ -475,3 +475,33 @@ func (f osFile) Cached(off, n int64) (bool, error) {
 	}
 	return int64(st.Cache) >= pages, nil
 }
+
+// FileID is one incarnation of a file at a path, from an lstat: device,
+// inode number, size in bytes and status-change time (ctime, in
+// nanoseconds since the epoch). A file replaced at the path (another
+// inode: a rename over it, a remove and a new create), written, truncated,
+// renamed, linked, chmodded or chowned gets another FileID, because each of
+// these changes the inode or sets its ctime. The exception is an inode
+// number freed and reused, for a file of the same size, within one tick of
+// the file system's timestamp clock (see ARCHITECTURE.md, "Known-durable
+// pages", for why the prefix cache can live with it). The zero FileID
+// means unknown and equals no file's.
+type FileID struct {
+	Dev, Ino uint64
+	Size     int64
+	CtimeNs  int64
+}
+
+// IDOf returns the FileID of a regular file's lstat (or stat) result; the
+// zero FileID when fi is not a regular file or does not carry a
+// *syscall.Stat_t (an FS that is not the operating system's).
+func IDOf(fi os.FileInfo) FileID {
+	if fi == nil || !fi.Mode().IsRegular() {
+		return FileID{}
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok || st == nil {
+		return FileID{}
+	}
+	return FileID{Dev: uint64(st.Dev), Ino: st.Ino, Size: st.Size, CtimeNs: st.Ctim.Nano()}
+}

@@ -250,3 +250,37 @@ func TestReadvAt(t *testing.T) {
 		}
 	}
 }
+
+// TestIDOf: a file's FileID is stable while nothing changes it, differs
+// once another file is renamed over its name (another inode) or it is
+// rewritten, and is zero for a directory.
+func TestIDOf(t *testing.T) {
+	dir := t.TempDir()
+	p := filepath.Join(dir, "page")
+	if err := os.WriteFile(p, []byte("abcd"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	id := func(name string) vfs.FileID {
+		fi, err := vfs.Default.Lstat(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return vfs.IDOf(fi)
+	}
+	a := id(p)
+	if a == (vfs.FileID{}) || a.Size != 4 || a != id(p) {
+		t.Fatalf("FileID %+v, again %+v", a, id(p))
+	}
+	if err := os.WriteFile(p+".tmp", []byte("abcd"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(p+".tmp", p); err != nil {
+		t.Fatal(err)
+	}
+	if b := id(p); b == a || b.Ino == a.Ino {
+		t.Fatalf("a file renamed over the name kept FileID %+v (was %+v)", b, a)
+	}
+	if d := id(dir); d != (vfs.FileID{}) {
+		t.Fatalf("a directory's FileID is %+v, want zero", d)
+	}
+}

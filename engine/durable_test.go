@@ -1,0 +1,135 @@
+package engine
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// newSyncedEngine opens an engine that fsyncs (unlike newEngine) on root
+// through fsys, closed when the test ends.
+func newSyncedEngine(t *testing.T, root string, fsys *testutil.FaultFS) *Engine {
+	t.Helper()
+	e, err := New(Config{Root: root, Workers: 2, FS: fsys, Logger: newEngineLogger()})
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() { _ = e.Close(bg) })
+	return e
+}
+
+// dirSyncs runs save and returns how many times it fsynced each directory.
+func dirSyncs(t *testing.T, ffs *testutil.FaultFS, dirs []string, save func()) map[string]int {
+	t.Helper()
+	before := map[string]int{}
+	for _, d := range dirs {
+		before[d] = ffs.CountPath(testutil.OpSyncDir, d)
+	}
+	save()
+	out := map[string]int{}
+	for _, d := range dirs {
+		out[d] = ffs.CountPath(testutil.OpSyncDir, d) - before[d]
+	}
+	return out
+}
+
+// replacePage puts a copy of the page file at path under its name as
+// another process's save would: a new file (another inode) renamed over it.
+func replacePage(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmp := path + ".other"
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestKnownDurablePages: a save that reuses a page this engine made
+// durable does not fsync its directory again; a page replaced since (a new
+// inode renamed over it, as by another process that may have died before
+// its directory fsync) is fsynced again, once, and then known durable; an
+// engine that starts on a store knows no page durable until it has
+// fsynced its directory once. See ARCHITECTURE.md, "Known-durable pages".
+func TestKnownDurablePages(t *testing.T) {
+	root := t.TempDir()
+	ffs := testutil.NewFaultFS(nil)
+	e := newSyncedEngine(t, root, ffs)
+	toks := convTokens(0, 5*cP, 1)
+	base := mustSavePages(t, e, "p", toks[:4*cP]).Prefix.Keys // 4 new pages
+	nsDir := filepath.Join(root, "p")
+	pagesDir := testutil.PagesDir(nsDir)
+	dirOf := func(k layout.PageKey) string { return filepath.Dir(testutil.PagePath(nsDir, k)) }
+	var all []layout.PageKey
+	save := func(want [2]int) func() { // want: pages written, reused
+		return func() {
+			r := mustSavePages(t, e, "p", toks)
+			if got := [2]int{r.Prefix.PagesWritten, r.Prefix.PagesReused}; got != want {
+				t.Fatalf("save: %d written, %d reused; want %v", got[0], got[1], want)
+			}
+			all = r.Prefix.Keys
+		}
+	}
+	dirs := []string{pagesDir}
+	for _, k := range base {
+		dirs = append(dirs, dirOf(k))
+	}
+	newKeys, _, _ := layout.PageChain("tiny", cP, toks)
+	newDir := dirOf(newKeys[4])
+	dirs = append(dirs, newDir)
+
+	// 1. Grown by one page: only the new page's directory and pages/.
+	got := dirSyncs(t, ffs, dirs, save([2]int{1, 4}))
+	if got[pagesDir] != 1 || got[newDir] != 1 {
+		t.Fatalf("grown save: pages/ fsynced %d times, the new page's directory %d; want 1 and 1", got[pagesDir], got[newDir])
+	}
+	for _, k := range base {
+		if d := dirOf(k); d != newDir && got[d] != 0 {
+			t.Fatalf("grown save fsynced the directory of known-durable page %s %d times", k, got[d])
+		}
+	}
+
+	// 2. Page 1 replaced behind the engine's back: its directory is
+	// fsynced again by the next save that reuses it, and only then.
+	replacePage(t, testutil.PagePath(nsDir, all[1]))
+	got = dirSyncs(t, ffs, dirs, save([2]int{0, 5}))
+	if d := dirOf(all[1]); got[d] != 1 {
+		t.Fatalf("the directory of a replaced page was fsynced %d times, want 1", got[d])
+	}
+	for i, k := range all {
+		if d := dirOf(k); i != 1 && d != dirOf(all[1]) && got[d] != 0 {
+			t.Fatalf("page %d's directory fsynced %d times after only page 1 was replaced", i, got[d])
+		}
+	}
+	got = dirSyncs(t, ffs, dirs, save([2]int{0, 5}))
+	if d := dirOf(all[1]); got[d] != 0 {
+		t.Fatalf("the replaced page, fsynced once since, had its directory fsynced %d more times", got[d])
+	}
+
+	// 3. A new engine on the store: every reused page's directory is
+	// fsynced by its first save, by none after.
+	if err := e.Close(bg); err != nil {
+		t.Fatal(err)
+	}
+	e = newSyncedEngine(t, root, ffs)
+	got = dirSyncs(t, ffs, dirs, save([2]int{0, 5}))
+	for i, k := range all {
+		if d := dirOf(k); got[d] < 1 {
+			t.Fatalf("after a restart, page %d's directory was not fsynced", i)
+		}
+	}
+	got = dirSyncs(t, ffs, dirs, save([2]int{0, 5}))
+	for i, k := range all {
+		if d := dirOf(k); got[d] != 0 {
+			t.Fatalf("second save after a restart fsynced page %d's directory %d times", i, got[d])
+		}
+	}
+}
