@@ -25,18 +25,21 @@ import (
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the
-// local index lacks is looked up (StatAll, Store.Concurrency HEADs per
-// round trip) and, when the store holds them all, fetched FetchPages at a
+// local index lacks (or lists though its file is gone) is looked up
+// (StatAll, Store.Concurrency HEADs per round trip) and, when the store holds them all, fetched FetchPages at a
 // time through the bounded page cache exactly as a LoadPrefix read-through
 // fetches (pageCache.admitHeld around fetchPage: room reserved first,
 // verified against the manifest's key chain, published atomically, committed
-// pinned). Only when every page is local is a fetched manifest published
-// (the durable publish of a save, under the namespace's shared lock) and
-// recorded as the page cache's manifest (its pages pinned while it
-// exists), so a local manifest never names a page this engine failed to
-// fetch. fetched reports that a manifest or a page was published: the
-// caller reads again. held are the pins of the fetched pages: the caller
-// releases them when that read ends. rep says what the tier did; rep.Err is its first
+// pinned; the manifest's pages already local are pinned first). Only when
+// every page is local is a fetched manifest published (publishManifest:
+// the durable publish of a save, under the namespace's exclusive lock,
+// and only if the name is still missing locally) and recorded as the page
+// cache's manifest (its pages pinned while it exists), so a local
+// manifest never names a page this engine failed to fetch. fetched
+// reports that a manifest or a page was published, or that the name was
+// written locally meanwhile: the caller reads again. held are the pins of
+// the manifest's pages (fetched, or local before): the caller releases
+// them when that read ends. rep says what the tier did; rep.Err is its first
 // failure (errors.Is ErrRemoteCorrupt for an object that failed
 // verification), and the read then fails as it would locally (the
 // manifest not found, or ErrMissingPage) with rep.Err joined to its error.

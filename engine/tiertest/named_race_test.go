@@ -21,6 +21,16 @@ import (
 // on the same root (another process's view of it), a rewrite of a name
 // while its upload waits, a read cancelled while it fetches.
 
+// uploadNamed writes tokens' KV as the page manifest name on an engine of
+// its own (root rootX, the bucket under prefix) and closes it, its
+// uploads done: the name and its pages are then in the bucket.
+func uploadNamed(t *testing.T, prefix, rootX, name string, tokens []uint32) {
+	t.Helper()
+	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
+	writePages(t, x, name, tokens)
+	closeEngine(t, x)
+}
+
 // isPageGet matches the GETs that fetch a page (not a manifest).
 func isPageGet(r *http.Request) bool {
 	return r.Method == http.MethodGet && strings.Contains(r.URL.Path, "/pages/")
@@ -40,9 +50,7 @@ func TestNamedReadKeepsANameWrittenMeanwhile(t *testing.T) {
 	prefix := bucketPrefix(t)
 	rootX, root := t.TempDir(), t.TempDir()
 	v1, v2 := seq(41000, 3*ptoks), seq(43000, 3*ptoks)
-	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
-	writePages(t, x, "conv", v1)
-	closeEngine(t, x)
+	uploadNamed(t, prefix, rootX, "conv", v1)
 
 	b := newEngineCfg(t, root, prefix, newRecorder(t), nil, noTier)
 	var hookErr error
@@ -93,9 +101,7 @@ func TestNamedReadFetchesAPageEvictedByAnotherEngine(t *testing.T) {
 	save(t, b, y)
 	checkStored(t, root, "S", ks, bools(len(ks), func(int) bool { return false }))
 
-	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
-	writePages(t, x, "conv", conv)
-	closeEngine(t, x)
+	uploadNamed(t, prefix, rootX, "conv", conv)
 
 	res, dest := readNamed(a, "conv", len(conv))
 	if res.Err != nil {
@@ -152,9 +158,7 @@ func TestNamedReadCancelledMidFetch(t *testing.T) {
 	prefix := bucketPrefix(t)
 	rootX, root := t.TempDir(), t.TempDir()
 	conv := seq(55000, 6*ptoks)
-	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
-	writePages(t, x, "conv", conv)
-	closeEngine(t, x)
+	uploadNamed(t, prefix, rootX, "conv", conv)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -200,9 +204,7 @@ func TestNamedReadKeepsItsLocalPages(t *testing.T) {
 	s, z := seq(57000, 2*ptoks), seq(59000, ptoks)
 	conv := append(append([]uint32{}, s...), seq(61000, ptoks)...)
 	kz, kc := keysOf(t, z), keysOf(t, conv)
-	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
-	writePages(t, x, "conv", conv)
-	closeEngine(t, x)
+	uploadNamed(t, prefix, rootX, "conv", conv)
 	capacity := 3 * fullPageAlloc(t, rootX, kc)
 
 	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.CapacityBytes = capacity })
@@ -230,9 +232,7 @@ func TestConcurrentNamedReadsOfOneRemoteName(t *testing.T) {
 	prefix := bucketPrefix(t)
 	rootX, root := t.TempDir(), t.TempDir()
 	conv := seq(63000, 5*ptoks+7)
-	x := newEngine(t, rootX, prefix, newRecorder(t), nil)
-	writePages(t, x, "conv", conv)
-	closeEngine(t, x)
+	uploadNamed(t, prefix, rootX, "conv", conv)
 
 	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.Workers = 4 })
 	const readers = 4
@@ -288,4 +288,42 @@ func TestManifestUploadedAfterRemoteGCDeletedItsPages(t *testing.T) {
 	local := readFile(t, filepath.Join(root, ns, "conv"))
 	waitFor(t, "the manifest in the bucket", func() bool { return bytes.Equal(objects(t, st)[mname], local) })
 	checkObjects(t, prefix, root, keys, "conv")
+}
+
+// TestNamedReadWithRoomForPartOfIt: A's cache holds 4 pages, 3 of them
+// pinned by a page manifest of its own. A named read of a 2-page snapshot
+// stored only remotely has room for one page: the read fails with
+// ErrNoSpace, the manifest is not published, at most one page is fetched,
+// A's page manifest keeps every page, and the accounting equals the disk
+// within the capacity. Once the manifest that pinned the cache is deleted,
+// the same read succeeds.
+func TestNamedReadWithRoomForPartOfIt(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootX, root := t.TempDir(), t.TempDir()
+	conv, y := seq(67000, 2*ptoks), seq(69000, 3*ptoks)
+	kc, ky := keysOf(t, conv), keysOf(t, y)
+	uploadNamed(t, prefix, rootX, "conv", conv)
+	capacity := 4 * fullPageAlloc(t, rootX, kc)
+
+	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.CapacityBytes = capacity })
+	writePages(t, a, "keep", y)
+	res, _ := readNamed(a, "conv", len(conv))
+	if !errors.Is(res.Err, engine.ErrNoSpace) || res.Remote.PagesFetched > 1 {
+		t.Fatalf("read: %v (remote %+v); want ErrNoSpace, at most 1 page fetched", res.Err, res.Remote)
+	}
+	if _, err := os.Lstat(filepath.Join(root, ns, "conv")); !os.IsNotExist(err) {
+		t.Fatalf("manifest published without its pages (lstat: %v)", err)
+	}
+	checkStored(t, root, "keep", ky, bools(len(ky), func(int) bool { return true }))
+	checkUsageIsDisk(t, a, root, capacity)
+
+	if r := a.Do(context.Background(), &engine.DeleteRequest{Ref: engine.Ref{Namespace: ns, Name: "keep"}}); r.Err != nil {
+		t.Fatalf("delete keep: %v", r.Err)
+	}
+	res, dest := readNamed(a, "conv", len(conv))
+	if res.Err != nil {
+		t.Fatalf("read after the delete: %v (remote %+v)", res.Err, res.Remote)
+	}
+	checkNamed(t, dest, conv)
+	checkUsageIsDisk(t, a, root, capacity)
 }
