@@ -361,9 +361,9 @@ func (t *tier) journalOf(ns string) (n *store.Namespace, path string, pages []la
 // resume reads every namespace's journal (New) and queues what it lists
 // again: its pages whose local files exist, then each manifest that is
 // still a local page manifest (with its pages, as a write queues it).
-// Entries whose local file is gone are settled (dropped at close). A
-// journal that cannot be read is ignored with a log line (Warn); it stays
-// on disk until close rewrites it.
+// Entries whose local file is gone (or is not a regular file) are
+// settled (dropped at close). A journal that cannot be read is ignored
+// with a log line (Warn); it stays on disk until close rewrites it.
 func (t *tier) resume() {
 	names, _, err := t.e.store.Namespaces(false)
 	if err != nil {
@@ -394,7 +394,9 @@ func (t *tier) resume() {
 		t.mu.Unlock()
 		var queue []layout.PageKey
 		for _, k := range pages {
-			if _, err := fsys.Lstat(n.PagePath(k)); err != nil {
+			// Only a regular file can be uploaded (enqueueFile): an
+			// entry whose path is gone or is anything else is dropped.
+			if fi, err := fsys.Lstat(n.PagePath(k)); err != nil || !fi.Mode().IsRegular() {
 				t.settle(ns, k, "")
 				continue
 			}
