@@ -204,20 +204,39 @@ func (e *Engine) dropCorruptPage(ctx context.Context, cfg *jobs.Config, r *LoadP
 	if loaded%p != 0 || loaded/p >= len(keys) {
 		return
 	}
-	key := keys[loaded/p]
+	e.dropCorrupt(ctx, cfg, r.Namespace, keys[loaded/p], "kvpersist: a load found a corrupt page")
+}
+
+// dropCorrupt is dropCorruptPage's removal of page key of ns (found
+// corrupt by a load, or by an upload's verification: removeCorruptPage);
+// msg is the warning logged when it fails.
+func (e *Engine) dropCorrupt(ctx context.Context, cfg *jobs.Config, ns string, key layout.PageKey, msg string) {
 	wctx, cancel := context.WithTimeout(ctx, corruptPageWait)
 	defer cancel()
-	removed, err := jobs.RemoveCorruptPage(wctx, cfg, r.Namespace, key)
+	removed, err := jobs.RemoveCorruptPage(wctx, cfg, ns, key)
 	if err != nil {
-		e.log.Warn("kvpersist: a load found a corrupt page", "namespace", r.Namespace, "key", key.String(), "removed", removed, "err", err)
+		e.log.Warn(msg, "namespace", ns, "key", key.String(), "removed", removed, "err", err)
 		if !removed {
-			e.pages.Remove(r.Namespace, key)
+			e.pages.Remove(ns, key)
 			return
 		}
 	}
 	// Removed, gone, or whole again: the index and the accounting follow
 	// the disk.
-	e.forgetIfGone(r.Namespace, key)
+	e.forgetIfGone(ns, key)
+}
+
+// removeCorruptPage handles a page whose upload found its local file
+// corrupt (remote.ErrSourceCorrupt; it was not uploaded) as a load
+// finding it would (dropCorruptPage): removed if still corrupt under the
+// namespace's exclusive lock (waiting at most corruptPageWait, on the
+// uploader's goroutine), so that the next save writes it again and
+// uploads it. It runs from the uploader's OnDone, which runs until Close
+// has every upload done or abandoned, so the engine's store is open.
+func (e *Engine) removeCorruptPage(ns string, key layout.PageKey) {
+	cfg := e.jcfg
+	cfg.Spawn = nil // the uploader's goroutine does the check alone
+	e.dropCorrupt(context.Background(), &cfg, ns, key, "kvpersist: an upload found a corrupt local page")
 }
 
 // forgetIfGone drops page key of namespace ns from the index and from the

@@ -90,6 +90,9 @@ func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
 		t.remember(p)
 	case errors.Is(err, remote.ErrConflict), errors.Is(err, remote.ErrBadName):
 		// Permanent: another manifest holds the name remotely.
+	case errors.Is(err, remote.ErrSourceCorrupt):
+		// Permanent: the local manifest is corrupt (logged by uploaded);
+		// a write of the name queues its new file.
 	case p.attempt >= manifestRetries:
 		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 		t.remember(p)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"path/filepath"
 	"slices"
@@ -145,10 +146,10 @@ type tier struct {
 	backoffMax time.Duration // RemoteTier.UploadBackoffMax: the base of manifestRetryWait
 
 	mu       sync.Mutex
-	known    map[string]map[layout.PageKey]struct{} // per namespace: pages known stored remotely
-	nknown   int                                    // entries of known, at most knownCap
-	knownCap int                                    // RemoteTier.KnownPages
-	pending  map[string]*pendingUpload              // object name -> upload queued or in flight
+	known    map[string]map[layout.PageKey]time.Time // per namespace: pages known stored remotely -> when learnt
+	nknown   int                                     // entries of known, at most knownCap
+	knownCap int                                     // RemoteTier.KnownPages
+	pending  map[string]*pendingUpload               // object name -> upload queued or in flight
 	// Uploads across failures and restarts (remote_journal.go), per
 	// namespace: given up (for the journal written at close), listed by
 	// the journal read at start, and those of them done.
@@ -180,7 +181,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
-		known: map[string]map[layout.PageKey]struct{}{}, pending: map[string]*pendingUpload{},
+		known: map[string]map[layout.PageKey]time.Time{}, pending: map[string]*pendingUpload{},
 		unsent: map[string]*journalSet{}, loaded: map[string]*journalSet{}, settled: map[string]*journalSet{},
 		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
 	if t.backoffMax == 0 {
@@ -238,10 +239,20 @@ func (t *tier) queueDepth() {
 	}
 }
 
+// isKnown reports whether page k of ns is known stored remotely: learnt
+// (uploaded, found by a HEAD or fetched) less than RemoteTier.RefreshAge
+// ago. An older entry is dropped and the page is not known: remote GC may
+// have deleted it since (an object unreferenced past its grace, which is
+// at least twice RefreshAge), so its next save HEADs it again (StatFirst)
+// and uploads it if it is gone.
 func (t *tier) isKnown(ns string, k layout.PageKey) bool {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	_, ok := t.known[ns][k]
+	at, ok := t.known[ns][k]
+	if ok && time.Since(at) >= t.refreshAge {
+		t.forgetLocked(ns, k)
+		return false
+	}
 	return ok
 }
 
@@ -256,16 +267,17 @@ func (t *tier) markKnown(ns string, k layout.PageKey) {
 	defer t.mu.Unlock()
 	m := t.known[ns]
 	if m == nil {
-		m = map[layout.PageKey]struct{}{}
+		m = map[layout.PageKey]time.Time{}
 		t.known[ns] = m
 	}
 	if _, ok := m[k]; ok {
+		m[k] = time.Now() // learnt again: its age restarts
 		return
 	}
 	if t.nknown >= t.knownCap {
 		t.dropOneKnownLocked()
 	}
-	m[k] = struct{}{}
+	m[k] = time.Now()
 	t.nknown++
 }
 
@@ -290,6 +302,11 @@ func (t *tier) dropOneKnownLocked() {
 func (t *tier) forget(ns string, k layout.PageKey) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.forgetLocked(ns, k)
+}
+
+// forgetLocked is forget with t.mu held.
+func (t *tier) forgetLocked(ns string, k layout.PageKey) {
 	m := t.known[ns]
 	if _, ok := m[k]; !ok {
 		return
@@ -351,13 +368,10 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 // enqueueFile queues the upload of the local file path as object name
 // (p describes it), unless name is queued already (that upload is
 // returned). It returns nil when nothing is queued: the file is gone or
-// the queue is full (logged, counted as an upload error). The source is
-// re-opened for each attempt and must still be the file lstat'd now (same
-// size and mtime): a manifest rewritten under its name meanwhile is not
-// uploaded with the wrong bytes.
+// the queue is full (logged, counted as an upload error). See queueUpload
+// for what each attempt checks.
 func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
-	fsys := t.e.store.FS()
-	fi, err := fsys.Lstat(path)
+	fi, err := t.e.store.FS().Lstat(path)
 	if err != nil || !fi.Mode().IsRegular() {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
 		return nil
@@ -370,24 +384,7 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 	p.done = make(chan struct{})
 	t.pending[name] = p
 	t.mu.Unlock()
-	size, mtime := fi.Size(), fi.ModTime()
-	err = t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Open: func() (remote.ReadAtCloser, error) {
-		t.mu.Lock()
-		if p.start.IsZero() {
-			p.start = time.Now()
-		}
-		t.mu.Unlock()
-		f, err := fsys.Open(path)
-		if err != nil {
-			return nil, fmt.Errorf("%w: %s: %w", errSourceChanged, path, err)
-		}
-		if st, err := f.Stat(); err != nil || st.Size() != size || !st.ModTime().Equal(mtime) {
-			f.Close()
-			return nil, fmt.Errorf("%w: %s", errSourceChanged, path)
-		}
-		return f, nil
-	}})
-	if err != nil {
+	if err := t.queueUpload(name, path, fi, p, wait); err != nil {
 		t.mu.Lock()
 		delete(t.pending, name)
 		t.mu.Unlock()
@@ -400,6 +397,48 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 		return nil
 	}
 	return p
+}
+
+// queueUpload hands the uploader the upload of path (fi: its lstat) as
+// object name for p (registered in t.pending). The source is re-opened
+// for each attempt. A manifest's must still be the file lstat'd now (same
+// size and mtime; else errSourceChanged, and manifestDone queues the name
+// again: a manifest rewritten under its name is not uploaded with the
+// bytes of another version). A page's may be a new file (the page evicted
+// and saved again while its upload waited: same key, so the same page)
+// of the same size; it is what this attempt sends (a new file of another
+// size, or none, is errSourceChanged: the upload ends, and the next save
+// naming the page queues it again). Before its PUT the open file is verified
+// (remote.Upload.Verify): a page by remote.VerifyPage (header, its key is
+// its name's, every tensor's xxh3-64, its length), a manifest by
+// remote.VerifyManifest (header, attachments' hashes); the PUT streams
+// the same open descriptor, so the bytes sent are the bytes verified
+// (page files are never written in place: a save renames a new file
+// over the path). A file that fails is not uploaded (remote.ErrSourceCorrupt,
+// handled by uploaded).
+func (t *tier) queueUpload(name, path string, fi fs.FileInfo, p *pendingUpload, wait func(context.Context) error) error {
+	fsys := t.e.store.FS()
+	verify := remote.VerifyManifest(nil)
+	if !p.manifest {
+		verify = remote.VerifyPage(p.key.String(), nil)
+	}
+	size, mtime := fi.Size(), fi.ModTime()
+	return t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Verify: verify, Open: func() (remote.ReadAtCloser, error) {
+		t.mu.Lock()
+		if p.start.IsZero() {
+			p.start = time.Now()
+		}
+		t.mu.Unlock()
+		f, err := fsys.Open(path)
+		if err != nil {
+			return nil, fmt.Errorf("%w: %s: %w", errSourceChanged, path, err)
+		}
+		if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() || st.Size() != size || (p.manifest && !st.ModTime().Equal(mtime)) {
+			f.Close()
+			return nil, fmt.Errorf("%w: %s", errSourceChanged, path)
+		}
+		return f, nil
+	}})
 }
 
 // manifestWritten queues the upload of a page manifest (a named snapshot
@@ -497,6 +536,12 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	switch {
 	case errors.Is(r.Err, remote.ErrAbandoned):
 		res = labels.RemoteAbandoned
+	case errors.Is(r.Err, remote.ErrSourceCorrupt):
+		res = labels.RemoteCorrupt
+		t.e.logSafe(slog.LevelError, "kvpersist: local file corrupt: not uploaded", "object", r.Name, "err", r.Err)
+		if p != nil && !p.manifest {
+			t.e.removeCorruptPage(p.ns, p.key)
+		}
 	case r.Err != nil:
 		res = labels.RemoteError
 		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)

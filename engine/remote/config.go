@@ -39,6 +39,9 @@ var (
 	// ErrCorrupt: a fetched object failed verification or its length
 	// differs from what the store announced. It is a miss, never loaded.
 	ErrCorrupt = errors.New("remote: corrupt object")
+	// ErrSourceCorrupt: an upload's source failed its Upload.Verify (a
+	// local page or manifest that rotted on disk): it was not uploaded.
+	ErrSourceCorrupt = errors.New("remote: upload source corrupt")
 	// ErrTooLarge: an object is larger than Config.MaxObjectBytes.
 	ErrTooLarge = errors.New("remote: object too large")
 	// ErrConflict: a create-only upload found an object of another size

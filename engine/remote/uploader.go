@@ -31,6 +31,15 @@ type Upload struct {
 	// so that they leave the queue first (FIFO) and Wait never waits for
 	// an upload queued behind it.
 	Wait func(ctx context.Context) error
+	// Verify, if set, checks the source before every PUT (after the
+	// StatFirst HEAD found no object), reading it through the very
+	// ReadAtCloser the PUT then streams, so the bytes sent are the bytes
+	// verified (Open of a local file returns its open descriptor: a file
+	// renamed over the path meanwhile is not what is sent). An error ends
+	// the upload at once, nothing sent, with an error wrapping
+	// ErrSourceCorrupt: a create-only object is never replaced, so a
+	// corrupt one would block the right bytes for every machine.
+	Verify VerifyFunc
 }
 
 // UploadResult reports one finished (or given up) upload to OnDone.
@@ -39,7 +48,7 @@ type UploadResult struct {
 	Created  bool  // false with Err nil: the object already existed
 	Bytes    int64 // bytes sent by the successful attempt
 	Attempts int
-	Err      error // nil, ErrAbandoned (Close's context ended), ErrConflict, or the source's error
+	Err      error // nil, ErrAbandoned (Close's context ended), ErrConflict, ErrSourceCorrupt (Verify failed), or the source's error
 	// Existing is the object found when Created is false and Err is nil
 	// (its ModTime says how close it is to remote GC's grace period).
 	Existing Object
@@ -79,7 +88,8 @@ type UploaderStats struct {
 // Uploader copies objects to the store in the background, create-only,
 // with bounded concurrency (Workers) and memory (a queue of descriptors),
 // retrying each failed attempt with backoff until it succeeds, fails
-// permanently (its source cannot be opened, ErrConflict) or Close's
+// permanently (its source cannot be opened or fails Upload.Verify,
+// ErrConflict) or Close's
 // context ends. Enqueue never blocks, and the Uploader shares nothing with
 // Fetch or Exists, so uploads never block reads. Transient errors (network,
 // 5xx, the server down) are retried indefinitely: the local tier still has
@@ -247,18 +257,17 @@ func (u *Uploader) upload(up Upload) UploadResult {
 					pr.Existing = o
 				}
 			} else if errors.Is(err, ErrNotFound) {
-				err = nil
-				pr, err = u.store.Put(u.ctx, up.Name, src, up.Size)
+				pr, err = u.put(up, src)
 			}
 		} else {
-			pr, err = u.store.Put(u.ctx, up.Name, src, up.Size)
+			pr, err = u.put(up, src)
 		}
 		src.Close()
 		if err == nil {
 			res.Created, res.Bytes, res.Existing = pr.Created, pr.Bytes, pr.Existing
 			return res
 		}
-		if errors.Is(err, ErrConflict) || errors.Is(err, ErrBadName) || errors.Is(err, ErrConfig) {
+		if errors.Is(err, ErrConflict) || errors.Is(err, ErrBadName) || errors.Is(err, ErrConfig) || errors.Is(err, ErrSourceCorrupt) {
 			res.Err = err
 			return res
 		}
@@ -273,4 +282,15 @@ func (u *Uploader) upload(up Upload) UploadResult {
 		}
 		wait = min(2*wait, u.cfg.BackoffMax)
 	}
+}
+
+// put verifies src (up.Verify, when set) and, if it passes, PUTs it
+// create-only: the PUT reads the same src the check read.
+func (u *Uploader) put(up Upload, src ReadAtCloser) (PutResult, error) {
+	if up.Verify != nil {
+		if err := up.Verify(src, up.Size); err != nil {
+			return PutResult{}, fmt.Errorf("%w: %s not uploaded: %w", ErrSourceCorrupt, up.Name, err)
+		}
+	}
+	return u.store.Put(u.ctx, up.Name, src, up.Size)
 }
