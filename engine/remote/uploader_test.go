@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net/http"
 	"sync"
@@ -296,5 +297,77 @@ func TestUploaderStatFirstAndWait(t *testing.T) {
 	}
 	if ok, err := s.Exists(ctx, []string{failing, blocked}); err != nil || ok[0] || ok[1] {
 		t.Fatalf("objects of uploads that never attempted exist: %v %v", ok, err)
+	}
+}
+
+// TestUploaderVerify: Upload.Verify runs on the very source the PUT then
+// streams (the ReaderAt it is given is the one Open returned for that
+// attempt). A source that passes is stored byte-identical; one that fails
+// is never sent: the upload ends after one attempt with ErrSourceCorrupt
+// (no retry) and the store has no object under its name.
+func TestUploaderVerify(t *testing.T) {
+	for _, statFirst := range []bool{false, true} {
+		t.Run(fmt.Sprint("StatFirst_", statFirst), func(t *testing.T) {
+			s := newStore(t, nil)
+			var res results
+			u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 2, StatFirst: statFirst, OnDone: res.add})
+			if err != nil {
+				t.Fatal(err)
+			}
+			good, bad := randBytes(7, 5000), randBytes(8, 5000)
+			goodName := pageName(t, s, "ns", key(fmt.Sprint("verify-good-", statFirst)))
+			badName := pageName(t, s, "ns", key(fmt.Sprint("verify-bad-", statFirst)))
+			var mu sync.Mutex
+			opened := map[string]remote.ReadAtCloser{}
+			sameSource := map[string]bool{}
+			open := func(name string, b []byte) func() (remote.ReadAtCloser, error) {
+				return func() (remote.ReadAtCloser, error) {
+					src := &bytesSource{bytes.NewReader(b)}
+					mu.Lock()
+					opened[name] = src
+					mu.Unlock()
+					return src, nil
+				}
+			}
+			verify := func(name string, want []byte) remote.VerifyFunc {
+				check := sha256Verify(want)
+				return func(r io.ReaderAt, size int64) error {
+					mu.Lock()
+					sameSource[name] = r == io.ReaderAt(opened[name])
+					mu.Unlock()
+					return check(r, size)
+				}
+			}
+			// The bad source holds other bytes than its check expects (a
+			// file that rotted after its hashes were written).
+			for _, up := range []remote.Upload{
+				{Name: goodName, Size: int64(len(good)), Open: open(goodName, good), Verify: verify(goodName, good)},
+				{Name: badName, Size: int64(len(bad)), Open: open(badName, bad), Verify: verify(badName, good)},
+			} {
+				if err := u.Enqueue(up); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := u.Close(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			r := res.get()
+			if g := r[goodName]; !g.Created || g.Err != nil || g.Bytes != int64(len(good)) {
+				t.Fatalf("good source: %+v", g)
+			}
+			if b := r[badName]; !errors.Is(b.Err, remote.ErrSourceCorrupt) || b.Attempts != 1 || b.Created {
+				t.Fatalf("corrupt source: %+v, want ErrSourceCorrupt after 1 attempt", b)
+			}
+			if !sameSource[goodName] || !sameSource[badName] {
+				t.Fatalf("Verify was not given the source Open returned: %v", sameSource)
+			}
+			checkObjects(t, s, map[string][]byte{goodName: good})
+			if _, err := s.Stat(context.Background(), badName); !errors.Is(err, remote.ErrNotFound) {
+				t.Fatalf("stat of the corrupt source's object: %v, want ErrNotFound", err)
+			}
+			if st := u.Stats(); st.Created != 1 || st.Failed != 1 || st.Retries != 0 {
+				t.Fatalf("stats %+v", st)
+			}
+		})
 	}
 }
