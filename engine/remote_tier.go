@@ -87,15 +87,19 @@ type RemoteTier struct {
 	// KnownPages caps the pages the engine remembers as stored remotely
 	// (all namespaces; about 100 bytes each), so that it neither HEADs
 	// nor uploads them again. An entry is dropped when its local page is
-	// evicted or found gone, and an arbitrary one when the set is full;
-	// a dropped entry costs one HEAD when its page is next saved. Default
-	// 262,144 (about 26 MB); at least 1.
+	// evicted or found gone, when it is RefreshAge old (remote gc may
+	// have deleted the page since), and an arbitrary one when the set is
+	// full; a dropped entry costs one HEAD when its page is next saved
+	// (and an upload when the store lacks it). Default 262,144 (about 26
+	// MB); at least 1.
 	KnownPages int
 	// RefreshAge: before a page manifest is uploaded, every page it names
 	// whose mtime (the store's clock) is older than this is refreshed
 	// (Store.Refresh), so that remote GC keeps it. It must be at most half
-	// the grace period of every remote gc run on the bucket. Default 30
-	// minutes (remote GC's default grace is 1 hour).
+	// the grace period of every remote gc run on the bucket. It is also
+	// how long a page stays known stored (KnownPages) after the engine
+	// learnt it (local clock). Default 30 minutes (remote GC's default
+	// grace is 1 hour).
 	RefreshAge time.Duration
 }
 

@@ -89,9 +89,9 @@ type UploaderStats struct {
 // with bounded concurrency (Workers) and memory (a queue of descriptors),
 // retrying each failed attempt with backoff until it succeeds, fails
 // permanently (its source cannot be opened or fails Upload.Verify,
-// ErrConflict) or Close's
-// context ends. Enqueue never blocks, and the Uploader shares nothing with
-// Fetch or Exists, so uploads never block reads. Transient errors (network,
+// ErrConflict) or Close's context ends. Enqueue never blocks, and the
+// Uploader shares nothing with Fetch or Exists, so uploads never block
+// reads. Transient errors (network,
 // 5xx, the server down) are retried indefinitely: the local tier still has
 // the bytes.
 type Uploader struct {
