@@ -6,6 +6,7 @@ import (
 	"errors"
 	"net/http"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -14,6 +15,7 @@ import (
 	"github.com/minio/minio-go/v7"
 
 	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/remote"
 )
 
 // What the write-behind uploader sends and when it sends it again: a
@@ -160,6 +162,17 @@ func (h *holdRT) RoundTrip(r *http.Request) (*http.Response, error) {
 	return h.next.RoundTrip(r)
 }
 
+// releaser returns the release of the held HEAD, also run by a cleanup
+// registered now: call it after the engine was opened, so that a test
+// failing while the HEAD is held releases it before the engine's Close
+// (cleanups run last first) instead of hanging there.
+func (h *holdRT) releaser(t *testing.T) func() {
+	var once sync.Once
+	release := func() { once.Do(func() { close(h.release) }) }
+	t.Cleanup(release)
+	return release
+}
+
 func (h *holdRT) CloseIdleConnections() {
 	if c, ok := h.next.(interface{ CloseIdleConnections() }); ok {
 		c.CloseIdleConnections()
@@ -195,6 +208,7 @@ func TestPageResavedWhileUploadPending(t *testing.T) {
 		rt.Store.Transport = hold
 		rt.Store.MaxRetries = 1 // the held HEAD's failure reaches the uploader
 	}, func(c *engine.Config) { c.CapacityBytes = page })
+	release := hold.releaser(t)
 	save(t, e, x)
 	<-hold.held
 	first := readFile(t, pagePath(root, kx[0]))
@@ -202,7 +216,7 @@ func TestPageResavedWhileUploadPending(t *testing.T) {
 	checkStored(t, root, "X", kx, []bool{false})
 	save(t, e, x)
 	checkStored(t, root, "Y", ky, []bool{false})
-	close(hold.release)
+	release()
 	closeEngine(t, e)
 	local := readFile(t, pagePath(root, kx[0]))
 	if !bytes.Equal(local, first) {
@@ -210,5 +224,75 @@ func TestPageResavedWhileUploadPending(t *testing.T) {
 	}
 	if got := pageObject(t, prefix, kx[0].String()); !bytes.Equal(got, local) {
 		t.Fatalf("X's page: object of %d bytes, want the local file's %d", len(got), len(local))
+	}
+}
+
+// TestCorruptLocalManifestNotUploaded: a page manifest is written and
+// queued behind its pages; while its first page's upload is held, a byte
+// of the local manifest rots (in place, size and mtime kept, so it is
+// still the file queued). Its pages are uploaded; the manifest is not
+// (before: it was, create-only, blocking the right bytes under its name),
+// its upload is counted corrupt once (not retried), and the local file is
+// left as it is.
+func TestCorruptLocalManifestNotUploaded(t *testing.T) {
+	prefix, root := bucketPrefix(t), t.TempDir()
+	x := seq(90000, 2*ptoks)
+	kx := keysOf(t, x)
+	hold := &holdRT{next: http.DefaultTransport.(*http.Transport).Clone(), suffix: "/" + kx[0].String(),
+		held: make(chan struct{}), release: make(chan struct{})}
+	rec := newRecorder(t)
+	e := newEngine(t, root, prefix, rec, func(rt *engine.RemoteTier) {
+		rt.Store.Transport = hold
+		rt.Store.MaxRetries = 1
+	})
+	release := hold.releaser(t)
+	writePages(t, e, "conv", x)
+	<-hold.held
+	path := filepath.Join(root, ns, "conv")
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first byte past the magic whose flip the manifest's checks see
+	// (padding is not hashed: its rot is harmless).
+	b := readFile(t, path)
+	for off := 8; ; off++ {
+		if off == len(b) {
+			t.Fatal("no flipped byte makes the manifest invalid: the test corrupts nothing")
+		}
+		b[off] ^= 0x5a
+		if remote.VerifyManifest(nil)(bytes.NewReader(b), int64(len(b))) != nil {
+			break
+		}
+		b[off] ^= 0x5a
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(path, fi.ModTime(), fi.ModTime()); err != nil {
+		t.Fatal(err)
+	}
+	release()
+	closeEngine(t, e)
+
+	st := openStore(t, prefix)
+	got := objects(t, st)
+	name, err := st.ManifestName(ns, "conv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, ok := got[name]; ok {
+		t.Fatalf("the corrupt manifest was uploaded (%d bytes)", len(m))
+	}
+	for i, k := range kx {
+		if g, w := pageObject(t, prefix, k.String()), readFile(t, pagePath(root, k)); !bytes.Equal(g, w) {
+			t.Fatalf("page %d: object of %d bytes differs from its local file (%d bytes)", i, len(g), len(w))
+		}
+	}
+	if n := snapshotOps(rec)["upload/corrupt"]; n != 1 {
+		t.Fatalf("%d uploads counted corrupt, want 1 (ops %v)", n, snapshotOps(rec))
+	}
+	if !bytes.Equal(readFile(t, path), b) {
+		t.Fatal("the local manifest was changed")
 	}
 }
