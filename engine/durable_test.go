@@ -133,3 +133,25 @@ func TestKnownDurablePages(t *testing.T) {
 		}
 	}
 }
+
+// TestPagesDirOfDeadWriterSynced: pages/ made by another process that died
+// before it fsynced the namespace directory (the mkdir is not durable) is
+// made durable by the next save into it: the namespace directory is
+// fsynced before the save is acked. Without that, the acked pages (and the
+// marks of "Known-durable pages") sit in a directory a power cut can take
+// away. The same for the fetch path, which creates pages/ the same way.
+func TestPagesDirOfDeadWriterSynced(t *testing.T) {
+	root := t.TempDir()
+	nsDir := filepath.Join(root, "p")
+	pagesDir := testutil.PagesDir(nsDir)
+	if err := os.MkdirAll(pagesDir, 0o755); err != nil { // never fsynced
+		t.Fatal(err)
+	}
+	ffs := testutil.NewFaultFS(nil)
+	e := newSyncedEngine(t, root, ffs)
+	toks := convTokens(0, 2*cP, 1)
+	got := dirSyncs(t, ffs, []string{nsDir}, func() { mustSavePages(t, e, "p", toks) })
+	if got[nsDir] < 1 {
+		t.Fatalf("a save into a pages/ another process made (not durable) fsynced the namespace directory %d times, want at least 1", got[nsDir])
+	}
+}
