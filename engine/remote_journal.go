@@ -52,8 +52,11 @@ func (t *tier) manifestRetryWait(attempt int) time.Duration {
 }
 
 // errSourceChanged: an upload's local file is gone or was rewritten since
-// it was queued; a manifest failing so is not queued again (a new write of
-// the name queues its new file).
+// it was queued. A manifest failing so is queued again as after any
+// failure: a write of the name while its upload was queued found the name
+// queued and did not queue its new file, so the retry (which reads the
+// local file again, and drops a name gone or no longer a page manifest)
+// is what uploads it.
 var errSourceChanged = errors.New("engine: the local file changed since it was queued for upload")
 
 // journalSet is what a journal lists for one namespace.
@@ -85,9 +88,8 @@ func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
 	case err == nil:
 	case errors.Is(err, remote.ErrAbandoned):
 		t.remember(p)
-	case errors.Is(err, remote.ErrConflict), errors.Is(err, errSourceChanged), errors.Is(err, remote.ErrBadName):
-		// Permanent: another manifest holds the name remotely, or the
-		// local file changed (its new version was queued by its write).
+	case errors.Is(err, remote.ErrConflict), errors.Is(err, remote.ErrBadName):
+		// Permanent: another manifest holds the name remotely.
 	case p.attempt >= manifestRetries:
 		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 		t.remember(p)
@@ -359,9 +361,9 @@ func (t *tier) journalOf(ns string) (n *store.Namespace, path string, pages []la
 // resume reads every namespace's journal (New) and queues what it lists
 // again: its pages whose local files exist, then each manifest that is
 // still a local page manifest (with its pages, as a write queues it).
-// Entries whose local file is gone are settled (dropped at close). A
-// journal that cannot be read is ignored with a log line (Warn); it stays
-// on disk until close rewrites it.
+// Entries whose local file is gone (or is not a regular file) are
+// settled (dropped at close). A journal that cannot be read is ignored
+// with a log line (Warn); it stays on disk until close rewrites it.
 func (t *tier) resume() {
 	names, _, err := t.e.store.Namespaces(false)
 	if err != nil {
@@ -392,7 +394,9 @@ func (t *tier) resume() {
 		t.mu.Unlock()
 		var queue []layout.PageKey
 		for _, k := range pages {
-			if _, err := fsys.Lstat(n.PagePath(k)); err != nil {
+			// Only a regular file can be uploaded (enqueueFile): an
+			// entry whose path is gone or is anything else is dropped.
+			if fi, err := fsys.Lstat(n.PagePath(k)); err != nil || !fi.Mode().IsRegular() {
 				t.settle(ns, k, "")
 				continue
 			}

@@ -25,18 +25,21 @@ import (
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the
-// local index lacks is looked up (StatAll, Store.Concurrency HEADs per
-// round trip) and, when the store holds them all, fetched FetchPages at a
+// local index lacks (or lists though its file is gone) is looked up
+// (StatAll, Store.Concurrency HEADs per round trip) and, when the store holds them all, fetched FetchPages at a
 // time through the bounded page cache exactly as a LoadPrefix read-through
 // fetches (pageCache.admitHeld around fetchPage: room reserved first,
 // verified against the manifest's key chain, published atomically, committed
-// pinned). Only when every page is local is a fetched manifest published
-// (the durable publish of a save, under the namespace's shared lock) and
-// recorded as the page cache's manifest (its pages pinned while it
-// exists), so a local manifest never names a page this engine failed to
-// fetch. fetched reports that a manifest or a page was published: the
-// caller reads again. held are the pins of the fetched pages: the caller
-// releases them when that read ends. rep says what the tier did; rep.Err is its first
+// pinned; the manifest's pages already local are pinned first). Only when
+// every page is local is a fetched manifest published (publishManifest:
+// the durable publish of a save, under the namespace's exclusive lock,
+// and only if the name is still missing locally) and recorded as the page
+// cache's manifest (its pages pinned while it exists), so a local
+// manifest never names a page this engine failed to fetch. fetched
+// reports that a manifest or a page was published, or that the name was
+// written locally meanwhile: the caller reads again. held are the pins of
+// the manifest's pages (fetched, or local before): the caller releases
+// them when that read ends. rep says what the tier did; rep.Err is its first
 // failure (errors.Is ErrRemoteCorrupt for an object that failed
 // verification), and the read then fails as it would locally (the
 // manifest not found, or ErrMissingPage) with rep.Err joined to its error.
@@ -93,51 +96,70 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 		rep.Err = fmt.Errorf("engine: publishing the fetched manifest %s: %w", ref, err)
 		return rep, held, rep.PagesFetched > 0
 	}
-	return rep, held, true
+	return rep, held, true // published, or the name written meanwhile: read again
 }
 
-// fetchNamedPages fetches the pages of pl that the local index lacks
-// (readNamed). Nothing is fetched unless the store holds every one of
-// them (a missing page is ErrMissingPage, found by the HEADs).
+// fetchNamedPages fetches the pages of pl that the local index lacks or
+// whose file is gone (readNamed). Nothing is fetched unless the store
+// holds every one of them (a missing page is ErrMissingPage, found by the
+// HEADs). The pages of pl already local are pinned first (held, as a
+// LoadPrefix pins its local prefix), so the room made for the fetched
+// pages is never theirs: the read needs them too.
 func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []evict.Key, err error) {
+	n, err := t.e.store.Namespace(ns)
+	if err != nil {
+		return nil, err
+	}
 	var fetch []int // positions in pl.Keys
 	var names []string
 	for i, k := range pl.Keys {
 		if t.e.pages.Has(ns, k) {
-			continue
+			pinned, err := t.pinLocal(ctx, ns, evict.Key(k))
+			if err != nil {
+				return held, err
+			}
+			if _, err := t.e.store.FS().Lstat(n.PagePath(k)); err == nil {
+				if pinned {
+					held = append(held, evict.Key(k))
+				}
+				continue
+			}
+			// The index lists a page whose file another engine on the
+			// root has evicted since (the read failed on it): it is
+			// forgotten and fetched like a page never stored here.
+			if pinned {
+				_ = t.e.pc.pol.Unpin(ns, evict.Key(k))
+			}
+			t.e.forgetIfGone(ns, k)
 		}
 		name, err := t.st.PageName(ns, k.String())
 		if err != nil {
-			return nil, err
+			return held, err
 		}
 		fetch = append(fetch, i)
 		names = append(names, name)
 	}
 	if len(fetch) == 0 {
-		return nil, nil
+		return held, nil
 	}
 	objs := make([]remote.Object, 0, len(names))
 	for w := 0; w < len(names); w += t.window {
 		got, err := t.st.StatAll(ctx, names[w:min(len(names), w+t.window)])
 		rep.PagesAsked += len(got)
 		if err != nil {
-			return nil, err
+			return held, err
 		}
 		for i, o := range got {
 			if o.Name == "" {
-				return nil, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
+				return held, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
 			}
 			rep.PagesFound++
 			t.markKnown(ns, pl.Keys[fetch[w+i]])
 		}
 		objs = append(objs, got...)
 	}
-	n, err := t.e.store.Namespace(ns)
-	if err != nil {
-		return nil, err
-	}
 	if err := t.prepareDirs(ctx, n, pl.Keys, fetch); err != nil {
-		return nil, err
+		return held, err
 	}
 	parent := func(i int) layout.PageKey {
 		if i == 0 {
@@ -193,20 +215,31 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 
 // publishManifest publishes the verified bytes of a fetched manifest as
 // the local file path of ref (temp file, fdatasync, rename, directory
-// fsync, under the namespace's shared lock, as a write publishes it) and
-// records it as the page cache's manifest of ref: its pages stay pinned
-// while it exists, as those of a manifest written here.
+// fsync, as a write publishes it) and records it as the page cache's
+// manifest of ref: its pages stay pinned while it exists, as those of a
+// manifest written here. It runs under the namespace's exclusive lock and
+// publishes only when path is still missing (else it does nothing): a
+// write publishes under the shared lock, so a name written meanwhile
+// (by another engine on the root; one of this engine waits for the read)
+// is newer than the remote manifest and is never replaced by it.
 func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body []byte, pl *layout.PageList) error {
 	n, err := t.e.store.Namespace(ref.Namespace)
 	if err != nil {
 		return err
 	}
-	unlock, err := createLocked(ctx, n)
+	if err := n.Create(); err != nil {
+		return err
+	}
+	unlock, err := n.Lock(ctx, true)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	err = layout.Publish(t.e.store.FS(), path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
+	fsys := t.e.store.FS()
+	if _, err := fsys.Lstat(path); !vfs.IsNotExist(err) {
+		return err // nil: the name exists now, written meanwhile
+	}
+	err = layout.Publish(fsys, path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
 		return layout.WriteFull(f, body, 0)
 	})
 	if err != nil {
@@ -214,6 +247,26 @@ func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body [
 	}
 	t.e.pc.setManifest(ref.Namespace, ref.Name, evictKeys(pl.Keys))
 	return nil
+}
+
+// pinLocal pins page k of ns, a page of the local tier, for a named read:
+// a page being evicted is waited for (then it is gone, or kept and
+// pinned). pinned is false when the page is not tracked by this engine's
+// cache (written by another process: never this engine's victim) or is
+// gone.
+func (t *tier) pinLocal(ctx context.Context, ns string, k evict.Key) (pinned bool, err error) {
+	pc := t.e.pc
+	for {
+		if pc.pol.Pin(ns, k) {
+			return true, nil
+		}
+		if !pc.pol.Evicting(ns, k) {
+			return false, nil
+		}
+		if err := pc.waitVictim(ctx, ns, k); err != nil {
+			return false, err
+		}
+	}
 }
 
 // createLocked makes namespace n durably, as a save does, and takes its

@@ -447,7 +447,8 @@ func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
 }
 
 // manifestReady checks that every page keys names is stored (one HEAD
-// each, Concurrency in flight) and refreshes each whose mtime is older
+// each, Concurrency in flight; a page found missing is dropped from the
+// known set, so the manifest's retry uploads it again) and refreshes each whose mtime is older
 // than the store's clock minus RemoteTier.RefreshAge (Store.Refresh: a
 // server-side copy onto itself, the bytes unchanged), so that remote GC,
 // whose grace must be at least twice RefreshAge, keeps it until the
@@ -460,6 +461,12 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 			return err
 		}
 		o, err := t.st.Stat(ctx, name)
+		if errors.Is(err, remote.ErrNotFound) {
+			// Known stored, but gone (remote gc deleted it as unreferenced
+			// past its grace): forgotten, so that the manifest's retry
+			// queues it again instead of skipping it as known.
+			t.forget(ns, k)
+		}
 		if err != nil {
 			return err
 		}

@@ -3,15 +3,19 @@ package tiertest
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"log/slog"
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/zeebo/xxh3"
 
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -286,5 +290,73 @@ func TestKnownSetTrimmed(t *testing.T) {
 		if !bytes.Equal(after[name], b) {
 			t.Fatalf("object %s changed", name)
 		}
+	}
+}
+
+// journalBytes encodes an uploads journal from ARCHITECTURE.md's table
+// alone (an independent encoder: magic, u32 P, u32 M, the sorted keys,
+// the sorted length-prefixed names, XXH3-64 of every byte before it).
+func journalBytes(keys []layout.PageKey, names []string) []byte {
+	slices.SortFunc(keys, func(a, b layout.PageKey) int { return bytes.Compare(a[:], b[:]) })
+	slices.Sort(names)
+	b := []byte("KVPUPL1\n")
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(keys)))
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(names)))
+	for _, k := range keys {
+		b = append(b, k[:]...)
+	}
+	for _, n := range names {
+		b = append(b, byte(len(n)))
+		b = append(b, n...)
+	}
+	return binary.LittleEndian.AppendUint64(b, xxh3.Hash(b))
+}
+
+// TestJournalOfImpossibleUploadsEmptied: a valid journal (encoded from the
+// documented format) lists a page whose path is a directory, a page that
+// does not exist, a snapshot that is not a page manifest and one that does
+// not exist. None can ever be uploaded: New queues nothing from it, and
+// Close rewrites it empty (before: the page whose path is a directory
+// stayed listed at every restart).
+func TestJournalOfImpossibleUploadsEmptied(t *testing.T) {
+	prefix := bucketPrefix(t)
+	root := t.TempDir()
+	dirKey, goneKey := keysOf(t, seq(71000, ptoks))[0], keysOf(t, seq(73000, ptoks))[0]
+	e := newEngineCfg(t, root, prefix, newRecorder(t), nil, func(c *engine.Config) { c.Remote = nil })
+	c := newKV(ptoks)
+	c.fill(seq(75000, ptoks))
+	if r := e.Do(context.Background(), &engine.WriteRequest{Ref: engine.Ref{Namespace: ns, Name: "single"}, Layout: engine.Single,
+		Caches: []engine.EntrySpec{{Tensors: c.specs(ptoks)}}}); r.Err != nil {
+		t.Fatal(r.Err)
+	}
+	closeEngine(t, e)
+	if err := os.MkdirAll(pagePath(root, dirKey), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	path := filepath.Join(root, ns, layout.UploadsName)
+	if err := os.WriteFile(path, journalBytes([]layout.PageKey{dirKey, goneKey}, []string{"single", "absent"}), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	var logs bytes.Buffer
+	var lmu sync.Mutex
+	rec := newRecorder(t)
+	e = newEngineCfg(t, root, prefix, rec, nil, func(c *engine.Config) {
+		c.Logger = slog.New(slog.NewTextHandler(lockedWriter{&lmu, &logs}, nil))
+	})
+	closeEngine(t, e)
+	lmu.Lock()
+	l := logs.String()
+	lmu.Unlock()
+	if strings.Contains(l, "uploads journal ignored") {
+		t.Fatalf("the journal encoded from the documented format was not accepted: %s", l)
+	}
+	if ops := snapshotOps(rec); ops["upload/ok"]+ops["upload/existed"] != 0 {
+		t.Fatalf("uploads from impossible entries: %v", ops)
+	}
+	if got, want := readFile(t, path), journalBytes(nil, nil); !bytes.Equal(got, want) {
+		t.Fatalf("journal after Close: %d bytes %x, want the empty journal", len(got), got)
+	}
+	if got := objects(t, openStore(t, prefix)); len(got) != 0 {
+		t.Fatalf("%d objects in the bucket", len(got))
 	}
 }
