@@ -65,7 +65,10 @@ type Config struct {
 	// theirs 0, in bytes; default 1 MiB (DefaultBlockBytes): a power of two
 	// from 4 KiB to 64 MiB.
 	BlockBytes int
-	// NoSync turns every fsync off. Only for tests and tmpfs.
+	// NoSync turns every fsync off. Only for tests and tmpfs: an engine
+	// that syncs does not fdatasync a page it reuses, so a NoSync engine's
+	// pages on a shared root stay undurable even after a syncing engine
+	// reuses them (ARCHITECTURE.md, "Known-durable pages").
 	NoSync bool
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace

@@ -840,7 +840,8 @@ var errNotFetched = errors.New("engine: not fetched: an earlier page of the chai
 // prepareDirs makes, as a save does, the namespace durably, pages/ and the
 // fan-out directories of the pages at positions fetch of keys, under the
 // namespace's shared lock (no collect of another process sweeps
-// meanwhile), and syncs pages/ under the store's sync policy.
+// meanwhile), and syncs pages/ and the namespace directory under the
+// store's sync policy.
 func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layout.PageKey, fetch []int) error {
 	unlock, err := createLocked(ctx, n)
 	if err != nil {
@@ -860,10 +861,16 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 			dirs[d] = true
 		}
 	}
-	if t.e.store.Durable() { // the fan-out directories' entries in pages/
-		return t.e.store.SyncDir(n.PagesDir())
+	if !t.e.store.Durable() {
+		return nil
 	}
-	return nil
+	// The fan-out directories' entries in pages/, and pages/'s in the
+	// namespace directory (CreatePagesDir syncs it only when it made
+	// pages/: another process may have made it and died before its fsync).
+	if err := t.e.store.SyncDir(n.PagesDir()); err != nil {
+		return err
+	}
+	return t.e.store.SyncDir(n.Dir())
 }
 
 // fetchPage is the write of one fetched page's admission (it runs inside

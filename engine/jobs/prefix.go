@@ -133,8 +133,8 @@ func checkDisjointViews(ts []TensorSpec, kind error, what string) error {
 // Each new page is gathered (zero-copy where the view allows), hashed and
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
-// every fan-out directory holding a page of the save and pages/ are
-// fsynced (those of reused pages while the new pages are written), except
+// every fan-out directory holding a page of the save, pages/ and the
+// namespace directory are fsynced (those of reused pages while the new pages are written), except
 // the directory of a reused page that cfg.Durable knows durable with the
 // FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
 // "Known-durable pages"); on success every page is marked there. When
@@ -216,8 +216,8 @@ func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *Page
 // the fan-out directories of the reused pages not known durable (a
 // concurrent writer, or one that died, may have renamed one in without
 // syncing: cfg.Durable, "Known-durable pages" in ARCHITECTURE.md); then
-// each new page is lstat'ed and the fan-out directories of the new pages
-// and pages/ are fsynced; on success every page is marked durable with
+// each new page is lstat'ed and the fan-out directories of the new pages,
+// pages/ and the namespace directory are fsynced; on success every page is marked durable with
 // the FileID of the lstat that preceded its directory's fsync (or of the
 // mark it matched). It fills res's counts and m's
 // write metrics, and tells progress (when non-nil), on this goroutine,
@@ -342,14 +342,17 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 				}
 			}
 		}
-		// The fan-out directories and pages/ (which holds their entries)
-		// at once: each must be durable before the ack, in no order.
-		dirs := make([]string, 0, len(newDirs)+1)
+		// The fan-out directories, pages/ (which holds their entries)
+		// and the namespace directory (which holds pages/'s: CreatePagesDir
+		// syncs it only when it made pages/, and another process may have
+		// made it and died before its fsync) at once: each must be durable
+		// before the ack, in no order.
+		dirs := make([]string, 0, len(newDirs)+2)
 		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
-		dirs = append(dirs, pagesDir)
+		dirs = append(dirs, pagesDir, ns.Dir())
 		err = syncDirs(ctx, st, dirs, pagesDir)
 		if err == nil && marks != nil {
 			marks.MarkDurable(ns.Name(), keys, ids)

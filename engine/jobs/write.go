@@ -602,8 +602,16 @@ func (c *committer) commit(sb stagedBlock) {
 			c.fail(fmt.Errorf("%w: committing a file of %s: %v\n%s", ErrPanic, c.forPath, r, debug.Stack()))
 		}
 	}()
+	// Work skipped because ctx ended is the committer's failure (ctx's
+	// error): a caller whose loop ended before ctx did, and that then
+	// does nothing that checks ctx (a NoSync store's prefix save), must
+	// not take the skipped files for published.
 	if sb.s == nil { // a directory to fsync
-		if c.abort.Load() || c.ctx.Err() != nil {
+		if c.abort.Load() {
+			return
+		}
+		if err := c.ctx.Err(); err != nil {
+			c.fail(err)
 			return
 		}
 		if err := c.st.SyncDir(sb.dir); err != nil {
@@ -611,8 +619,13 @@ func (c *committer) commit(sb stagedBlock) {
 		}
 		return
 	}
-	if c.abort.Load() || c.ctx.Err() != nil {
+	if c.abort.Load() {
 		sb.s.Abort()
+		return
+	}
+	if err := c.ctx.Err(); err != nil {
+		sb.s.Abort()
+		c.fail(err)
 		return
 	}
 	if err := sb.s.Commit(c.st.PublishOptions(false, 0)); err != nil {

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -153,7 +154,8 @@ func TestSharedSystemPromptUploadedOnce(t *testing.T) {
 
 // TestCorruptRemoteObjectIsAMiss: a remote page that is not what the
 // chain expects (a flipped tensor byte, a truncated object, another page's
-// bytes under its name, a long object) is a miss: the load loads the pages
+// bytes under its name, a long object, an empty one, one of the 26-byte
+// prefix alone) is a miss: the load loads the pages
 // before it, reports ErrRemoteCorrupt, publishes no file for it, leaves no
 // temp file, and counts it.
 func TestCorruptRemoteObjectIsAMiss(t *testing.T) {
@@ -169,6 +171,8 @@ func TestCorruptRemoteObjectIsAMiss(t *testing.T) {
 		{"truncated", func(p, _ []byte) []byte { return bytes.Clone(p[:len(p)-4096]) }},
 		{"other-page", func(_, o []byte) []byte { return bytes.Clone(o) }},
 		{"long", func(p, _ []byte) []byte { return append(bytes.Clone(p), 0) }},
+		{"empty", func(_, _ []byte) []byte { return []byte{} }},
+		{"prefix-only", func(p, _ []byte) []byte { return bytes.Clone(p[:layout.PrefixLen]) }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
