@@ -336,11 +336,16 @@ func goDirect(cfg *Config, m *directMode, f vfs.File, fi os.FileInfo) *Source {
 }
 
 // openSourceWith opens path with the decision m already made for its file
-// system (a manifest's blocks, a prefix's pages): buffered, then with
-// O_DIRECT instead when m allows it and the file is not wholly in the page
-// cache (see goDirect). A cold file costs six system calls (open, fstat,
-// cachestat, open, fstat, close), a warm one three.
+// system (a manifest's blocks, a prefix's pages): when m allows O_DIRECT,
+// opened with it once (openDirectFirst); else, or when that cannot decide,
+// buffered, then with O_DIRECT instead when m allows it and the file is not
+// wholly in the page cache (see goDirect).
 func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
+	if m != nil && !m.refused.Load() {
+		if s, err := openDirectFirst(cfg, m, path); s != nil || err != nil {
+			return s, err
+		}
+	}
 	f, err := cfg.fs().Open(path)
 	if err != nil {
 		return nil, err
@@ -359,6 +364,45 @@ func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
 		return d, nil
 	}
 	return s, nil
+}
+
+// openDirectFirst opens path with O_DIRECT and, when every page of it is in
+// the page cache already, switches that descriptor to buffered reads
+// (vfs.ClearDirect): three system calls for a cold file (open, fstat,
+// cachestat), five for a warm one (and two fcntl), where opening buffered
+// first costs a cold file six (open, fstat, cachestat, open, fstat, close);
+// a restore of 512 block files spends about 8 ms less CPU (bench: the cold
+// 256 MiB block row). It returns (nil, nil) to let the caller open path
+// buffered: O_DIRECT refused (m is then refused, logged), a file that is
+// not regular or is empty, or a warm file that cannot be switched. Errors
+// are the open's or fstat's (a missing file satisfies vfs.IsNotExist, a
+// symlink is ELOOP), as a buffered open would report them.
+func openDirectFirst(cfg *Config, m *directMode, path string) (*Source, error) {
+	d, err := vfs.OpenDirect(cfg.fs(), path)
+	if err != nil {
+		if isRefusal(err) {
+			m.refuse(cfg, path, err)
+			return nil, nil
+		}
+		return nil, err
+	}
+	fi, err := d.Stat()
+	if err != nil {
+		d.Close()
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() || fi.Size() == 0 {
+		d.Close()
+		return nil, nil
+	}
+	if cached, known := vfs.Cached(d, 0, fi.Size()); cached && known {
+		if vfs.ClearDirect(d) != nil {
+			d.Close()
+			return nil, nil
+		}
+		return sourceFrom(d, fi, nil), nil
+	}
+	return sourceFrom(d, fi, m), nil
 }
 
 // lazySource is a Source of the file at path, which a caller has checked

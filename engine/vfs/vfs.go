@@ -432,6 +432,35 @@ func SameFile(a, b File) (bool, error) {
 	return os.SameFile(sa, sb), nil
 }
 
+// DirectClearer is a File opened with O_DIRECT that can switch itself to
+// buffered reads (fcntl F_SETFL without O_DIRECT) without a new open.
+// Optional: use ClearDirect.
+type DirectClearer interface {
+	ClearDirect() error
+}
+
+// ClearDirect switches f, opened by OpenDirect, to buffered (page cache)
+// reads in place; a File that cannot (no DirectClearer) fails with an error
+// wrapping errors.ErrUnsupported, and the caller reopens the file instead.
+func ClearDirect(f File) error {
+	c, ok := f.(DirectClearer)
+	if !ok {
+		return &os.PathError{Op: "clear O_DIRECT", Path: f.Name(), Err: errors.ErrUnsupported}
+	}
+	return c.ClearDirect()
+}
+
+func (f osFile) ClearDirect() error {
+	return f.control(func(fd int) error {
+		fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+		if err != nil {
+			return err
+		}
+		_, err = unix.FcntlInt(uintptr(fd), unix.F_SETFL, fl&^unix.O_DIRECT)
+		return err
+	})
+}
+
 // CacheReporter is a File that can tell whether a byte range of it is in
 // the page cache. Optional: use Cached.
 type CacheReporter interface {

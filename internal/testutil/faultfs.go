@@ -489,6 +489,10 @@ func (h *faultFile) Cached(off, n int64) (bool, error) {
 	return c.Cached(off, n)
 }
 
+// ClearDirect implements vfs.DirectClearer (no fault: a failure only
+// makes the caller reopen the file).
+func (h *faultFile) ClearDirect() error { return vfs.ClearDirect(h.inner) }
+
 // DirectAlignment implements vfs.Aligner.
 func (h *faultFile) DirectAlignment() (vfs.Alignment, error) {
 	if _, err := h.fs.check(OpDirectAlignment, h.name); err != nil {
