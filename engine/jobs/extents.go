@@ -373,11 +373,17 @@ func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
 // first costs a cold file six (open, fstat, cachestat, open, fstat, close);
 // a restore of 512 block files spends about 8 ms less CPU (bench: the cold
 // 256 MiB block row). It returns (nil, nil) to let the caller open path
-// buffered: O_DIRECT refused (m is then refused, logged), a file that is
-// not regular or is empty, or a warm file that cannot be switched. Errors
+// buffered: an FS without O_DIRECT opens (vfs.DirectOpener), O_DIRECT
+// refused (m is then refused, logged), a file that is not regular or is
+// empty, or a warm file that cannot be switched. Errors
 // are the open's or fstat's (a missing file satisfies vfs.IsNotExist, a
 // symlink is ELOOP), as a buffered open would report them.
 func openDirectFirst(cfg *Config, m *directMode, path string) (*Source, error) {
+	if _, ok := cfg.fs().(vfs.DirectOpener); !ok {
+		// No O_DIRECT open at all (a wrapping FS, say): the buffered path
+		// decides, refusing only for a cold file, as before.
+		return nil, nil
+	}
 	d, err := vfs.OpenDirect(cfg.fs(), path)
 	if err != nil {
 		if isRefusal(err) {
