@@ -775,3 +775,20 @@ func removeAll(tb testing.TB, path string) {
 		tb.Fatal(err)
 	}
 }
+
+// checkLoaded fails b unless each of dest's views (capacity-padded buffers
+// of capT tokens, one per slot of w) holds the first tokens tokens of w's
+// slot, head row by head row.
+func checkLoaded(b *testing.B, w *workload, dest []engine.TensorSpec, capT, tokens int) {
+	m := w.model
+	row := m.HeadDim * m.ItemSize
+	for i, d := range dest {
+		want := w.slots[i]
+		for h := range m.KVHeads {
+			got := d.View.Base[h*capT*row:][:tokens*row]
+			if !bytes.Equal(got, want[h*tokens*row:][:tokens*row]) {
+				b.Fatalf("tensor %d head %d: loaded bytes differ from the cache's", i, h)
+			}
+		}
+	}
+}

@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bytes"
 	cryptorand "crypto/rand"
 	"fmt"
 	"io"
@@ -253,17 +252,7 @@ func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
 		b.ReportMetric(float64(qd), "best-qd")
 	}
 	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
-	// The loaded bytes are the cache's, head row by head row.
-	row := m.HeadDim * m.ItemSize
-	for i, d := range dest {
-		want := w.slots[i]
-		for h := range m.KVHeads {
-			got := d.View.Base[h*capT*row:][:prefixTokens*row]
-			if !bytes.Equal(got, want[h*prefixTokens*row:][:prefixTokens*row]) {
-				b.Fatalf("tensor %d head %d: loaded bytes differ from the cache's", i, h)
-			}
-		}
-	}
+	checkLoaded(b, w, dest, capT, prefixTokens)
 	b.StartTimer()
 }
 

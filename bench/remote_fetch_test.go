@@ -1,7 +1,6 @@
 package bench
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -136,17 +135,7 @@ func BenchmarkRemoteFetch(b *testing.B) {
 	if mm.limit > 0 {
 		b.ReportMetric(float64(objBytes)*float64(mm.n)/mm.limit.Seconds()/1e9, "limit-GB/s")
 	}
-	// The loaded bytes are the cache's, head row by head row.
-	row := m.HeadDim * m.ItemSize
-	for i, d := range dest {
-		want := w.slots[i]
-		for h := range m.KVHeads {
-			got := d.View.Base[h*capT*row:][:prefixTokens*row]
-			if !bytes.Equal(got, want[h*prefixTokens*row:][:prefixTokens*row]) {
-				b.Fatalf("tensor %d head %d: loaded bytes differ from the cache's", i, h)
-			}
-		}
-	}
+	checkLoaded(b, w, dest, capT, prefixTokens)
 }
 
 // getAll is the remote fetch limit: a plain GET of every object through

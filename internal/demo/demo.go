@@ -514,22 +514,10 @@ func (r *runner) turn(ctx context.Context, c, k, prev, t int) error {
 	return nil
 }
 
-// views returns one view per tensor (layer 0 K, layer 0 V, layer 1 K, ...)
-// of the first tokens tokens of capacity-padded buffers of capTok tokens
-// carved from the arena, strides as mlx-lm keeps them.
+// views returns the views of the first tokens tokens of capacity-padded
+// buffers of capTok tokens carved from the arena (kvgen.Model.ArenaViews).
 func (r *runner) views(capTok, tokens int) []engine.TensorSpec {
-	m := r.s.m
-	tb := m.TensorBytes(capTok)
-	out := make([]engine.TensorSpec, 2*m.Layers)
-	for i := range out {
-		out[i] = engine.TensorSpec{DType: m.DType, View: engine.View{
-			Base:     r.arena[i*tb : (i+1)*tb : (i+1)*tb],
-			Shape:    []int{1, m.KVHeads, tokens, m.HeadDim},
-			Strides:  []int{m.KVHeads * capTok * m.HeadDim, capTok * m.HeadDim, m.HeadDim, 1},
-			ItemSize: m.ItemSize,
-		}}
-	}
-	return out
+	return r.s.m.ArenaViews(r.arena, capTok, tokens)
 }
 
 // load prepares a fresh buffer of capacity Capacity(t) (every byte

@@ -3,6 +3,7 @@ package kvgen
 import (
 	"strconv"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
@@ -25,4 +26,23 @@ func CacheRequest(c *Cache, tokens int) (caches, attachments []jobs.EntrySpec, m
 		Tensors: []jobs.TensorSpec{{DType: dtypes[last], View: views[last]}}}}
 	meta = layout.Meta{"model": []byte(strconv.Quote(c.Model.Name)), "tokens": []byte(strconv.Itoa(tokens))}
 	return caches, attachments, meta
+}
+
+// ArenaViews returns one tensor per K and V of every layer (layer 0 K,
+// layer 0 V, layer 1 K, ...) viewing the first tokens tokens of
+// capacity-padded buffers of capTok tokens carved in that order from arena
+// (at least 2 × Layers × TensorBytes(capTok) bytes), strides in elements as
+// mlx-lm keeps them: [KVHeads×capTok×HeadDim, capTok×HeadDim, HeadDim, 1].
+func (m Model) ArenaViews(arena []byte, capTok, tokens int) []jobs.TensorSpec {
+	tb := m.TensorBytes(capTok)
+	out := make([]jobs.TensorSpec, 2*m.Layers)
+	for i := range out {
+		out[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{
+			Base:     arena[i*tb : (i+1)*tb : (i+1)*tb],
+			Shape:    []int{1, m.KVHeads, tokens, m.HeadDim},
+			Strides:  []int{m.KVHeads * capTok * m.HeadDim, capTok * m.HeadDim, m.HeadDim, 1},
+			ItemSize: m.ItemSize,
+		}}
+	}
+	return out
 }
