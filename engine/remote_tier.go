@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -683,7 +684,7 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey, sc *jobs.PrefixScatter) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
@@ -743,6 +744,30 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	var mu sync.Mutex
 	next := 0
 	noRoom := false
+	// The scatter (sc non-nil): the fetched pages that begin the chain
+	// (fetch[f] == f) are written into the load's destinations on this
+	// goroutine, in chain order, each once it is published (ready[f]
+	// closed, rds[f] its read-only descriptor), while later pages are
+	// still being fetched. scatterTo: how many of them may be.
+	scatterTo := 0
+	if sc != nil {
+		for scatterTo < len(fetch) && fetch[scatterTo] == scatterTo {
+			scatterTo++
+		}
+	}
+	ready := make([]chan struct{}, scatterTo)
+	for f := range ready {
+		ready[f] = make(chan struct{})
+	}
+	rds := make([]vfs.File, scatterTo)
+	defer func() { // after wg.Wait (deferred below): descriptors not scattered from
+		for _, f := range rds {
+			if f != nil {
+				f.Close()
+			}
+		}
+	}()
+	defer wg.Wait() // also when the scatter panics: no worker outlives the load
 	for range min(2*t.fetchPages, len(fetch)) {
 		wg.Go(func() {
 			for {
@@ -775,6 +800,11 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					}
 					return fobjs[f].Size, nil
 				}
+				var rd vfs.File
+				var keep *vfs.File
+				if f < scatterTo {
+					keep = &rd
+				}
 				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
 					// The GET token is taken before the next page may
 					// reserve, so pages take tokens in chain order.
@@ -789,7 +819,7 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					wrote = true
 					decide()
 					var err error
-					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f], release)
+					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f], release, keep)
 					return err
 				})
 				if err != nil && !wrote {
@@ -800,10 +830,34 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 				decide()
 				mu.Lock()
 				held = append(held, h...)
+				if f < scatterTo {
+					if err == nil {
+						rds[f], rd = rd, nil
+					}
+					close(ready[f])
+				}
 				mu.Unlock()
+				if rd != nil { // committed with an error: not scattered
+					rd.Close()
+				}
 				errs[f] = err
 			}
 		})
+	}
+	for f := range scatterTo {
+		<-ready[f] // every worker closes its page's, whatever happens
+		mu.Lock()
+		rd := rds[f]
+		rds[f] = nil
+		mu.Unlock()
+		if rd == nil {
+			break
+		}
+		ok := sc.Page(ctx, f, n.PagePath(keys[f]), rd)
+		rd.Close()
+		if !ok {
+			break
+		}
 	}
 	wg.Wait()
 	notFetched := 0
@@ -889,7 +943,13 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // little left to write. A page that a save published since the lookup is
 // not fetched (0 bytes, no error); one published meanwhile by a save is
 // simply replaced by the same bytes (same key, same content).
-func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func()) (int64, error) {
+//
+// With keep non-nil, a page fetched, verified and published is returned
+// in *keep as a read-only descriptor of its file (opened on the temp file
+// after the verification; the rename keeps it the same file), for the
+// load's scatter (readThrough), which closes it; *keep stays nil
+// otherwise (nothing to close).
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), keep *vfs.File) (int64, error) {
 	if t.e.pages.Has(n.Name(), want.Key) {
 		return 0, nil
 	}
@@ -908,6 +968,14 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	}
 	kw := newKickWriter(sf.File)
 	stream := remote.NewPageStream(kw, want.Key.String(), o.Size)
+	var rd vfs.File // read-only, of the temp file: kept for the scatter
+	closeRd := func() {
+		if rd != nil {
+			rd.Close()
+			rd = nil
+		}
+	}
+	defer closeRd() // unless handed to *keep
 	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
 		fetched()
 		if pg, ok := stream.Verified(); ok {
@@ -919,10 +987,16 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		if err != nil {
 			return err
 		}
-		defer f.Close()
+		closeRd()
+		rd = f
 		return verifyPage(f, name, want, size)
 	})
 	kw.stop() // before the file is closed
+	if err == nil && keep != nil && rd == nil {
+		if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the page is simply not scattered
+			rd = f
+		}
+	}
 	if err == nil {
 		err = t.publishFetched(sf)
 	} else {
@@ -947,6 +1021,9 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	}
 	t.e.pages.Add(n.Name(), want.Key)
 	t.markKnown(n.Name(), want.Key)
+	if keep != nil {
+		*keep, rd = rd, nil
+	}
 	return o.Size, nil
 }
 
