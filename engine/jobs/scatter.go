@@ -42,6 +42,7 @@ type PrefixScatter struct {
 	stop    error // the read of page done failed: the prefix ends there (Stop)
 	fatal   error // ctx's error or ErrPanic during a read: the load's error
 	logical int64 // tensor bytes of pages [0, done)
+	last    int64 // tensor bytes of page done-1
 	read    int64 // bytes read (ExtentStats) by the scatter
 	direct  int64
 }
@@ -127,10 +128,29 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 			return false
 		}
 	}
+	s.last = 0
 	for _, t := range snap.Header.Caches[0].Tensors {
-		s.logical += t.Bytes
+		s.last += t.Bytes
 	}
+	s.logical += s.last
 	s.done++
 	s.ended = false
 	return true
+}
+
+// Retract ends the scatter at page i, the last page scattered (Pages()-1;
+// any other i does nothing), when the caller learns after Page that it
+// may not count as loaded (the engine: the page verified and was
+// scattered beside its publish, which then failed): the load's prefix
+// ends before page i, and Stop is err (page i's tokens hold its verified
+// stored KV, which LoadPrefix's Stop clause allows); no later page is
+// scattered.
+func (s *PrefixScatter) Retract(i int, err error) {
+	if i != s.done-1 || s.stop != nil || s.fatal != nil {
+		return
+	}
+	s.done--
+	s.logical -= s.last
+	s.ended = true
+	s.stop = err
 }

@@ -6,13 +6,16 @@ import (
 	"errors"
 	"math"
 	"net/http"
+	"os"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -56,6 +59,13 @@ func fillKV(capTok int) *kv {
 // tokens and every other byte of c still holds sentinel.
 func checkPrefixAndSentinel(t *testing.T, c *kv, tokens []uint32, n int) {
 	t.Helper()
+	checkPrefixSkipSentinel(t, c, tokens, n, n)
+}
+
+// checkPrefixSkipSentinel is checkPrefixAndSentinel with tokens [n, skip)
+// left unchecked (a failed page's, which the Stop clause lets hold data).
+func checkPrefixSkipSentinel(t *testing.T, c *kv, tokens []uint32, n, skip int) {
+	t.Helper()
 	want := fillKV(c.capTok)
 	row := headDim * item
 	for ti, buf := range [][]byte{want.k, want.v} {
@@ -68,9 +78,31 @@ func checkPrefixAndSentinel(t *testing.T, c *kv, tokens []uint32, n int) {
 			}
 		}
 	}
-	if !bytes.Equal(c.k, want.k) || !bytes.Equal(c.v, want.v) {
-		t.Fatalf("destinations differ from the KV of the first %d tokens followed by what they held before", n)
+	for ti, got := range [][]byte{c.k, c.v} {
+		wb := [][]byte{want.k, want.v}[ti]
+		for h := range heads {
+			for pos := range c.capTok {
+				off := (h*c.capTok + pos) * row
+				if (pos < n || pos >= skip) && !bytes.Equal(got[off:off+row], wb[off:off+row]) {
+					t.Fatalf("tensor %d head %d token %d: not the KV of the first %d tokens followed by what it held before", ti, h, pos, n)
+				}
+			}
+		}
 	}
+}
+
+// uploadedConv saves n tokens from base on an engine of its own root
+// (rootA) and closes it, so every page is uploaded under a bucket prefix
+// of the test's own.
+func uploadedConv(t *testing.T, base, n int) (prefix, rootA string, conv []uint32, keys []layout.PageKey) {
+	t.Helper()
+	prefix, rootA = bucketPrefix(t), t.TempDir()
+	conv = seq(base, n)
+	keys = keysOf(t, conv)
+	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
+	save(t, a, conv)
+	closeEngine(t, a)
+	return prefix, rootA, conv, keys
 }
 
 // TestFetchedPagesScatteredDuringFetch: a prompt of 5 remote pages, all
@@ -83,13 +115,8 @@ func checkPrefixAndSentinel(t *testing.T, c *kv, tokens []uint32, n int) {
 // bit-exact, the bytes past them untouched, every page published, the
 // accounting equal to the disk.
 func TestFetchedPagesScatteredDuringFetch(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(71000, 4*ptoks+10)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, rootA, conv, keys := uploadedConv(t, 71000, 4*ptoks+10)
+	rootB := t.TempDir()
 
 	var progress atomic.Int64
 	pageTensorBytes := int64(ptoks * tokenBytes)
@@ -141,13 +168,8 @@ func TestFetchedPagesScatteredDuringFetch(t *testing.T) {
 // destinations holds what it held before (pages 3-5 verified and were
 // kept locally, but are past the hole: not scattered, not loaded).
 func TestScatterStopsAtFailedPage(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(73000, 6*ptoks)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, rootA, conv, keys := uploadedConv(t, 73000, 6*ptoks)
+	rootB := t.TempDir()
 	st := openStore(t, prefix)
 	name, _ := st.PageName(ns, keys[2].String())
 	bad := bytes.Clone(readFile(t, pagePath(rootA, keys[2])))
@@ -176,13 +198,8 @@ func TestScatterStopsAtFailedPage(t *testing.T) {
 // page was fetched and published (the first page is checked against the
 // destinations before anything is scattered).
 func TestScatterMismatchWritesNothing(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(75000, 3*ptoks)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, _, conv, keys := uploadedConv(t, 75000, 3*ptoks)
+	rootB := t.TempDir()
 
 	b := newEngine(t, rootB, prefix, newRecorder(t), nil)
 	capTok := len(conv)
@@ -215,12 +232,8 @@ func TestScatterMismatchWritesNothing(t *testing.T) {
 // kills the test process. Then the bytes past the pages of the prompt are
 // untouched, and the accounting equals the disk.
 func TestScatterCancelledMidFetch(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(77000, 8*ptoks)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, _, conv, _ := uploadedConv(t, 77000, 8*ptoks)
+	rootB := t.TempDir()
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -274,4 +287,46 @@ func TestScatterCancelledMidFetch(t *testing.T) {
 			}
 		}
 	}
+}
+
+// failRenameFS fails the Rename onto target with EIO.
+type failRenameFS struct {
+	vfs.FS
+	target string
+}
+
+func (r *failRenameFS) Rename(oldname, newname string) error {
+	if newname == r.target {
+		return syscall.EIO
+	}
+	return r.FS.Rename(oldname, newname)
+}
+
+// TestScatterPublishFailureEndsPrefix: 5 remote pages; the publish
+// (rename) of page 2 fails after its bytes verified, so it may already
+// be scattered (a page is scattered beside its publish). The load's
+// prefix ends before it (2×64 tokens, Stop set, Remote.Err the rename's
+// EIO), tokens from page 3 on hold what they held before, page 2 has no
+// file and leaves no temp file, and the accounting equals the disk.
+func TestScatterPublishFailureEndsPrefix(t *testing.T) {
+	prefix, _, conv, keys := uploadedConv(t, 79000, 5*ptoks)
+	rootB := t.TempDir()
+
+	fs := &failRenameFS{FS: vfs.Default, target: pagePath(rootB, keys[2])}
+	b := newEngineCfg(t, rootB, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.FetchPages = 1 },
+		func(c *engine.Config) { c.FS = fs; c.CapacityBytes = math.MaxInt32 })
+	c := fillKV(len(conv) + 100)
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true, Dest: c.specs(len(conv))})
+	if res.Err != nil || res.Prefix.Tokens != 2*ptoks || res.Remote == nil || !errors.Is(res.Remote.Err, syscall.EIO) {
+		t.Fatalf("load: %v, %d tokens, remote %+v; want %d tokens and the rename's EIO", res.Err, res.Prefix.Tokens, res.Remote, 2*ptoks)
+	}
+	if !errors.Is(res.Prefix.Stop, syscall.EIO) {
+		t.Fatalf("Stop = %v; want the rename's EIO", res.Prefix.Stop)
+	}
+	// Tokens of page 2 may hold its verified KV (Stop); check the rest.
+	checkPrefixSkipSentinel(t, c, conv, 2*ptoks, 3*ptoks)
+	if _, err := os.Lstat(pagePath(rootB, keys[2])); !os.IsNotExist(err) {
+		t.Fatalf("page 2 has a file (lstat: %v)", err)
+	}
+	checkUsageIsDisk(t, b, rootB, math.MaxInt32)
 }
