@@ -206,14 +206,14 @@ func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
 	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest, Verify: true}
 	logical := int64(2 * m.Layers * m.TensorBytes(prefixTokens))
 	var c *coldState
-	var direct, read int64
+	var direct, async, read int64
 	s := steps{
 		ours: func(int) {
 			res := do(b, e, req)
 			if res.Prefix.Tokens != prefixTokens || res.Prefix.Stop != nil {
 				b.Fatalf("load: %+v", res.Prefix)
 			}
-			direct, read = res.Metrics.DirectReadBytes, res.Metrics.ReadBytes
+			direct, async, read = res.Metrics.DirectReadBytes, res.Metrics.AsyncReadBytes, res.Metrics.ReadBytes
 		},
 		limit: func(int) {
 			if err := preadHashLimit(ext, dst); err != nil {
@@ -252,6 +252,7 @@ func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
 		b.ReportMetric(float64(qd), "best-qd")
 	}
 	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
+	b.ReportMetric(float64(async)/float64(max(read, 1)), "async/read")
 	checkLoaded(b, w, dest, capT, prefixTokens)
 	b.StartTimer()
 }

@@ -736,7 +736,7 @@ func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, k
 		}
 	}
 	errs, st, err := readExtents(ctx, cfg, exts, progress)
-	m.ReadBytes, m.DirectReadBytes = st.Bytes, st.DirectBytes
+	m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = st.Bytes, st.DirectBytes, st.AsyncBytes
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err
