@@ -326,6 +326,9 @@ const (
 	// journalCompactRetry: after a compaction that could not take the
 	// namespace's exclusive lock, the next try waits this long.
 	journalCompactRetry = 5 * time.Second
+	// journalCloseCompactWait bounds Close's wait for the exclusive locks
+	// of its compactions: a journal not compacted is still valid.
+	journalCloseCompactWait = time.Second
 	// journalWarnEvery: a namespace whose journal cannot be written (a
 	// full disk, a directory in its place) is logged at most this often.
 	journalWarnEvery = time.Minute
@@ -765,7 +768,8 @@ func (j *journal) read(path string) (set *journalSet, canonical, ok bool) {
 // close stops the goroutine, then (on the caller's goroutine) writes the
 // last batches (the namespace locks taken within ctx, each tried at
 // least once), fdatasyncs them, compacts every journal this engine
-// appended to or found with records at start (within ctx), and closes
+// appended to or found with records at start (each exclusive lock waited
+// for within ctx and at most journalCloseCompactWait in all), and closes
 // the files. Records added after it are dropped: the uploader has
 // stopped before it.
 func (j *journal) close(ctx context.Context) {
@@ -783,8 +787,12 @@ func (j *journal) close(ctx context.Context) {
 	if j.t.e.store.Durable() {
 		j.sync()
 	}
+	// A compaction is an optimisation: its wait for the exclusive lock
+	// (which writers of other processes may keep from it) is bounded.
+	cctx, cancel := context.WithTimeout(ctx, journalCloseCompactWait)
+	defer cancel()
 	for ns := range touched {
-		j.compact(ctx, ns)
+		j.compact(cctx, ns)
 	}
 	for ns := range j.files {
 		j.closeFile(ns)
