@@ -364,6 +364,8 @@ type journal struct {
 	files    map[string]*journalFile
 	lastSync time.Time
 	warned   map[string]time.Time // namespace -> last Warn of a failed write
+	// compactions published (for tests).
+	compactions int
 }
 
 // journalFile is a namespace's journal opened for appending.
@@ -739,6 +741,7 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	}
 	// The file open is the one renamed over: the next write opens the new.
 	j.closeFile(ns)
+	j.compactions++
 	return true
 }
 
