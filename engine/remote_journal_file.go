@@ -305,10 +305,16 @@ func readJournalFile(fsys vfs.FS, path string) (b []byte, exists bool, err error
 // Batching of the journal's writes.
 const (
 	// journalCommitEvery: the journal's files are fdatasync'd at most
-	// this often (a group commit of every record written since), under
-	// the store's sync policy. Records are written (write(2)) as soon as
-	// the goroutine wakes.
+	// this often once a queued record was written (a group commit of
+	// every record written since), under the store's sync policy.
+	// Records are written (write(2)) as soon as the goroutine wakes.
 	journalCommitEvery = 10 * time.Millisecond
+	// journalLazySync: files that received settled records only are
+	// fdatasync'd at most this often: losing a settled record costs a
+	// HEAD at the next start, not an upload, and uploads end far more
+	// often than saves, so their fdatasyncs (each a file-system journal
+	// commit, which a save's own fsyncs would wait behind) are spared.
+	journalLazySync = time.Second
 	// journalLockWait bounds a wait for a namespace's lock by the
 	// journal's goroutine (another process's collect may hold it
 	// exclusively for long): the records wait and are tried again after
@@ -349,6 +355,7 @@ type journal struct {
 
 	mu      sync.Mutex
 	batch   map[string][]byte // namespace -> records not yet written
+	urgent  map[string]bool   // namespace -> its batch holds a queued record
 	nbatch  int               // records in batch
 	dropped int               // records dropped since the last log line
 	spilled map[string]bool   // namespaces with uploads refused by a full queue
@@ -374,12 +381,13 @@ type journalFile struct {
 	fi          os.FileInfo // its Stat at open: the path is checked against it
 	base        int64       // its size when opened (after a compaction: the snapshot's)
 	dirty       bool        // written since its last fdatasync (never with NoSync)
+	urgent      bool        // and one of those writes held a queued record
 	newEntry    bool        // created by this open: the directory is synced after its first fdatasync
 	nextCompact time.Time   // no compaction attempt before
 }
 
 func startJournal(t *tier) *journal {
-	j := &journal{t: t, batch: map[string][]byte{}, spilled: map[string]bool{}, touched: map[string]bool{},
+	j := &journal{t: t, batch: map[string][]byte{}, urgent: map[string]bool{}, spilled: map[string]bool{}, touched: map[string]bool{},
 		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{}), files: map[string]*journalFile{}, warned: map[string]time.Time{}}
 	go j.run()
 	return j
@@ -400,6 +408,9 @@ func (j *journal) add(ns string, op byte, payload []byte) {
 		return
 	}
 	j.batch[ns] = appendRecord(j.batch[ns], op, payload)
+	if op == opPageQueued || op == opManifestQueued {
+		j.urgent[ns] = true
+	}
 	j.nbatch++
 	j.touched[ns] = true
 	j.mu.Unlock()
@@ -479,8 +490,8 @@ func (j *journal) run() {
 		if left {
 			again = journalLockWait
 		}
-		if j.anyDirty() {
-			d := max(time.Millisecond, journalCommitEvery-time.Since(j.lastSync))
+		if due, ok := j.syncDue(); ok {
+			d := max(time.Millisecond, time.Until(due))
 			if again == 0 || d < again {
 				again = d
 			}
@@ -491,23 +502,30 @@ func (j *journal) run() {
 	}
 }
 
-func (j *journal) anyDirty() bool {
+// syncDue is when the files written since the last sync are due for
+// theirs: journalCommitEvery after it when one holds a queued record,
+// else journalLazySync after it; ok is false when none was written.
+func (j *journal) syncDue() (due time.Time, ok bool) {
+	wait := time.Duration(0)
 	for _, f := range j.files {
-		if f.dirty {
-			return true
+		switch {
+		case f.urgent:
+			return j.lastSync.Add(journalCommitEvery), true
+		case f.dirty:
+			wait = journalLazySync
 		}
 	}
-	return false
+	return j.lastSync.Add(wait), wait > 0
 }
 
 // flush writes every namespace's batch (one write each, under its shared
-// lock, taken within ctx), then fdatasyncs the files written when
-// journalCommitEvery has passed since the last sync (always when force).
-// A batch whose lock was not taken waits for the next flush (left).
+// lock, taken within ctx), then fdatasyncs the files written when they
+// are due (syncDue). A batch whose lock was not taken waits for the next
+// flush (left).
 func (j *journal) flush(ctx context.Context) (left bool) {
 	j.mu.Lock()
-	batch := j.batch
-	j.batch = map[string][]byte{}
+	batch, urgent := j.batch, j.urgent
+	j.batch, j.urgent = map[string][]byte{}, map[string]bool{}
 	j.nbatch = 0
 	dropped := j.dropped
 	j.dropped = 0
@@ -523,27 +541,28 @@ func (j *journal) flush(ctx context.Context) (left bool) {
 		}
 		unlock, err := n.Lock(ctx, false)
 		if err != nil {
-			j.putBack(ns, b)
+			j.putBack(ns, b, urgent[ns])
 			left = true
 			continue
 		}
-		err = j.write(n, b)
+		err = j.write(n, b, urgent[ns])
 		unlock()
 		if err != nil && time.Since(j.warned[ns]) >= journalWarnEvery {
 			j.warned[ns] = time.Now()
 			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not written; its uploads are queued by the next saves that name them", "path", n.UploadsPath(), "records", countRecords(b), "err", err)
 		}
 	}
-	if st.Durable() && time.Since(j.lastSync) >= journalCommitEvery {
+	if due, ok := j.syncDue(); ok && !time.Now().Before(due) {
 		j.sync()
 	}
 	return left
 }
 
 // putBack returns a batch not written to the front of ns's batch.
-func (j *journal) putBack(ns string, b []byte) {
+func (j *journal) putBack(ns string, b []byte, urgent bool) {
 	j.mu.Lock()
 	j.batch[ns] = append(b, j.batch[ns]...)
+	j.urgent[ns] = j.urgent[ns] || urgent
 	j.nbatch += countRecords(b)
 	j.mu.Unlock()
 }
@@ -559,10 +578,10 @@ func countRecords(b []byte) int {
 	return n
 }
 
-// write appends b to n's journal (the namespace's shared lock held): the
+// write appends b (urgent: it holds a queued record) to n's journal (the namespace's shared lock held): the
 // file is opened, or opened again when the path no longer names the file
 // open (a compaction renamed a new one over it).
-func (j *journal) write(n *store.Namespace, b []byte) error {
+func (j *journal) write(n *store.Namespace, b []byte, urgent bool) error {
 	jf, err := j.file(n)
 	if err != nil {
 		return err
@@ -572,7 +591,10 @@ func (j *journal) write(n *store.Namespace, b []byte) error {
 		j.closeFile(n.Name())
 		return err
 	}
-	jf.dirty = j.t.e.store.Durable() // with NoSync, nothing is ever synced
+	if j.t.e.store.Durable() { // with NoSync, nothing is ever synced
+		jf.dirty = true
+		jf.urgent = jf.urgent || urgent
+	}
 	return nil
 }
 
@@ -646,7 +668,7 @@ func (j *journal) sync() {
 			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
 			continue
 		}
-		jf.dirty, jf.newEntry = false, false
+		jf.dirty, jf.urgent, jf.newEntry = false, false, false
 	}
 }
 

@@ -274,7 +274,7 @@ func FuzzDecodeJournalFile(f *testing.F) {
 // path already makes for every page it queues (enqueueFile); x-limit =
 // lstat time / add time (above 1: the record costs less than the lstat).
 func BenchmarkJournalAdd(b *testing.B) {
-	j := &journal{batch: map[string][]byte{}, spilled: map[string]bool{}, touched: map[string]bool{}, wake: make(chan struct{}, 1)}
+	j := &journal{batch: map[string][]byte{}, urgent: map[string]bool{}, spilled: map[string]bool{}, touched: map[string]bool{}, wake: make(chan struct{}, 1)}
 	keys := testKeys(4096)
 	path := filepath.Join(b.TempDir(), "page")
 	if err := os.WriteFile(path, []byte("x"), 0o644); err != nil {
