@@ -348,9 +348,14 @@ func BenchmarkReadDepth(b *testing.B) {
 	}
 }
 
+// benchPreads (KVPERSIST_BENCH_PREADS=1) runs the cold rows with
+// engine.Config.NoAsyncReads: O_DIRECT preads, as before the asynchronous
+// reads, for a comparison in one binary.
+var benchPreads = os.Getenv("KVPERSIST_BENCH_PREADS") == "1"
+
 func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	s := getRestoreStore(b, w, lay)
-	e, err := engine.New(engine.Config{Root: s.root, Logger: quietLogger, ReadDepth: depth})
+	e, err := engine.New(engine.Config{Root: s.root, Logger: quietLogger, ReadDepth: depth, NoAsyncReads: benchPreads})
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -370,7 +375,7 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 		b.Fatalf("after evicting: %d pages of the snapshot still cached (%v)", n, err)
 	}
 	warmRead(b, e, w, req) // checks the bytes
-	var direct, read int64
+	var direct, async, read int64
 	var minLimit time.Duration // the fastest depth of each iteration, summed
 	var shaTime time.Duration  // blocks: SHA-256 of the same bytes on every core
 	var shaCPU time.Duration   // blocks: the CPU time of that hashing
@@ -392,7 +397,7 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 			if i >= 0 {
 				oursCPU += cpuTime() - c0
 			}
-			direct, read = res.Metrics.DirectReadBytes, res.Metrics.ReadBytes
+			direct, async, read = res.Metrics.DirectReadBytes, res.Metrics.AsyncReadBytes, res.Metrics.ReadBytes
 		},
 		// One run per depth; no eviction needed: O_DIRECT bypasses the
 		// page cache. Blocks: then the hashing bound.
@@ -426,6 +431,7 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 	b.ReportMetric(float64(qd), "best-qd")
 	b.ReportMetric(float64(minLimit)/float64(m.ours), "x-min-limit")
 	b.ReportMetric(float64(direct)/float64(max(read, 1)), "direct/read")
+	b.ReportMetric(float64(async)/float64(max(read, 1)), "async/read")
 	b.ReportMetric(float64(oursCPU.Milliseconds())/float64(m.n), "cpu-ms/op")
 	if shaTime > 0 {
 		// The verified restore cannot beat the slower of reading at the

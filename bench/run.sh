@@ -27,6 +27,10 @@
 #                           starts on loopback, built by `make weed` first)
 #   KVPERSIST_BENCH_DIR     directory on the disk to measure (default: the
 #                           temp dir unless tmpfs, else bench/); never tmpfs
+#   KVPERSIST_BENCH_PREADS=1  the cold restore rows with
+#                           engine.Config.NoAsyncReads (O_DIRECT preads
+#                           instead of Linux AIO), for a comparison in one
+#                           binary
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
 #                           go run golang.org/x/perf/cmd/benchstat@latest;
 #                           skipped if that fails); 0 to skip

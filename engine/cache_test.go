@@ -157,6 +157,7 @@ func (s *sink) Job(k labels.Kind, o labels.Outcome, d time.Duration, ran bool) {
 }
 func (s *sink) Bytes(w, r, rd int64) {}
 func (s *sink) DirectRead(n int64)   {}
+func (s *sink) AsyncRead(n int64)    {}
 func (s *sink) Lookup(h, m int64) {
 	s.mu.Lock()
 	s.hit += h

@@ -342,6 +342,7 @@ func (e *Engine) settle(j *job, res *Result, ran bool) {
 	s.bytesReused.Add(res.Metrics.ReusedBytes)
 	s.bytesRead.Add(res.Metrics.ReadBytes)
 	s.bytesReadDirect.Add(res.Metrics.DirectReadBytes)
+	s.bytesReadAsync.Add(res.Metrics.AsyncReadBytes)
 	if res.Err != nil {
 		s.failed.Add(1)
 		e.logSafe(slog.LevelWarn, "kvpersist: job failed", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "err", res.Err)

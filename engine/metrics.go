@@ -23,6 +23,9 @@ type MetricsSink interface {
 	Bytes(written, reused, read int64)
 	// DirectRead adds bytes read with O_DIRECT (a part of the read bytes).
 	DirectRead(n int64)
+	// AsyncRead adds bytes read with asynchronous O_DIRECT reads (Linux
+	// AIO: a part of the direct bytes).
+	AsyncRead(n int64)
 	// Lookup records one prefix lookup: tokens hit and missed.
 	Lookup(hitTokens, missTokens int64)
 	// Evicted records pages unlinked by eviction and their allocated bytes.
@@ -54,6 +57,9 @@ func (NopMetrics) Bytes(written, reused, read int64) {}
 
 // DirectRead does nothing.
 func (NopMetrics) DirectRead(n int64) {}
+
+// AsyncRead does nothing.
+func (NopMetrics) AsyncRead(n int64) {}
 
 // Lookup does nothing.
 func (NopMetrics) Lookup(hitTokens, missTokens int64) {}
@@ -120,4 +126,5 @@ func (e *Engine) recordJob(j *job, res *Result, ran bool) {
 	m.Job(kind, outcome, elapsed, ran)
 	m.Bytes(res.Metrics.WrittenBytes, res.Metrics.ReusedBytes, res.Metrics.ReadBytes)
 	m.DirectRead(res.Metrics.DirectReadBytes)
+	m.AsyncRead(res.Metrics.AsyncReadBytes)
 }

@@ -485,8 +485,9 @@ func (s *Source) file(cfg *Config) (vfs.File, int64, int64, error) {
 
 // ExtentStats are what ReadExtents did, in bytes.
 type ExtentStats struct {
-	// Bytes read into destinations; DirectBytes of them with O_DIRECT.
-	Bytes, DirectBytes int64
+	// Bytes read into destinations; DirectBytes of them with O_DIRECT,
+	// AsyncBytes of those asynchronously (Config.Async).
+	Bytes, DirectBytes, AsyncBytes int64
 }
 
 // ReadExtents reads every extent into its Dst (or View) with up to
@@ -539,10 +540,12 @@ func readExtents(ctx context.Context, cfg *Config, exts []Extent, done func(i in
 		rd.run(ctx, r, rd.work[w])
 	})
 	close(readers)
+	var async int64
 	for r := range readers {
+		async += r.asyncBytes
 		r.release()
 	}
-	return rd.errs, ExtentStats{Bytes: rd.bytes.Load(), DirectBytes: rd.direct.Load()}, err
+	return rd.errs, ExtentStats{Bytes: rd.bytes.Load(), DirectBytes: rd.direct.Load(), AsyncBytes: async}, err
 }
 
 // extentRead is one ReadExtents call's shared state.
@@ -888,6 +891,10 @@ type extentReader struct {
 	chunk   *[]byte      // readWhole's piece before its scatter; on demand
 	iov     [][]byte     // a piece's destination runs
 	one     [1][]byte    // staged's
+	// asyncReads counts the reads made through cfg.Async; asyncBytes the
+	// destination bytes of the pieces read that way.
+	asyncReads int
+	asyncBytes int64
 }
 
 func (r *extentReader) release() {
@@ -1003,7 +1010,7 @@ const directRunBytes = 256 << 10
 
 // readBufs fills bufs, in order, from src at off; it returns how many
 // bytes it read with O_DIRECT.
-func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (int64, error) {
+func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (direct int64, err error) {
 	f, align, mem, err := src.file(r.cfg)
 	if err != nil {
 		return 0, err
@@ -1011,6 +1018,12 @@ func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (int64, e
 	if align == 0 {
 		return 0, readvFull(f, bufs, off)
 	}
+	before := r.asyncReads
+	defer func() {
+		if r.asyncReads != before {
+			r.asyncBytes += direct
+		}
+	}()
 	if len(bufs) > 1 && len(bufs[0]) < directRunBytes {
 		err := r.stagedv(f, align, bufs, off)
 		if err == nil || !isRefusal(err) {
@@ -1018,7 +1031,6 @@ func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (int64, e
 		}
 		return r.refused(src, err, bufs, off)
 	}
-	var direct int64
 	for j, b := range bufs {
 		d, err := r.readDirect(f, align, mem, b, off)
 		if err != nil && isRefusal(err) {
@@ -1086,7 +1098,7 @@ func (r *extentReader) readDirect(f vfs.File, align, mem int64, dst []byte, off 
 	}
 	body := (int64(len(dst)) - head) &^ (align - 1)
 	if body > 0 {
-		if err := readFull(f, dst[head:head+body], off+head); err != nil {
+		if err := r.readFull(f, dst[head:head+body], off+head); err != nil {
 			return head, err
 		}
 	}
@@ -1127,7 +1139,7 @@ func (r *extentReader) stagedv(f vfs.File, align int64, bufs [][]byte, off int64
 	}
 	buf := alignedSlice(*r.staging, directBufAlign)
 	want := off + n - start // bytes of buf that must be filled
-	if _, err := readAtLeast(f, buf[:end-start], start, want); err != nil {
+	if _, err := r.readAtLeast(f, buf[:end-start], start, want); err != nil {
 		return err
 	}
 	src := buf[off-start : want]
@@ -1151,16 +1163,47 @@ func alignedSlice(b []byte, a int) []byte {
 
 // readFull fills p from f at off; a file that ends first is ErrBlockSize.
 func readFull(f vfs.File, p []byte, off int64) error {
-	_, err := readAtLeast(f, p, off, int64(len(p)))
+	_, err := readAtLeast(f, p, off, int64(len(p)), nil)
 	return err
 }
 
+// readFull is readFull of an O_DIRECT file: through r.cfg.Async when set.
+func (r *extentReader) readFull(f vfs.File, p []byte, off int64) error {
+	_, err := readAtLeast(f, p, off, int64(len(p)), r)
+	return err
+}
+
+// readAtLeast is readAtLeast of an O_DIRECT file: through r.cfg.Async
+// when set.
+func (r *extentReader) readAtLeast(f vfs.File, p []byte, off, want int64) (int64, error) {
+	return readAtLeast(f, p, off, want, r)
+}
+
+// readAt is one read of an O_DIRECT file: asynchronous (vfs.AsyncReader,
+// waiting without a P) when r.cfg.Async is set up and f is the operating
+// system's, else a pread. Either way it returns only once the kernel has
+// finished writing into p.
+func (r *extentReader) readAt(f vfs.File, p []byte, off int64) (int, error) {
+	n, async, err := r.cfg.Async.reader().ReadAt(f, p, off)
+	if async {
+		r.asyncReads++
+	}
+	return n, err
+}
+
 // readAtLeast reads into p at off until at least want bytes are in (or p is
-// full); an end of file before want bytes is ErrBlockSize.
-func readAtLeast(f vfs.File, p []byte, off, want int64) (int64, error) {
+// full); an end of file before want bytes is ErrBlockSize. With r non-nil
+// (an O_DIRECT file) each read is r.readAt.
+func readAtLeast(f vfs.File, p []byte, off, want int64, r *extentReader) (int64, error) {
 	var n int64
 	for n < want {
-		k, err := f.ReadAt(p[n:], off+n)
+		var k int
+		var err error
+		if r != nil {
+			k, err = r.readAt(f, p[n:], off+n)
+		} else {
+			k, err = f.ReadAt(p[n:], off+n)
+		}
 		n += int64(k)
 		if n >= want {
 			return n, nil

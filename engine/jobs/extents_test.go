@@ -5,7 +5,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
-	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -18,7 +17,6 @@ import (
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
-	"golang.org/x/sys/unix"
 )
 
 // directDir is a directory on a file system that supports O_DIRECT (the
@@ -42,27 +40,11 @@ func directDir(t *testing.T) string {
 	return dir
 }
 
-// evictFiles drops every file under root from the page cache (fdatasync,
-// then FADV_DONTNEED), so the next read is cold.
+// evictFiles drops every file under root from the page cache, so the next
+// read is cold (testutil.EvictTree).
 func evictFiles(t *testing.T, root string) {
 	t.Helper()
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || !d.Type().IsRegular() {
-			return err
-		}
-		fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
-		if err := unix.Fdatasync(fd); err != nil {
-			return err
-		}
-		return unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED)
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	testutil.EvictTree(t, root)
 }
 
 // randomFile writes n random bytes to dir/name, evicts it from the page

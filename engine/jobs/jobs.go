@@ -68,6 +68,11 @@ type Config struct {
 	ReadDepth int
 	// NoDirect turns O_DIRECT reads off (buffered reads only).
 	NoDirect bool
+	// Async, when non-nil, issues the O_DIRECT reads of ReadExtents
+	// asynchronously (Linux AIO: a goroutine waiting for the disk holds
+	// no P, so hashing gets every core); its owner closes it after the
+	// last read. nil: preads.
+	Async *AsyncReads
 	// Durable, when non-nil, remembers the page files known durable, so
 	// that a prefix save that reuses one does not fsync its directory
 	// again (see DurablePages); nil: every reused page's directory is
@@ -136,6 +141,9 @@ type Metrics struct {
 	// DirectReadBytes: the part of ReadBytes read with O_DIRECT, past the
 	// page cache (0 on a file system without O_DIRECT: buffered fallback).
 	DirectReadBytes int64
+	// AsyncReadBytes: the part of DirectReadBytes read asynchronously
+	// (Config.Async); 0 when the AIO setup failed (preads instead).
+	AsyncReadBytes int64
 	// BlocksWritten / BlocksReused count blocks (block layout).
 	BlocksWritten, BlocksReused int64
 

@@ -700,7 +700,7 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 		first = sc.done
 		res.Keys = append(res.Keys, keys[:first]...)
 		res.Tokens = min(n, first*p)
-		m.LogicalBytes, m.ReadBytes, m.DirectReadBytes = sc.logical, sc.read, sc.direct
+		m.LogicalBytes, m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = sc.logical, sc.read, sc.direct, sc.async
 		if sc.stop != nil || first == len(keys) {
 			res.Stop = sc.stop
 			m.Elapsed = time.Since(start)
@@ -808,6 +808,7 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 	errs, st, err := readExtents(ctx, cfg, exts, progress)
 	m.ReadBytes += st.Bytes
 	m.DirectReadBytes += st.DirectBytes
+	m.AsyncReadBytes += st.AsyncBytes
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err

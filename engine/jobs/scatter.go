@@ -45,6 +45,7 @@ type PrefixScatter struct {
 	last    int64 // tensor bytes of page done-1
 	read    int64 // bytes read (ExtentStats) by the scatter
 	direct  int64
+	async   int64
 }
 
 // NewPrefixScatter checks req as LoadPrefix's step 1 does (keys as for
@@ -115,6 +116,7 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	errs, st, err := readExtents(ctx, s.cfg, exts, progress)
 	s.read += st.Bytes
 	s.direct += st.DirectBytes
+	s.async += st.AsyncBytes
 	if err != nil {
 		s.fatal = err
 		return false

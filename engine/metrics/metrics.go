@@ -115,6 +115,7 @@ type Recorder struct {
 	reused     atomic.Int64
 	read       atomic.Int64
 	readDirect atomic.Int64
+	readAsync  atomic.Int64
 	hitTokens  atomic.Int64
 	missTokens atomic.Int64
 	evPages    [evict.ReasonShrink + 1]atomic.Int64
@@ -274,6 +275,16 @@ func (r *Recorder) DirectRead(n int64) {
 	r.readDirect.Add(n)
 }
 
+// AsyncRead adds bytes read with asynchronous O_DIRECT reads (Linux AIO):
+// a part of the bytes given to DirectRead. It stays 0 when the engine's
+// AIO setup failed (preads instead) or was turned off.
+func (r *Recorder) AsyncRead(n int64) {
+	if r == nil {
+		return
+	}
+	r.readAsync.Add(n)
+}
+
 // Lookup records one prefix lookup: tokens of the query covered by stored
 // pages (hit) and not covered (miss).
 func (r *Recorder) Lookup(hitTokens, missTokens int64) {
@@ -316,6 +327,8 @@ var (
 		"Bytes read from disk into callers' buffers.", nil, nil)
 	descReadDirect = prometheus.NewDesc("kvpersist_read_direct_bytes_total",
 		"Of kvpersist_read_bytes_total, bytes read with O_DIRECT (0 on a file system without it: buffered fallback).", nil, nil)
+	descReadAsync = prometheus.NewDesc("kvpersist_read_async_bytes_total",
+		"Of kvpersist_read_direct_bytes_total, bytes read asynchronously (Linux AIO; 0 when its setup failed: preads).", nil, nil)
 	descLookup = prometheus.NewDesc("kvpersist_lookup_tokens_total",
 		"Tokens of prefix lookups, hit (covered by stored pages) or miss.", []string{"result"}, nil)
 	descEvPages = prometheus.NewDesc("kvpersist_evicted_pages_total",
@@ -348,7 +361,7 @@ var (
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descLookup,
+	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descReadAsync, descLookup,
 		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
 		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue} {
 		ch <- d
@@ -383,6 +396,7 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	emit(descReused, prometheus.CounterValue, float64(r.reused.Load()))
 	emit(descRead, prometheus.CounterValue, float64(r.read.Load()))
 	emit(descReadDirect, prometheus.CounterValue, float64(r.readDirect.Load()))
+	emit(descReadAsync, prometheus.CounterValue, float64(r.readAsync.Load()))
 	emit(descLookup, prometheus.CounterValue, float64(r.hitTokens.Load()), "hit")
 	emit(descLookup, prometheus.CounterValue, float64(r.missTokens.Load()), "miss")
 	for _, reason := range evictReasons {
@@ -476,6 +490,7 @@ type Snapshot struct {
 	ReusedBytes      int64          `json:"reusedBytes"`
 	ReadBytes        int64          `json:"readBytes"`
 	ReadDirectBytes  int64          `json:"readDirectBytes"`
+	ReadAsyncBytes   int64          `json:"readAsyncBytes"`
 	LookupHitTokens  int64          `json:"lookupHitTokens"`
 	LookupMissTokens int64          `json:"lookupMissTokens"`
 	Evicted          []EvictedCount `json:"evicted"`
@@ -588,7 +603,7 @@ func (r *Recorder) Snapshot() Snapshot {
 	}
 	s.Latency = r.latencies()
 	s.WrittenBytes, s.ReusedBytes, s.ReadBytes = r.written.Load(), r.reused.Load(), r.read.Load()
-	s.ReadDirectBytes = r.readDirect.Load()
+	s.ReadDirectBytes, s.ReadAsyncBytes = r.readDirect.Load(), r.readAsync.Load()
 	s.LookupHitTokens, s.LookupMissTokens = r.hitTokens.Load(), r.missTokens.Load()
 	for _, reason := range evictReasons {
 		if p, b := r.evPages[reason].Load(), r.evBytes[reason].Load(); p != 0 || b != 0 {

@@ -84,6 +84,7 @@ func record(t *testing.T) (*Recorder, *evict.Cache) {
 	r.Bytes(1000, 200, 0)
 	r.Bytes(0, 0, 5000)
 	r.DirectRead(4096)
+	r.AsyncRead(2048)
 	r.Lookup(256, 768)
 	r.Lookup(512, 32)
 	r.Evicted(evict.ReasonCapacity, 3, 12288)
@@ -123,6 +124,9 @@ kvpersist_read_bytes_total 5000
 # HELP kvpersist_read_direct_bytes_total Of kvpersist_read_bytes_total, bytes read with O_DIRECT (0 on a file system without it: buffered fallback).
 # TYPE kvpersist_read_direct_bytes_total counter
 kvpersist_read_direct_bytes_total 4096
+# HELP kvpersist_read_async_bytes_total Of kvpersist_read_direct_bytes_total, bytes read asynchronously (Linux AIO; 0 when its setup failed: preads).
+# TYPE kvpersist_read_async_bytes_total counter
+kvpersist_read_async_bytes_total 2048
 # HELP kvpersist_lookup_tokens_total Tokens of prefix lookups, hit (covered by stored pages) or miss.
 # TYPE kvpersist_lookup_tokens_total counter
 kvpersist_lookup_tokens_total{result="hit"} 768
@@ -178,7 +182,7 @@ func TestScrapeThroughRegistry(t *testing.T) {
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(expected())); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := testutil.GatherAndCount(reg); err != nil || n != 36+5+3+2+8+3+2+2+2+1+1 {
+	if n, err := testutil.GatherAndCount(reg); err != nil || n != 36+5+3+2+8+3+2+2+2+1+1+1 {
 		t.Fatalf("gathered %d series (%v)", n, err)
 	}
 	if problems, err := testutil.GatherAndLint(reg); err != nil || len(problems) > 0 {
@@ -199,7 +203,7 @@ func TestScrapeOverHTTP(t *testing.T) {
 	}
 	if err := testutil.ScrapeAndCompare(srv.URL, strings.NewReader(expected()),
 		"kvpersist_jobs_total", "kvpersist_job_duration_seconds", "kvpersist_written_bytes_total",
-		"kvpersist_reused_bytes_total", "kvpersist_read_bytes_total", "kvpersist_read_direct_bytes_total", "kvpersist_lookup_tokens_total",
+		"kvpersist_reused_bytes_total", "kvpersist_read_bytes_total", "kvpersist_read_direct_bytes_total", "kvpersist_read_async_bytes_total", "kvpersist_lookup_tokens_total",
 		"kvpersist_evicted_pages_total", "kvpersist_evicted_bytes_total", "kvpersist_saves_refused_total",
 		"kvpersist_cache_capacity_bytes", "kvpersist_cache_reserved_bytes", "kvpersist_cache_used_bytes",
 		"kvpersist_cache_pages", "kvpersist_cache_quota_bytes"); err != nil {
@@ -228,7 +232,7 @@ func TestSnapshotJSON(t *testing.T) {
 	if fmt.Sprint(s.Jobs) != fmt.Sprint(wantJobs) {
 		t.Fatalf("jobs %v, want %v", s.Jobs, wantJobs)
 	}
-	if s.WrittenBytes != 1000 || s.ReusedBytes != 200 || s.ReadBytes != 5000 || s.ReadDirectBytes != 4096 || s.LookupHitTokens != 768 || s.LookupMissTokens != 800 {
+	if s.WrittenBytes != 1000 || s.ReusedBytes != 200 || s.ReadBytes != 5000 || s.ReadDirectBytes != 4096 || s.ReadAsyncBytes != 2048 || s.LookupHitTokens != 768 || s.LookupMissTokens != 800 {
 		t.Fatalf("counters %+v", s)
 	}
 	if fmt.Sprint(s.Evicted) != "[{capacity 3 12288} {quota 1 4096} {shrink 2 8192}]" ||

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"golang.org/x/sys/unix"
 )
 
 // CopyFile copies src to dst, creating dst's directory.
@@ -110,4 +111,28 @@ func WriteFile(tb TB, path, data string) string {
 		tb.Fatal(err)
 	}
 	return path
+}
+
+// EvictTree drops every regular file under root (root itself when it is
+// one) from the page cache: fdatasync, then posix_fadvise(FADV_DONTNEED),
+// so the next read of them is cold (from the disk).
+func EvictTree(tb TB, root string) {
+	tb.Helper()
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		if err := unix.Fdatasync(fd); err != nil {
+			return err
+		}
+		return unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED)
+	})
+	if err != nil {
+		tb.Fatal(err)
+	}
 }

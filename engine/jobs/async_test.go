@@ -1,0 +1,312 @@
+package jobs_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"unsafe"
+
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/zeebo/xxh3"
+)
+
+// asyncReads sets up the asynchronous O_DIRECT reads for a test (closed
+// at its end), skipping the test where the kernel has no AIO.
+func asyncReads(t *testing.T) *jobs.AsyncReads {
+	t.Helper()
+	probe, err := vfs.NewAsyncReader(1)
+	if err != nil {
+		t.Skipf("no Linux AIO here: %v", err)
+	}
+	probe.Close()
+	a := jobs.NewAsyncReads(nil)
+	t.Cleanup(func() {
+		if err := a.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	return a
+}
+
+// pageAligned is n bytes at a 4 KiB-aligned address.
+func pageAligned(n int) []byte {
+	b := make([]byte, n+4096)
+	skip := (4096 - int(uintptr(unsafe.Pointer(&b[0])))%4096) % 4096
+	return b[skip : skip+n : skip+n]
+}
+
+// TestReadExtentsAsync: a cold file read with Config.Async: extents
+// straight into aligned destinations (whole pieces, several per extent),
+// into misaligned ones and at unaligned offsets (through staging), up to
+// the end of the file, and into strided views of every KV layout, at
+// depths 1 and 16: every byte equals the file's (guards and the views'
+// other bytes untouched), each extent verifies against a hash computed
+// here, and every direct byte was read asynchronously.
+func TestReadExtentsAsync(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(41, 42))
+	path, data := randomFile(t, rng, dir, "f", 6*jobs.ReadChunkBytes+777)
+	for _, depth := range []int{1, 16} {
+		evictFiles(t, dir)
+		cfg := &jobs.Config{ReadDepth: depth, Async: asyncReads(t)}
+		src, err := jobs.OpenSource(cfg, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !src.Direct() {
+			t.Fatal("cold source not opened with O_DIRECT")
+		}
+		exts, gs := guardedExtents(rng, src, data, 12)
+		// Straight into the destination: aligned memory, offset and length.
+		aligned := pageAligned(3*jobs.ReadChunkBytes + 8192)
+		exts = append(exts, jobs.Extent{Src: src, Off: 4096, Dst: aligned, Group: -1,
+			Verify: jobs.VerifySHA256, SHA256: sha256.Sum256(data[4096 : 4096+len(aligned)])})
+		var views []viewDst
+		var viewExt []int
+		for range 8 {
+			d := randomViewDst(rng)
+			n := d.view.Bytes()
+			off := rng.IntN(len(data)-n+1) &^ 4095
+			viewExt = append(viewExt, len(exts))
+			views = append(views, d)
+			exts = append(exts, jobs.Extent{Src: src, Off: int64(off), View: &views[len(views)-1].view, Group: -1,
+				Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(data[off : off+n])})
+		}
+		errs, st, err := jobs.ReadExtents(context.Background(), cfg, exts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var total int64
+		for k, x := range exts {
+			if errs[k] != nil {
+				t.Fatalf("depth %d, extent %d: %v", depth, k, errs[k])
+			}
+			total += int64(x.Bytes())
+		}
+		for k, g := range gs {
+			x := exts[k]
+			if !bytes.Equal(x.Dst, data[x.Off:x.Off+int64(len(x.Dst))]) {
+				t.Fatalf("depth %d, extent %d: bytes differ from the file's", depth, k)
+			}
+			for i, b := range g.buf {
+				if (i < g.start || i >= g.end) && b != dstGuardByte {
+					t.Fatalf("depth %d, extent %d: guard byte %d written", depth, k, i)
+				}
+			}
+		}
+		if !bytes.Equal(aligned, data[4096:4096+len(aligned)]) {
+			t.Fatalf("depth %d: the aligned extent differs from the file's bytes", depth)
+		}
+		for j, d := range views {
+			x := exts[viewExt[j]]
+			checkView(t, fmt.Sprintf("depth %d, view %d", depth, j), d, data[x.Off:x.Off+int64(x.Bytes())])
+		}
+		if st.Bytes != total || st.DirectBytes != total || st.AsyncBytes != total {
+			t.Fatalf("depth %d: stats %+v, want %d bytes read, all direct and asynchronous", depth, st, total)
+		}
+		if n := jobs.AsyncInFlight(cfg.Async); n != 0 {
+			t.Fatalf("depth %d: %d reads in flight after ReadExtents returned", depth, n)
+		}
+		src.Close()
+	}
+}
+
+// TestReadAsyncBothLayoutsAndPages: snapshots (single file, blocks) and a
+// prefix load of page files, cold, through an engine-like Config with
+// Async: the bytes restored equal the bytes saved, and every byte read
+// went asynchronously (Metrics.AsyncReadBytes).
+func TestReadAsyncBothLayoutsAndPages(t *testing.T) {
+	dir := directDir(t)
+	a := asyncReads(t)
+	single, blocks, want := restoreBoth(t, dir)
+	for _, p := range []string{single, blocks} {
+		got, _, m, err := readBack(t, &jobs.Config{Async: a, ReadDepth: 8}, p, true)
+		if err != nil {
+			t.Fatalf("%s: %v", p, err)
+		}
+		mustEqualExpected(t, got, want)
+		if m.ReadBytes != m.LogicalBytes || m.DirectReadBytes != m.ReadBytes || m.AsyncReadBytes != m.ReadBytes {
+			t.Fatalf("%s: %d bytes read of %d, %d direct, %d async; want all of them", filepath.Base(p), m.ReadBytes, m.LogicalBytes, m.DirectReadBytes, m.AsyncReadBytes)
+		}
+	}
+	ns := filepath.Join(dir, "pages-ns")
+	c := newConv(seqTokens(700, 3), pTensors, pHeads, pDim, 1024)
+	savePrefix(t, noSync(), ns, c, 700, 256)
+	evictFiles(t, ns)
+	bufs, dest := c.dests(1024)
+	cfg := inRoot(&jobs.Config{Async: a}, ns)
+	res, m, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixRequest{
+		Namespace: "pages-ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+	})
+	if err != nil || res.Tokens != 700 {
+		t.Fatalf("load: %+v, %v", res, err)
+	}
+	c.checkDest(t, bufs, 1024, 700)
+	if m.ReadBytes == 0 || m.DirectReadBytes != m.ReadBytes || m.AsyncReadBytes != m.ReadBytes {
+		t.Fatalf("page load: %d bytes read, %d direct, %d async; want all of them", m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes)
+	}
+}
+
+// TestReadAsyncShortAndCorrupt: through the asynchronous reads, a file cut
+// short after it was opened is ErrBlockSize (the read ends early: a short
+// read, then end of file), and a byte changed on disk is ErrCorrupt; the
+// other extents are read exactly.
+func TestReadAsyncShortAndCorrupt(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(43, 44))
+	cfg := &jobs.Config{ReadDepth: 4, Async: asyncReads(t)}
+	path, data := randomFile(t, rng, dir, "short", 3*jobs.ReadChunkBytes)
+	src, err := jobs.OpenSource(cfg, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	if err := os.Truncate(path, 2*jobs.ReadChunkBytes+1000); err != nil {
+		t.Fatal(err)
+	}
+	head := pageAligned(jobs.ReadChunkBytes)
+	tail := pageAligned(jobs.ReadChunkBytes)
+	exts := []jobs.Extent{
+		{Src: src, Off: 0, Dst: head, Group: -1, Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(data[:len(head)])},
+		{Src: src, Off: 2 * jobs.ReadChunkBytes, Dst: tail, Group: -1, Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(data[2*jobs.ReadChunkBytes:])},
+	}
+	errs, st, err := jobs.ReadExtents(context.Background(), cfg, exts)
+	if err != nil || errs[0] != nil || !bytes.Equal(head, data[:len(head)]) {
+		t.Fatalf("whole extent: %v, %v", err, errs[0])
+	}
+	if !errors.Is(errs[1], jobs.ErrBlockSize) {
+		t.Fatalf("extent past the new end of the file: %v, want ErrBlockSize", errs[1])
+	}
+	if st.AsyncBytes == 0 {
+		t.Fatalf("stats %+v: nothing read asynchronously", st)
+	}
+
+	path, data = randomFile(t, rng, dir, "corrupt", 2*jobs.ReadChunkBytes)
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.WriteAt([]byte{data[jobs.ReadChunkBytes+5] ^ 0xFF}, jobs.ReadChunkBytes+5); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	evictFiles(t, path)
+	src2, err := jobs.OpenSource(cfg, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src2.Close()
+	dst := pageAligned(len(data))
+	exts = []jobs.Extent{{Src: src2, Dst: dst, Group: -1, Verify: jobs.VerifySHA256, SHA256: sha256.Sum256(data)}}
+	errs, st, err = jobs.ReadExtents(context.Background(), cfg, exts)
+	if err != nil || !errors.Is(errs[0], jobs.ErrCorrupt) {
+		t.Fatalf("corrupt file: %v, %v; want ErrCorrupt", err, errs[0])
+	}
+	if st.AsyncBytes != int64(len(data)) {
+		t.Fatalf("stats %+v: want every byte read asynchronously", st)
+	}
+}
+
+// TestReadAsyncCancelLeavesNothingInFlight: a read cancelled while many
+// requests are in flight returns ctx's error only once each of them has
+// completed: no asynchronous read into the destination is left in flight
+// when ReadExtents returns (so none can write into it later), and after
+// the context is closed the destination still holds what it held then.
+func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(45, 46))
+	path, data := randomFile(t, rng, dir, "f", 32*jobs.ReadChunkBytes)
+	a := asyncReads(t)
+	cfg := &jobs.Config{ReadDepth: 32, Async: a}
+	for round := range 3 {
+		evictFiles(t, path)
+		src, err := jobs.OpenSource(cfg, path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var exts []jobs.Extent
+		for k := range 32 {
+			off := k * jobs.ReadChunkBytes
+			exts = append(exts, jobs.Extent{Src: src, Off: int64(off), Dst: pageAligned(jobs.ReadChunkBytes), Group: -1,
+				Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(data[off : off+jobs.ReadChunkBytes])})
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		var once sync.Once
+		_, _, err = jobs.ReadExtentsThen(ctx, cfg, exts, func(int, error) { once.Do(cancel) })
+		cancel()
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("round %d: %v, want context.Canceled", round, err)
+		}
+		if n := jobs.AsyncInFlight(a); n != 0 {
+			t.Fatalf("round %d: %d asynchronous reads still in flight after ReadExtents returned", round, n)
+		}
+		snap := make([][]byte, len(exts))
+		for k, x := range exts {
+			snap[k] = bytes.Clone(x.Dst)
+		}
+		src.Close()
+		// Any request still owned by the kernel would land by now: Close
+		// waits for every one.
+		if round == 2 {
+			if err := a.Close(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for k, x := range exts {
+			if !bytes.Equal(x.Dst, snap[k]) {
+				t.Fatalf("round %d: extent %d written after ReadExtents returned", round, k)
+			}
+		}
+	}
+}
+
+// TestReadAsyncSetupFailureFallsBack: when the AIO setup fails (ENOSYS,
+// EPERM under seccomp, EAGAIN past aio-max-nr), reads use preads: still
+// O_DIRECT, every byte right, none counted asynchronous; the setup is
+// tried once and the fallback logged once, however many reads follow.
+func TestReadAsyncSetupFailureFallsBack(t *testing.T) {
+	dir := directDir(t)
+	single, blocks, want := restoreBoth(t, dir)
+	for _, e := range []syscall.Errno{syscall.ENOSYS, syscall.EPERM, syscall.EAGAIN} {
+		var logBuf bytes.Buffer
+		logger := slog.New(slog.NewTextHandler(&logBuf, nil))
+		setups := 0
+		a := jobs.NewAsyncReadsWith(logger, func(int) (*vfs.AsyncReader, error) {
+			setups++
+			return nil, os.NewSyscallError("io_setup", e)
+		})
+		for round := range 2 {
+			evictFiles(t, dir)
+			for _, p := range []string{single, blocks} {
+				got, _, m, err := readBack(t, &jobs.Config{Async: a, Logger: logger}, p, true)
+				if err != nil {
+					t.Fatalf("%v, round %d, %s: %v", e, round, p, err)
+				}
+				mustEqualExpected(t, got, want)
+				if m.DirectReadBytes != m.LogicalBytes || m.AsyncReadBytes != 0 {
+					t.Fatalf("%v, round %d, %s: %d bytes direct, %d async, of %d", e, round, filepath.Base(p), m.DirectReadBytes, m.AsyncReadBytes, m.LogicalBytes)
+				}
+			}
+		}
+		if setups != 1 {
+			t.Fatalf("%v: setup tried %d times, want once", e, setups)
+		}
+		if n := strings.Count(logBuf.String(), "asynchronous O_DIRECT reads unavailable"); n != 1 || !strings.Contains(logBuf.String(), e.Error()) {
+			t.Fatalf("%v: fallback logged %d times, want once naming the error:\n%s", e, n, logBuf.String())
+		}
+		if err := a.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
