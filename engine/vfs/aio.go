@@ -199,8 +199,9 @@ type asyncFile interface {
 // ReadAt fills p from f at off like f.ReadAt (n < len(p) only with an
 // error, io.EOF at the end of the file), through AIO when f is a file of
 // the operating system's FS: async then reports true. When f is not (a
-// wrapping FS), a is nil or closed, or the kernel refuses the submission
-// (an fd that takes no AIO), it reads with f.ReadAt and async is false. f
+// wrapping FS), a is nil or closed, f is closed (then the error wraps
+// fs.ErrClosed), or the kernel refuses the submission (an fd that takes
+// no AIO), it reads with f.ReadAt and async is false. f
 // must be opened with O_DIRECT (else the read is synchronous inside
 // io_submit: correct, but holding a P) and p, off and len(p) aligned as
 // DirectAlignment says (else the read fails with EINVAL, as a pread
@@ -220,7 +221,9 @@ func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, er
 	}
 	s := &a.slots[i]
 	var refused bool // the kernel refused the submission: the rest by pread
+	var ran bool     // control ran the reads (false: f is closed)
 	cerr := af.control(func(fd int) error {
+		ran = true
 		for n < len(p) {
 			res, ok := a.read(s, fd, p[n:], off+int64(n))
 			if !ok {
@@ -237,6 +240,13 @@ func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, er
 		}
 		return nil
 	})
+	if !ran {
+		// No descriptor to read (f is closed): f.ReadAt says so as a
+		// pread would, an *fs.PathError wrapping fs.ErrClosed, where
+		// control's error is the poller's bare "use of closed file".
+		n, err = f.ReadAt(p, off)
+		return n, false, err
+	}
 	if refused {
 		k, err := f.ReadAt(p[n:], off+int64(n))
 		return n + k, n > 0, err

@@ -95,7 +95,10 @@ func TestAsyncReaderReadsWhatWasWritten(t *testing.T) {
 
 // TestAsyncReaderErrors: a misaligned O_DIRECT read fails with EINVAL in
 // an *fs.PathError, as a pread does; a read at the end of the file is
-// io.EOF with nothing read.
+// io.EOF with nothing read; a read of a closed file fails as its ReadAt
+// does, with an *fs.PathError wrapping fs.ErrClosed and nothing submitted
+// (it used to return the poller's bare "use of closed file", which
+// errors.Is matched to no sentinel, and async true).
 func TestAsyncReaderErrors(t *testing.T) {
 	_, f, al := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)
@@ -112,6 +115,16 @@ func TestAsyncReaderErrors(t *testing.T) {
 	n, _, err := a.ReadAt(f, buf, 64<<10)
 	if n != 0 || err != io.EOF {
 		t.Fatalf("read at the end: %d bytes, %v; want 0, io.EOF", n, err)
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	n, async, err = a.ReadAt(f, buf, 0)
+	if n != 0 || async || !errors.Is(err, fs.ErrClosed) || !errors.As(err, &pe) || pe.Path != f.Name() {
+		t.Fatalf("read of a closed file: %d bytes, async %v, err %v (%T); want 0, false, an *fs.PathError of %s wrapping fs.ErrClosed", n, async, err, err, f.Name())
+	}
+	if k := a.InFlight(); k != 0 {
+		t.Fatalf("%d requests in flight after the reads returned", k)
 	}
 }
 
