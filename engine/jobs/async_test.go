@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -308,5 +309,80 @@ func TestReadAsyncSetupFailureFallsBack(t *testing.T) {
 		if err := a.Close(); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestReadAsyncConcurrentFirstReads: six cold reads starting at once on
+// an AsyncReads not set up yet set it up once (the others wait for that
+// setup, then share it) and read every byte right, all of them
+// asynchronously; after Close a read still returns the file's bytes,
+// with O_DIRECT preads (no byte asynchronous) and no new setup.
+func TestReadAsyncConcurrentFirstReads(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(47, 48))
+	const regions = 6
+	path, data := randomFile(t, rng, dir, "f", regions*2*jobs.ReadChunkBytes)
+	var setups atomic.Int32
+	a := jobs.NewAsyncReadsWith(nil, func(depth int) (*vfs.AsyncReader, error) {
+		setups.Add(1)
+		return vfs.NewAsyncReader(depth)
+	})
+	defer a.Close()
+	// read reads region g (two pieces, one at an unaligned offset) and
+	// checks its bytes; it returns the read's stats.
+	read := func(g int) (jobs.ExtentStats, error) {
+		cfg := &jobs.Config{ReadDepth: 4, Async: a}
+		src, err := jobs.OpenSource(cfg, path)
+		if err != nil {
+			return jobs.ExtentStats{}, err
+		}
+		defer src.Close()
+		base := g * 2 * jobs.ReadChunkBytes
+		exts := []jobs.Extent{
+			{Src: src, Off: int64(base), Dst: pageAligned(jobs.ReadChunkBytes), Group: -1},
+			{Src: src, Off: int64(base + jobs.ReadChunkBytes + 100), Dst: make([]byte, jobs.ReadChunkBytes-200), Group: -1},
+		}
+		errs, st, err := jobs.ReadExtents(context.Background(), cfg, exts)
+		if err = errors.Join(append(errs, err)...); err != nil {
+			return st, err
+		}
+		for _, x := range exts {
+			if !bytes.Equal(x.Dst, data[x.Off:x.Off+int64(len(x.Dst))]) {
+				return st, fmt.Errorf("region %d: bytes at %d differ from the file's", g, x.Off)
+			}
+		}
+		return st, nil
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	errs := make([]error, regions)
+	for g := range regions {
+		wg.Go(func() {
+			<-start
+			st, err := read(g)
+			if err == nil && (st.DirectBytes != st.Bytes || st.AsyncBytes != st.Bytes) {
+				err = fmt.Errorf("region %d: stats %+v, want every byte direct and asynchronous", g, st)
+			}
+			errs[g] = err
+		})
+	}
+	close(start)
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := setups.Load(); n != 1 {
+		t.Fatalf("%d AIO setups for %d concurrent first reads, want 1", n, regions)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	evictFiles(t, path)
+	st, err := read(0)
+	if err != nil {
+		t.Fatalf("after Close: %v", err)
+	}
+	if st.Bytes == 0 || st.DirectBytes != st.Bytes || st.AsyncBytes != 0 || setups.Load() != 1 {
+		t.Fatalf("after Close: stats %+v, %d setups; want every byte direct, none asynchronous, no new setup", st, setups.Load())
 	}
 }

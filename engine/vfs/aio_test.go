@@ -3,12 +3,15 @@ package vfs_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -177,5 +180,59 @@ func TestAsyncReaderSetupFailure(t *testing.T) {
 	}
 	if _, err := vfs.NewAsyncReader(0); err == nil {
 		t.Fatal("depth 0 accepted")
+	}
+}
+
+// TestAsyncReaderCloseWhileReading: Close called while twelve goroutines
+// read through two slots (some requests in flight, others waiting for a
+// slot) returns once they are back; every read, before, during and after
+// it, returns the file's bytes, and each read that starts after Close
+// returned is a pread (async false). The reaper is gone afterwards
+// (goleak in TestMain).
+func TestAsyncReaderCloseWhileReading(t *testing.T) {
+	const size, piece = 4 << 20, 64 << 10
+	want, f, _ := directFile(t, size)
+	a, err := vfs.NewAsyncReader(2)
+	if err != nil {
+		t.Skipf("no AIO here: %v", err)
+	}
+	var closed atomic.Bool
+	var wg sync.WaitGroup
+	errs := make(chan error, 12)
+	for g := range 12 {
+		wg.Go(func() {
+			buf := alignedBuf(piece)
+			for k := 0; ; k++ {
+				after := closed.Load()
+				off := (g*97 + k*piece) % (size - piece) &^ 4095
+				clear(buf)
+				n, async, err := a.ReadAt(f, buf, int64(off))
+				if err != nil || n != piece || !bytes.Equal(buf, want[off:off+piece]) {
+					errs <- fmt.Errorf("read at %d: %d bytes, %v, or bytes differ", off, n, err)
+					return
+				}
+				if after {
+					if async {
+						errs <- fmt.Errorf("a read started after Close returned was asynchronous")
+					}
+					return
+				}
+			}
+		})
+	}
+	for a.InFlight() == 0 {
+		runtime.Gosched()
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	closed.Store(true)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := a.InFlight(); n != 0 {
+		t.Fatalf("%d requests in flight after Close", n)
 	}
 }
