@@ -224,13 +224,17 @@ func TestReadAsyncShortAndCorrupt(t *testing.T) {
 // completed: no asynchronous read into the destination is left in flight
 // when ReadExtents returns (so none can write into it later), and after
 // the context is closed the destination still holds what it held then.
+// The same holds when the goroutine finishing the first extent panics
+// (ReadExtents then fails with ErrPanic): the other goroutines' requests
+// are waited for all the same.
 func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 	dir := directDir(t)
 	rng := rand.New(rand.NewPCG(45, 46))
 	path, data := randomFile(t, rng, dir, "f", 32*jobs.ReadChunkBytes)
 	a := asyncReads(t)
 	cfg := &jobs.Config{ReadDepth: 32, Async: a}
-	for round := range 3 {
+	const rounds = 4 // the last one panics
+	for round := range rounds {
 		evictFiles(t, path)
 		src, err := jobs.OpenSource(cfg, path)
 		if err != nil {
@@ -244,10 +248,14 @@ func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		var once sync.Once
-		_, _, err = jobs.ReadExtentsThen(ctx, cfg, exts, func(int, error) { once.Do(cancel) })
+		stop, want := func() { once.Do(cancel) }, context.Canceled
+		if round == rounds-1 {
+			stop, want = func() { panic("an extent's hook panics") }, jobs.ErrPanic
+		}
+		_, _, err = jobs.ReadExtentsThen(ctx, cfg, exts, func(int, error) { stop() })
 		cancel()
-		if !errors.Is(err, context.Canceled) {
-			t.Fatalf("round %d: %v, want context.Canceled", round, err)
+		if !errors.Is(err, want) {
+			t.Fatalf("round %d: %v, want %v", round, err, want)
 		}
 		if n := jobs.AsyncInFlight(a); n != 0 {
 			t.Fatalf("round %d: %d asynchronous reads still in flight after ReadExtents returned", round, n)
@@ -259,7 +267,7 @@ func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 		src.Close()
 		// Any request still owned by the kernel would land by now: Close
 		// waits for every one.
-		if round == 2 {
+		if round == rounds-1 {
 			if err := a.Close(); err != nil {
 				t.Fatal(err)
 			}
