@@ -142,8 +142,14 @@ func (a *AsyncReader) InFlight() int {
 	return int(a.inFlight.Load())
 }
 
-// Depth is how many requests may be in flight at once.
-func (a *AsyncReader) Depth() int { return len(a.slots) }
+// Depth is how many requests may be in flight at once (0 for a nil
+// AsyncReader, which reads with preads).
+func (a *AsyncReader) Depth() int {
+	if a == nil {
+		return 0
+	}
+	return len(a.slots)
+}
 
 func ioDestroy(ctx uintptr) error {
 	_, _, e := unix.Syscall(unix.SYS_IO_DESTROY, ctx, 0, 0)

@@ -133,7 +133,8 @@ func TestAsyncReaderErrors(t *testing.T) {
 
 // TestAsyncReaderFallsBackToPread: a file that is not the operating
 // system's, and any file after Close, is read with its own ReadAt (async
-// false), still with the right bytes; a nil AsyncReader reads the same way.
+// false), still with the right bytes; a nil AsyncReader reads the same way
+// (its Depth, InFlight and Close answer 0, 0, nil: Depth used to panic).
 func TestAsyncReaderFallsBackToPread(t *testing.T) {
 	want, f, _ := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)
@@ -152,6 +153,10 @@ func TestAsyncReaderFallsBackToPread(t *testing.T) {
 		if async || err != nil || n != len(buf) || !bytes.Equal(buf, want[4096:4096+len(buf)]) {
 			t.Fatalf("%s: async %v, %d bytes, %v", c.name, async, n, err)
 		}
+	}
+	var none *vfs.AsyncReader // its methods answer, none panics
+	if d, k, err := none.Depth(), none.InFlight(), none.Close(); d != 0 || k != 0 || err != nil || a.Depth() != 2 {
+		t.Fatalf("nil reader: depth %d, %d in flight, Close %v; depth of a reader of 2 slots: %d", d, k, err, a.Depth())
 	}
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
