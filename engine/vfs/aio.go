@@ -211,7 +211,9 @@ type asyncFile interface {
 // must be opened with O_DIRECT (else the read is synchronous inside
 // io_submit: correct, but holding a P) and p, off and len(p) aligned as
 // DirectAlignment says (else the read fails with EINVAL, as a pread
-// would). An error is an *fs.PathError ("read", f's name, the errno).
+// would). An error is an *fs.PathError ("read", f's name, the errno); a
+// request completed with EINTR (a signal interrupted it inside io_submit)
+// is submitted again, as a pread would be restarted.
 // When ReadAt returns, the kernel has finished writing into p.
 func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, err error) {
 	af, ok := f.(asyncFile)
@@ -235,6 +237,13 @@ func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, er
 			if !ok {
 				refused = true
 				return nil
+			}
+			if res == -int64(syscall.EINTR) {
+				// A signal interrupted the read while it slept inside
+				// io_submit: fs/aio.c completes it with EINTR, as it
+				// cannot restart the system call; a pread would have
+				// been restarted. Submit it again.
+				continue
 			}
 			if res < 0 {
 				return syscall.Errno(-res)
