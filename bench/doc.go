@@ -23,6 +23,9 @@
 // BenchmarkRemoteUpload is the exception to the disk rule: it uploads 1 GiB
 // of new pages (32 MiB each) through remote.Uploader to a real SeaweedFS it
 // starts on loopback, beside the client's own PUTs of the same bytes.
+// BenchmarkPrefixRemoteSave runs BenchmarkPrefix's save rows on an engine
+// whose object-store tier is a SeaweedFS it starts: the cost of
+// write-behind (descriptors, uploads-journal records) on a save's ack.
 //
 // Run it with ./bench/run.sh (make bench), which writes
 // bench/results/<date>-<hostname>.txt.

@@ -76,15 +76,18 @@ func savePrefixReq(c *kvgen.Cache, toks []uint32) *engine.SavePrefixRequest {
 //     cold rows ask >= 0.8 of a single file, >= 0.7 of blocks).
 func BenchmarkPrefix(b *testing.B) {
 	w := getWorkload(b, benchModel, prefixTokens)
-	b.Run("save-empty", func(b *testing.B) { benchPrefixSaveEmpty(b, w) })
-	b.Run("save-grow", func(b *testing.B) { benchPrefixSaveGrow(b, w) })
+	local := func(root string) *engine.Engine { return newEngine(b, root, false) }
+	b.Run("save-empty", func(b *testing.B) { benchPrefixSaveEmpty(b, w, local) })
+	b.Run("save-grow", func(b *testing.B) { benchPrefixSaveGrow(b, w, local) })
 	b.Run("load-warm-verified", func(b *testing.B) { benchPrefixLoad(b, w, false) })
 	b.Run("load-cold-verified", func(b *testing.B) { benchPrefixLoad(b, w, true) })
 }
 
-func benchPrefixSaveEmpty(b *testing.B, w *workload) {
+// benchPrefixSaveEmpty is the save-empty row of an engine on root made
+// by newE (closed by the row).
+func benchPrefixSaveEmpty(b *testing.B, w *workload, newE func(root string) *engine.Engine) {
 	root, lim := mkdir(b, "prefix-save"), mkdir(b, "prefix-save-limit")
-	e := newEngine(b, root, false)
+	e := newE(root)
 	defer closeEngine(b, e)
 	req := savePrefixReq(w.cache, tokenIDs(prefixTokens, 1))
 	var written int64
@@ -124,9 +127,11 @@ func cleanSave(b *testing.B, root, lim string) func(int) {
 	}
 }
 
-func benchPrefixSaveGrow(b *testing.B, w *workload) {
+// benchPrefixSaveGrow is the save-grow row of an engine on root made by
+// newE (closed by the row).
+func benchPrefixSaveGrow(b *testing.B, w *workload, newE func(root string) *engine.Engine) {
 	root, lim := mkdir(b, "prefix-grow"), mkdir(b, "prefix-grow-limit")
-	e := newEngine(b, root, false)
+	e := newE(root)
 	defer closeEngine(b, e)
 	toks := tokenIDs(prefixTokens+growTokens, 2)
 	base, grown := savePrefixReq(w.cache, toks[:prefixTokens]), savePrefixReq(w.cache, toks)

@@ -47,7 +47,7 @@ var (
 	// (RemoteReport.Err; a named read fails with it joined to its error).
 	ErrRemoteCorrupt = remote.ErrCorrupt
 	// ErrUploadsAbandoned: Close's context ended with uploads pending; they
-	// were given up (the local pages are intact) and written to their
+	// were given up (the local pages are intact) and stay listed in their
 	// namespace's uploads journal (<root>/<ns>/.uploads), which the next
 	// New on the root queues again.
 	ErrUploadsAbandoned = remote.ErrAbandoned
@@ -64,9 +64,10 @@ type RemoteTier struct {
 	UploadWorkers int
 	// UploadQueue: uploads waiting (descriptors, never bytes: the local
 	// page file is re-opened for each attempt); default 4096. A save whose
-	// pages find the queue full does not wait: those pages are not
-	// uploaded now (counted as errors and logged) and are enqueued again by
-	// the next save that names them.
+	// pages find the queue full does not wait: those pages are recorded in
+	// the namespace's uploads journal only, and queued from it once the
+	// queue has drained to half (a manifest the queue refuses is also
+	// queued again on its retry timer).
 	UploadQueue int
 	// FetchPages: pages of one load whose GETs are in flight at once;
 	// default 16. A page gives its turn back once its bytes are in its
@@ -154,24 +155,26 @@ type tier struct {
 	nknown   int                                     // entries of known, at most knownCap
 	knownCap int                                     // RemoteTier.KnownPages
 	pending  map[string]*pendingUpload               // object name -> upload queued or in flight
-	// Uploads across failures and restarts (remote_journal.go), per
-	// namespace: given up (for the journal written at close), listed by
-	// the journal read at start, and those of them done.
-	unsent, loaded, settled map[string]*journalSet
-	closing                 bool                      // close began: no manifest is scheduled again
-	retries                 map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
-	retryWG                 sync.WaitGroup            // their callbacks
+	// j records every upload queued until it is settled, across crashes
+	// and restarts (remote_journal.go, remote_journal_file.go).
+	j       *journal
+	closing bool                      // close began: no manifest is scheduled again
+	retries map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
+	retryWG sync.WaitGroup            // their callbacks
 }
 
 type pendingUpload struct {
 	ns       string
 	key      layout.PageKey // a page's; zero for a manifest
 	manifest bool
-	name     string        // a manifest's snapshot name
-	attempt  int           // a manifest's re-queues so far (manifestRetries)
-	start    time.Time     // first attempt (zero before it)
-	done     chan struct{} // closed when the upload ended; err is then set
-	err      error
+	// journaled: the journal lists it already (a retry, a replay): no
+	// queued record is appended when it is queued.
+	journaled bool
+	name      string        // a manifest's snapshot name
+	attempt   int           // a manifest's re-queues so far (manifestRetries)
+	start     time.Time     // first attempt (zero before it)
+	done      chan struct{} // closed when the upload ended; err is then set
+	err       error
 }
 
 // newTier opens the store and starts the uploader (cfg.Remote set).
@@ -186,7 +189,6 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
 		known: map[string]map[layout.PageKey]time.Time{}, pending: map[string]*pendingUpload{},
-		unsent: map[string]*journalSet{}, loaded: map[string]*journalSet{}, settled: map[string]*journalSet{},
 		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
 	if t.backoffMax == 0 {
 		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
@@ -218,8 +220,9 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		st.Close()
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
+	t.j = startJournal(t)
 	t.queueDepth() // the remote metrics are exported from now on
-	t.resume()     // the uploads an earlier engine gave up (remote_journal.go)
+	t.resume()     // the uploads an earlier engine left pending (remote_journal.go)
 	return t, nil
 }
 
@@ -341,14 +344,14 @@ func (e *Engine) RemoteKnownPages() int {
 // before its descendants unless a retry reorders them (harmless: a lookup
 // walks the chain and stops at the first page the store lacks).
 func (t *tier) saved(ns string, keys []layout.PageKey) {
-	t.enqueuePages(ns, keys)
+	t.enqueuePages(ns, keys, false)
 	t.queueDepth()
 }
 
 // enqueuePages queues the pages keys of ns not known stored and returns
 // the uploads of those it queued or found queued (a manifest waits for
-// them).
-func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
+// them). journaled: the journal lists them already (a replay).
+func (t *tier) enqueuePages(ns string, keys []layout.PageKey, journaled bool) []*pendingUpload {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		return nil
@@ -362,7 +365,7 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 		if err != nil {
 			continue
 		}
-		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k}, nil); p != nil {
+		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k, journaled: journaled}, nil); p != nil {
 			out = append(out, p)
 		}
 	}
@@ -371,9 +374,12 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 
 // enqueueFile queues the upload of the local file path as object name
 // (p describes it), unless name is queued already (that upload is
-// returned). It returns nil when nothing is queued: the file is gone or
-// the queue is full (logged, counted as an upload error). See queueUpload
-// for what each attempt checks.
+// returned), and appends its queued record to the journal (unless
+// p.journaled). It returns nil when nothing is queued: the file is gone,
+// or the queue refused it. A page the queue refuses because it is full
+// is spilled: recorded in the journal only, and queued from it when the
+// queue drains (journal.spill); any other refusal is logged and counted
+// as an upload error. See queueUpload for what each attempt checks.
 func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
 	fi, err := t.e.store.FS().Lstat(path)
 	if err != nil || !fi.Mode().IsRegular() {
@@ -388,12 +394,20 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 	p.done = make(chan struct{})
 	t.pending[name] = p
 	t.mu.Unlock()
+	if !p.journaled {
+		// Before the queue has it: its settled record comes after.
+		t.journalQueued(p)
+	}
 	if err := t.queueUpload(name, path, fi, p, wait); err != nil {
 		t.mu.Lock()
 		delete(t.pending, name)
 		t.mu.Unlock()
 		p.err = err
 		close(p.done)
+		if !p.manifest && errors.Is(err, remote.ErrQueueFull) {
+			t.j.spill(p.ns)
+			return nil
+		}
 		if m := t.metrics(); m != nil {
 			m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
 		}
@@ -454,14 +468,15 @@ func (t *tier) queueUpload(name, path string, fi fs.FileInfo, p *pendingUpload, 
 // may delete before the manifest protects it.
 func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 	defer t.queueDepth()
-	t.queueManifest(ref, keys, 0)
+	t.queueManifest(ref, keys, 0, false)
 }
 
 // queueManifest is manifestWritten's queueing; attempt counts the times
-// the manifest was queued again after a failure (manifestDone). A
-// manifest the queue refuses (full) is scheduled again as a failure is.
-func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
-	pages := t.enqueuePages(ref.Namespace, keys)
+// the manifest was queued again after a failure (manifestDone);
+// journaled: the journal lists it already. A manifest the queue refuses
+// (full) is scheduled again as a failure is.
+func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journaled bool) {
+	pages := t.enqueuePages(ref.Namespace, keys, false)
 	path, err := t.e.Path(ref)
 	if err != nil {
 		return
@@ -470,7 +485,7 @@ func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int) {
 	if err != nil {
 		return
 	}
-	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt}
+	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt, journaled: journaled}
 	q := t.enqueueFile(name, path, p, func(ctx context.Context) error {
 		for _, p := range pages {
 			select {
@@ -556,17 +571,17 @@ func (t *tier) uploaded(r remote.UploadResult) {
 		t.markKnown(p.ns, p.key)
 	}
 	if p != nil { // remote_journal.go: retries, the journal
-		again := false
 		switch {
 		case p.manifest:
-			again = t.manifestDone(p, r.Err)
-		case errors.Is(r.Err, remote.ErrAbandoned):
-			t.remember(p)
-		}
-		if !again { // done, given up (remembered), or never possible
-			t.settle(p.ns, p.key, p.name)
+			t.manifestDone(p, r.Err)
+		case !errors.Is(r.Err, remote.ErrAbandoned):
+			// Done, or never possible (the local file gone or changed:
+			// the next save naming the page queues it again; corrupt:
+			// removed; a conflict). An abandoned page stays listed.
+			t.settle(p.ns, p.key, "")
 		}
 	}
+	t.j.drained()
 	if m := t.metrics(); m != nil {
 		m.Remote(labels.RemoteUpload, res, r.Bytes, d)
 	}

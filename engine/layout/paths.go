@@ -34,11 +34,12 @@ const LockName = ".lock"
 // never deleted by collect.
 const RecencyName = ".recency"
 
-// UploadsName is the per-namespace journal of the remote tier's uploads
-// given up by an engine's Close (ARCHITECTURE.md, "The uploads journal"):
-// <namespace>/.uploads, written atomically and durably by the engine and
-// read by the next engine on the root; never a snapshot (a dot name) and
-// never deleted by collect.
+// UploadsName is the per-namespace journal of the remote tier's pending
+// uploads (ARCHITECTURE.md, "The uploads journal"): <namespace>/.uploads,
+// appended by every engine on the root (under the namespace's shared
+// lock), compacted atomically and durably (under its exclusive lock), and
+// replayed by the next engine on the root; never a snapshot (a dot name)
+// and never deleted by collect.
 const UploadsName = ".uploads"
 
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of

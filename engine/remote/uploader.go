@@ -159,6 +159,10 @@ func (u *Uploader) Enqueue(up Upload) error {
 	}
 }
 
+// QueueLen is the queue's capacity (UploaderConfig.QueueLen after its
+// default): Enqueue fails with ErrQueueFull when that many uploads wait.
+func (u *Uploader) QueueLen() int { return cap(u.queue) }
+
 // Stats returns the counters.
 func (u *Uploader) Stats() UploaderStats {
 	u.mu.Lock()

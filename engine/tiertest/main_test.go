@@ -16,5 +16,8 @@ var srv *seaweedfs.Server
 // goroutines after them (seaweedfs.RunTests: it fails, never skips, when
 // the server cannot be built or started).
 func TestMain(m *testing.M) {
+	if os.Getenv(childEnv) != "" { // a crash test's child process
+		os.Exit(uploaderChild(os.Args[1:]))
+	}
 	os.Exit(seaweedfs.RunTests(m, func(s *seaweedfs.Server) { srv = s }))
 }

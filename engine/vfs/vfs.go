@@ -54,6 +54,14 @@ type FS interface {
 	// in its last element (O_NOFOLLOW), and without blocking on a FIFO
 	// (O_NONBLOCK).
 	Open(name string) (File, error)
+	// OpenAppend opens name for appending (O_WRONLY|O_APPEND), creating
+	// it with perm when missing (O_CREAT), without following a symlink in
+	// its last element (O_NOFOLLOW) and without blocking on a FIFO
+	// (O_NONBLOCK: one without a reader fails with ENXIO). Every Write
+	// lands at the file's end at the time of the write, also when other
+	// processes append to it (the remote tier's uploads journal). The
+	// caller checks with Stat that it is a regular file.
+	OpenAppend(name string, perm os.FileMode) (AppendFile, error)
 	Rename(oldname, newname string) error
 	Remove(name string) error
 	MkdirAll(name string, perm os.FileMode) error
@@ -76,6 +84,17 @@ type FS interface {
 	// Statfs describes the file system that holds name (statvfs): the
 	// page cache's disk headroom is measured with it.
 	Statfs(name string) (FSStat, error)
+}
+
+// AppendFile is a file opened by FS.OpenAppend: Write appends len(p)
+// bytes in one write(2) (a short write returns a non-nil error, as
+// io.Writer says); Sync, Stat, Name and Close are File's.
+type AppendFile interface {
+	Write(p []byte) (int, error)
+	Sync() error
+	Stat() (os.FileInfo, error)
+	Name() string
+	Close() error
 }
 
 // FSStat describes a file system (statvfs(3)). Bytes are bytes; the block
@@ -178,6 +197,14 @@ func (osFS) Create(name string, perm os.FileMode) (File, error) {
 }
 
 func (osFS) Open(name string) (File, error) { return openRead(name, 0) }
+
+func (osFS) OpenAppend(name string, perm os.FileMode) (AppendFile, error) {
+	f, err := os.OpenFile(name, os.O_WRONLY|os.O_APPEND|os.O_CREATE|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK, perm)
+	if err != nil {
+		return nil, err
+	}
+	return osFile{f}, nil
+}
 
 // openRead opens name read-only with the extra flags. O_NONBLOCK: a FIFO
 // named like a snapshot or block must not hang the open (callers then refuse

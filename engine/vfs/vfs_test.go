@@ -317,3 +317,65 @@ func TestClearDirect(t *testing.T) {
 		t.Fatalf("after ClearDirect: read %d bytes, %v; equal: %v", n, err, bytes.Equal(buf[:n], data[3:3+n]))
 	}
 }
+
+// TestOpenAppend: two files opened by OpenAppend on one path (as two
+// processes appending to one journal) never overwrite each other: every
+// write lands at the end, and the file holds all of them in write order.
+// A missing file is created with the mode asked; a symlink is refused
+// (ELOOP) and a FIFO without a reader fails at once (ENXIO) instead of
+// blocking.
+func TestOpenAppend(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "journal")
+	a, err := vfs.Default.OpenAppend(path, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := vfs.Default.OpenAppend(path, 0o640)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	var want []byte
+	for i := range 6 {
+		f, p := a, []byte{'a', byte('0' + i)}
+		if i%2 == 1 {
+			f, p = b, []byte{'b', byte('0' + i), '!'}
+		}
+		if n, err := f.Write(p); err != nil || n != len(p) {
+			t.Fatalf("write %d: %d, %v", i, n, err)
+		}
+		want = append(want, p...)
+	}
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	got, err := os.ReadFile(path)
+	if err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("file holds %q (%v), want %q", got, err, want)
+	}
+	if fi, err := a.Stat(); err != nil || !fi.Mode().IsRegular() || fi.Mode().Perm() != 0o640 || fi.Size() != int64(len(want)) {
+		t.Fatalf("stat: %v, %v", fi, err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(path, link); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := vfs.Default.OpenAppend(link, 0o640); !errors.Is(err, syscall.ELOOP) {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatalf("symlink: %v, want ELOOP", err)
+	}
+	fifo := filepath.Join(dir, "fifo")
+	if err := syscall.Mkfifo(fifo, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := vfs.Default.OpenAppend(fifo, 0o640); !errors.Is(err, syscall.ENXIO) {
+		if f != nil {
+			f.Close()
+		}
+		t.Fatalf("FIFO without a reader: %v, want ENXIO", err)
+	}
+}

@@ -24,6 +24,9 @@ const (
 	OpAny    Op = ""
 	OpCreate Op = "create"
 	OpOpen   Op = "open"
+	// OpOpenAppend is vfs.FS.OpenAppend; the appended file's Write is
+	// OpWriteAt, its Sync OpSync, its Close OpClose.
+	OpOpenAppend Op = "openappend"
 	// OpOpenDirect is vfs.OpenDirect (an O_DIRECT open); inject
 	// syscall.EINVAL to play a file system that refuses O_DIRECT.
 	OpOpenDirect Op = "opendirect"
@@ -49,7 +52,7 @@ const (
 
 // Ops lists every intercepted operation (not OpAny), in a fixed order.
 func Ops() []Op {
-	return []Op{OpCreate, OpOpen, OpOpenDirect, OpDirectAlignment, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
+	return []Op{OpCreate, OpOpen, OpOpenAppend, OpOpenDirect, OpDirectAlignment, OpWriteAt, OpReadAt, OpSync, OpAllocate, OpStartWriteback, OpClose,
 		OpRename, OpRemove, OpMkdirAll, OpReadDir, OpLstat, OpStat, OpSyncDir, OpLock, OpStatfs}
 }
 
@@ -318,6 +321,59 @@ func (f *FaultFS) Open(name string) (vfs.File, error) {
 		return nil, err
 	}
 	return f.track(inner, name), nil
+}
+
+// OpenAppend implements vfs.FS.
+func (f *FaultFS) OpenAppend(name string, perm os.FileMode) (vfs.AppendFile, error) {
+	if _, err := f.check(OpOpenAppend, name); err != nil {
+		return nil, err
+	}
+	inner, err := f.inner.OpenAppend(name, perm)
+	if err != nil {
+		return nil, err
+	}
+	return &faultAppendFile{fs: f, inner: inner}, nil
+}
+
+// faultAppendFile is an appended file of a FaultFS: its writes count and
+// fail as OpWriteAt (a Short fault writes the first half), its syncs as
+// OpSync, its close as OpClose.
+type faultAppendFile struct {
+	fs    *FaultFS
+	inner vfs.AppendFile
+}
+
+func (h *faultAppendFile) Write(p []byte) (int, error) {
+	fl, err := h.fs.check(OpWriteAt, h.inner.Name())
+	if err == nil {
+		return h.inner.Write(p)
+	}
+	if !fl.Short {
+		return 0, err
+	}
+	n, werr := h.inner.Write(p[:len(p)/2])
+	if werr != nil {
+		return n, errors.Join(err, werr)
+	}
+	return n, err
+}
+
+func (h *faultAppendFile) Sync() error {
+	if _, err := h.fs.check(OpSync, h.inner.Name()); err != nil {
+		return err
+	}
+	return h.inner.Sync()
+}
+
+func (h *faultAppendFile) Stat() (os.FileInfo, error) { return h.inner.Stat() }
+func (h *faultAppendFile) Name() string               { return h.inner.Name() }
+
+func (h *faultAppendFile) Close() error {
+	if _, err := h.fs.check(OpClose, h.inner.Name()); err != nil {
+		h.inner.Close()
+		return err
+	}
+	return h.inner.Close()
 }
 
 // OpenDirect implements vfs.DirectOpener (an inner FS without it fails
