@@ -277,20 +277,9 @@ func New(cfg Config) (*Engine, error) {
 	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
 		return nil, err
 	}
-	if cfg.Remote != nil {
-		if e.tier, err = newTier(e, cfg.Remote); err != nil {
-			_ = e.pc.close()
-			return nil, err
-		}
-		forget := e.tier.forget
-		e.pc.onRemoved.Store(&forget)
-	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
-		if e.tier != nil {
-			e.tier.close(context.Background())
-		}
 		_ = e.pc.close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
@@ -318,6 +307,17 @@ func New(cfg Config) (*Engine, error) {
 	}
 	if cfg.Workers == 1 {
 		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool
+	}
+	// The tier last: the uploads it resumes from the journals run at
+	// once, and one that finds a corrupt page removes it through e.jcfg.
+	if cfg.Remote != nil {
+		if e.tier, err = newTier(e, cfg.Remote); err != nil {
+			e.pool.Release()
+			_ = e.pc.close()
+			return nil, err
+		}
+		forget := e.tier.forget
+		e.pc.onRemoved.Store(&forget)
 	}
 	d := newDispatcher(e)
 	go d.run()

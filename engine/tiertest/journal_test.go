@@ -331,6 +331,15 @@ func TestFullUploadQueueLosesNothing(t *testing.T) {
 	checkObjects(t, prefix, root, keys, "named-q")
 }
 
+// journalRecord is one record of the uploads journal as ARCHITECTURE.md's
+// table gives it: "UPR\n", op, payload length, payload, xxh3-64 of all
+// that (little-endian).
+func journalRecord(op byte, payload []byte) []byte {
+	b := append([]byte("UPR\n"), op, byte(len(payload)))
+	b = append(b, payload...)
+	return binary.LittleEndian.AppendUint64(b, xxh3.Hash(b))
+}
+
 // TestTornJournalTailReplaysGoodRecords: a journal of records alone
 // (encoded from ARCHITECTURE.md's table) whose last record is torn, as a
 // crash in the middle of an append leaves it: New replays the good
@@ -344,11 +353,7 @@ func TestTornJournalTailReplaysGoodRecords(t *testing.T) {
 	local := newEngineCfg(t, root, prefix, newRecorder(t), nil, noTier)
 	save(t, local, conv)
 	closeEngine(t, local)
-	rec := func(op byte, payload []byte) []byte {
-		b := append([]byte("UPR\n"), op, byte(len(payload)))
-		b = append(b, payload...)
-		return binary.LittleEndian.AppendUint64(b, xxh3.Hash(b))
-	}
+	rec := journalRecord
 	torn := rec(1, keys[2][:])
 	j := slices.Concat(rec(1, keys[0][:]), rec(1, keys[1][:]), torn[:len(torn)-5])
 	path := filepath.Join(root, ns, layout.UploadsName)

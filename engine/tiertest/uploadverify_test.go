@@ -15,6 +15,7 @@ import (
 	"github.com/minio/minio-go/v7"
 
 	"github.com/kvpersist/kvpersist/engine"
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
 )
 
@@ -24,6 +25,26 @@ import (
 // stored is asked about again once its entry is RefreshAge old (remote gc
 // may have deleted it), and a page saved again while its upload waited is
 // still uploaded.
+
+// savedWithRottenPage saves a conversation of pages pages (token ids from
+// base) on root through an engine without the remote tier, then flips the
+// last byte (of the last tensor) of page rot's file, as a disk that rotted
+// would. It returns the tokens, their page keys and the rotten file's path.
+func savedWithRottenPage(t *testing.T, root, prefix string, base, pages, rot int) ([]uint32, []layout.PageKey, string) {
+	t.Helper()
+	x := seq(base, pages*ptoks)
+	kx := keysOf(t, x)
+	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, noTier)
+	save(t, a, x)
+	closeEngine(t, a)
+	bad := pagePath(root, kx[rot])
+	b := readFile(t, bad)
+	b[len(b)-1] ^= 0x5a
+	if err := os.WriteFile(bad, b, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return x, kx, bad
+}
 
 // pageObject returns the bytes of the object of page key in the bucket
 // (nil when it is absent).
@@ -50,17 +71,7 @@ func pageObject(t *testing.T, prefix string, key string) []byte {
 // file, which loads bit-exact.
 func TestCorruptLocalPageNotUploaded(t *testing.T) {
 	prefix, root := bucketPrefix(t), t.TempDir()
-	x := seq(50000, 3*ptoks)
-	kx := keysOf(t, x)
-	a := newEngineCfg(t, root, prefix, newRecorder(t), nil, noTier)
-	save(t, a, x)
-	closeEngine(t, a)
-	bad := pagePath(root, kx[1])
-	b := readFile(t, bad)
-	b[len(b)-1] ^= 0x5a // the last byte of the last tensor
-	if err := os.WriteFile(bad, b, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	x, kx, bad := savedWithRottenPage(t, root, prefix, 50000, 3, 1)
 
 	rec := newRecorder(t)
 	e := newEngine(t, root, prefix, rec, nil)
@@ -294,5 +305,37 @@ func TestCorruptLocalManifestNotUploaded(t *testing.T) {
 	}
 	if !bytes.Equal(readFile(t, path), b) {
 		t.Fatal("the local manifest was changed")
+	}
+}
+
+// TestJournaledCorruptPageRemovedAtNew: an upload resumed from the uploads
+// journal by New itself, of a page that rotted on disk meanwhile, takes
+// the corrupt-page path (removed under the namespace's exclusive lock,
+// never uploaded). That path reads the engine's jobs configuration, which
+// New used to assign only after it had started the tier and its resumed
+// uploads: an upload done within those microseconds would have read it
+// unset. This test cannot force that interleaving; it checks the path end
+// to end for the upload New resumes.
+func TestJournaledCorruptPageRemovedAtNew(t *testing.T) {
+	prefix, root := bucketPrefix(t), t.TempDir()
+	_, kx, bad := savedWithRottenPage(t, root, prefix, 51000, 2, 0)
+	j := append(journalRecord(1, kx[0][:]), journalRecord(1, kx[1][:])...)
+	if err := os.WriteFile(filepath.Join(root, ns, layout.UploadsName), j, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	r := newRecorder(t)
+	e := newEngine(t, root, prefix, r, nil)
+	closeEngine(t, e)
+	if got := pageObject(t, prefix, kx[0].String()); got != nil {
+		t.Fatalf("the corrupt page was uploaded (%d bytes)", len(got))
+	}
+	if got, want := pageObject(t, prefix, kx[1].String()), readFile(t, pagePath(root, kx[1])); !bytes.Equal(got, want) {
+		t.Fatalf("page 1: object of %d bytes differs from its local file (%d bytes)", len(got), len(want))
+	}
+	if n := snapshotOps(r)["upload/corrupt"]; n != 1 {
+		t.Fatalf("%d uploads counted corrupt, want 1 (ops %v)", n, snapshotOps(r))
+	}
+	if _, err := os.Lstat(bad); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the corrupt local page is still there (lstat: %v)", err)
 	}
 }
