@@ -60,6 +60,9 @@ type asyncSlot struct {
 	cb   iocb
 	done chan int64 // the completion's res: bytes read, or -errno
 	buf  []byte     // the buffer being read into; keeps it alive and off the stack
+	// events is where this slot's ReadAt reaps completions that are
+	// ready (reapReady) before it waits for its own.
+	events [8]ioEvent
 }
 
 // iocb is struct iocb of <linux/aio_abi.h> (64 bytes on every
@@ -165,7 +168,6 @@ func (a *AsyncReader) reap() {
 	defer close(a.reaped)
 	var count [8]byte
 	events := make([]ioEvent, len(a.slots))
-	zero := unix.Timespec{}
 	for {
 		// Blocks in the netpoller until a completion bumps the counter.
 		if _, err := a.efd.Read(count[:]); err != nil {
@@ -177,21 +179,37 @@ func (a *AsyncReader) reap() {
 			time.Sleep(time.Millisecond)
 			continue
 		}
-		for {
-			n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(events)),
-				uintptr(unsafe.Pointer(&events[0])), uintptr(unsafe.Pointer(&zero)), 0)
-			if e == syscall.EINTR {
-				continue
-			}
-			if e != 0 || n == 0 {
-				// Nothing more now: completions after this bump the
-				// eventfd again. (io_getevents of a live context has no
-				// other failure.)
-				break
-			}
-			for _, ev := range events[:n] {
-				a.slots[ev.data].done <- ev.res
-			}
+		a.reapReady(events, &zeroTimeout)
+	}
+}
+
+// zeroTimeout is io_getevents' timeout for "only what is ready now" (the
+// kernel only reads it).
+var zeroTimeout unix.Timespec
+
+// reapReady takes every completion ready now (io_getevents, timeout zero)
+// into events and sends each to its slot's ReadAt. Both the reaper and a
+// ReadAt about to wait run it: the kernel hands each completion out once,
+// and a slot has one request at a time, so its send never blocks. A
+// ReadAt reaping before it waits matters when every P is busy hashing: Go
+// polls the netpoller (where the reaper waits) only when a P runs out of
+// work, or every 10 ms from its monitor, so a completion could otherwise
+// sit unseen while the goroutine that would hash it waits.
+func (a *AsyncReader) reapReady(events []ioEvent, zero *unix.Timespec) {
+	for {
+		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(events)),
+			uintptr(unsafe.Pointer(&events[0])), uintptr(unsafe.Pointer(zero)), 0)
+		if e == syscall.EINTR {
+			continue
+		}
+		if e != 0 || n == 0 {
+			// Nothing more now: completions after this bump the eventfd
+			// again, and the reaper takes them. (io_getevents of a live
+			// context has no other failure.)
+			return
+		}
+		for _, ev := range events[:n] {
+			a.slots[ev.data].done <- ev.res
 		}
 	}
 }
@@ -304,8 +322,15 @@ func (a *AsyncReader) read(s *asyncSlot, fd int, p []byte, off int64) (res int64
 		break
 	}
 	// Submitted: the one completion of this request always comes, and is
-	// waited for whatever the caller's state.
-	res = <-s.done
+	// waited for whatever the caller's state. Before waiting, take the
+	// completions that are ready (this one's, or others' whose ReadAts
+	// then run without waiting for the netpoller).
+	select {
+	case res = <-s.done:
+	default:
+		a.reapReady(s.events[:], &zeroTimeout)
+		res = <-s.done
+	}
 	a.inFlight.Add(-1)
 	runtime.KeepAlive(p)
 	s.buf = nil
