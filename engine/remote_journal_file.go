@@ -480,10 +480,10 @@ func (j *journal) run() {
 		case <-j.wake:
 		case <-timer.C:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), journalLockWait)
-		left := j.flush(ctx)
-		cancel()
-		j.refillQueue()
+		left := len(j.flushWithin(journalLockWait)) > 0
+		if j.refillQueue() {
+			left = true
+		}
 		j.compactGrown()
 		// Again later: records left (a lock not taken), or a sync due.
 		var again time.Duration
@@ -518,11 +518,18 @@ func (j *journal) syncDue() (due time.Time, ok bool) {
 	return j.lastSync.Add(wait), wait > 0
 }
 
+// flushWithin is flush with each lock waited for at most wait.
+func (j *journal) flushWithin(wait time.Duration) (left map[string]bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	return j.flush(ctx)
+}
+
 // flush writes every namespace's batch (one write each, under its shared
 // lock, taken within ctx), then fdatasyncs the files written when they
 // are due (syncDue). A batch whose lock was not taken waits for the next
-// flush (left).
-func (j *journal) flush(ctx context.Context) (left bool) {
+// flush: left holds its namespace.
+func (j *journal) flush(ctx context.Context) (left map[string]bool) {
 	j.mu.Lock()
 	batch, urgent := j.batch, j.urgent
 	j.batch, j.urgent = map[string][]byte{}, map[string]bool{}
@@ -542,7 +549,10 @@ func (j *journal) flush(ctx context.Context) (left bool) {
 		unlock, err := n.Lock(ctx, false)
 		if err != nil {
 			j.putBack(ns, b, urgent[ns])
-			left = true
+			if left == nil {
+				left = map[string]bool{}
+			}
+			left[ns] = true
 			continue
 		}
 		err = j.write(n, b, urgent[ns])
@@ -675,11 +685,15 @@ func (j *journal) sync() {
 // refillQueue queues from the journal the uploads spilled since the last
 // refill (the queue has drained to half): each namespace's journal is
 // replayed (replayJournal), which skips what is queued here already.
-func (j *journal) refillQueue() {
+// The batches are written first: a spill's queued record may have been
+// added after this round's flush, and the replay reads only the file. A
+// namespace whose batch could not be written (its lock not taken) stays
+// marked, and the refill is tried again after journalLockWait (again).
+func (j *journal) refillQueue() (again bool) {
 	j.mu.Lock()
 	if !j.refill {
 		j.mu.Unlock()
-		return
+		return false
 	}
 	j.refill = false
 	spilled := j.spilled
@@ -689,12 +703,21 @@ func (j *journal) refillQueue() {
 	closing := j.t.closing
 	j.t.mu.Unlock()
 	if closing {
-		return // the next start queues them
+		return false // the next start queues them
 	}
+	left := j.flushWithin(journalLockWait)
 	for ns := range spilled {
+		if left[ns] {
+			j.mu.Lock()
+			j.spilled[ns], j.refill = true, true
+			j.mu.Unlock()
+			again = true
+			continue
+		}
 		j.t.replayJournal(ns, false)
 	}
 	j.t.queueDepth()
+	return again
 }
 
 // compactGrown compacts each open file grown past its threshold, each

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/binary"
 	"errors"
@@ -380,6 +381,107 @@ func TestJournalWritersAndCompactionsShareAFile(t *testing.T) {
 	for k := range want {
 		if !s.pages[k] {
 			t.Fatalf("page %x queued and never settled is not listed", k)
+		}
+	}
+}
+
+// unreachableTierEngine opens an engine on root whose remote tier points
+// at a closed loopback port, with an upload queue of queueLen, one
+// worker, and a backoff of an hour (an upload taken by the worker fails
+// its first attempt and then waits): its queue never drains. Its
+// journal's goroutine is stopped, so the test runs the goroutine's steps
+// itself; the goroutine is started again before Close, which abandons
+// the uploads.
+func unreachableTierEngine(t *testing.T, root string, queueLen int) (*Engine, *journal) {
+	t.Helper()
+	e, err := New(Config{Root: root, NoSync: true, Logger: newEngineLogger(), Remote: &RemoteTier{
+		Store:         RemoteConfig{Endpoint: "http://127.0.0.1:1", Bucket: "b", AccessKey: "k", SecretKey: "s", MaxRetries: 1},
+		UploadWorkers: 1, UploadQueue: queueLen, UploadBackoffMin: time.Hour, UploadBackoffMax: time.Hour,
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	j := e.tier.j
+	close(j.quit)
+	<-j.done
+	t.Cleanup(func() {
+		j.quit, j.done = make(chan struct{}), make(chan struct{})
+		go j.run()
+		ctx, cancel := context.WithCancel(bg)
+		cancel()
+		if err := e.Close(ctx); err != nil && !errors.Is(err, ErrUploadsAbandoned) {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return e, j
+}
+
+// writePageFiles creates a file at the page path of every key of ns (the
+// queue takes any regular file; nothing here is uploaded).
+func writePageFiles(t *testing.T, e *Engine, ns string, keys []layout.PageKey) {
+	t.Helper()
+	n, err := e.store.Namespace(ns)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if err := os.MkdirAll(filepath.Dir(n.PagePath(k)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(n.PagePath(k), k[:], 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestRefillFindsSpilledRecordsStillInTheBatch: a save spills pages (the
+// queue full) after the journal's goroutine wrote its batch and before
+// it refills the queue (a refill was due: the queue had drained to half
+// meanwhile). The spilled pages' queued records are still in the
+// in-memory batch, not in the file the refill reads. Every spilled page
+// must still be queued, or its namespace stay marked for the next
+// refill with the journal listing it. Before: the refill read the file
+// without them and cleared the mark, so they were uploaded by nobody
+// until another spill in the namespace or the next start.
+func TestRefillFindsSpilledRecordsStillInTheBatch(t *testing.T) {
+	root := t.TempDir()
+	e, j := unreachableTierEngine(t, root, 1)
+	keys := testKeys(6)
+	writePageFiles(t, e, "ns", keys)
+	e.tier.saved("ns", keys) // the worker takes at most one, the queue one: the rest spill
+	j.mu.Lock()
+	spilled, batched := j.spilled["ns"], len(j.batch["ns"])
+	j.refill = true // the queue drained to half (drained), before the goroutine's refill
+	j.mu.Unlock()
+	if !spilled || batched != len(keys)*(recordOverhead+32) {
+		t.Fatalf("spilled %v, %d bytes batched; want a spill and %d queued records", spilled, batched, len(keys))
+	}
+	j.refillQueue()
+	// The goroutine's next round.
+	ctx, cancel := context.WithTimeout(bg, time.Second)
+	j.flush(ctx)
+	cancel()
+	j.refillQueue()
+
+	n, _ := e.store.Namespace("ns")
+	b, err := os.ReadFile(n.UploadsPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, _, _, _ := decodeJournalFile(b)
+	j.mu.Lock()
+	marked := j.spilled["ns"]
+	j.mu.Unlock()
+	for i, k := range keys {
+		name, err := e.tier.st.PageName("ns", k.String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		e.tier.mu.Lock()
+		queued := e.tier.pending[name] != nil
+		e.tier.mu.Unlock()
+		if !queued && !(marked && s.pages[k]) {
+			t.Errorf("page %d: not queued, and not left for the next refill (namespace marked %v, journal lists it %v)", i, marked, s.pages[k])
 		}
 	}
 }
