@@ -52,10 +52,13 @@ const (
 	maxJournalPages     = 1 << 21
 	maxJournalManifests = 1 << 16
 	maxNameBytes        = 200 // layout.ValidName
-	// maxJournalBytes: a reader reads at most this much of a journal
-	// (the rest is ignored, logged). A compaction is attempted once a
-	// file is 1 MiB plus twice its size after the last one, so a file
-	// reaches it only when no compaction could take the namespace's lock.
+	// maxJournalBytes: a replay reads at most this much of a journal
+	// (the rest is ignored, logged); a compaction replays as much and
+	// keeps the rest as it is, after the snapshot. A compaction is
+	// attempted once a file is 1 MiB plus twice its size after the last
+	// one, so a file reaches it only when no compaction could take the
+	// namespace's lock. It exceeds the largest snapshot (80,281,624
+	// bytes), so a valid snapshot is always read whole.
 	maxJournalBytes = 256 << 20
 )
 
@@ -66,6 +69,8 @@ const (
 	opManifestQueued  byte = 3
 	opManifestSettled byte = 4
 	recordOverhead         = 4 + 1 + 1 + 8
+	// maxRecordBytes: the largest valid record (a manifest op's name).
+	maxRecordBytes = recordOverhead + maxNameBytes
 )
 
 // errJournal: journal bytes that do not decode (skipped, logged).
@@ -217,6 +222,16 @@ func (s *journalSet) sortedManifests() []string {
 // errJournal) names the first. records reports whether b holds anything
 // beyond a valid snapshot (so a compaction would change it).
 func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, records bool) {
+	s, ignored, problem, records, _ = decodeJournalBytes(b, true)
+	return s, ignored, problem, records
+}
+
+// decodeJournalBytes is decodeJournalFile of b, the first bytes of a
+// journal: whole when final, else the file continues after b. Then it
+// stops before the last maxRecordBytes-1 bytes of b unless a record
+// ends beyond them (a record there may continue after b), and end is
+// where it stopped: the bytes of the file from end on are not replayed.
+func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, problem error, records bool, end int) {
 	s = &journalSet{pages: map[layout.PageKey]bool{}, manifests: map[string]bool{}}
 	off := 0
 	if len(b) >= 8 && string(b[:8]) == journalMagic {
@@ -234,12 +249,19 @@ func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, rec
 		}
 	}
 	for off < len(b) {
+		if !final && len(b)-off < maxRecordBytes {
+			break
+		}
 		records = true
 		op, payload, n := decodeRecord(b[off:])
 		if n == 0 {
 			skip := bytes.Index(b[off+1:], []byte(recordMagic))
-			if skip < 0 {
+			switch {
+			case skip < 0 && final:
 				skip = len(b) - off - 1
+			case skip < 0:
+				// A magic may begin in b's last bytes.
+				skip = max(0, len(b)-(len(recordMagic)-1)-off-1)
 			}
 			if problem == nil {
 				problem = fmt.Errorf("%w: %d bytes at offset %d are not a record", errJournal, skip+1, off)
@@ -260,46 +282,47 @@ func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, rec
 			delete(s.manifests, string(payload))
 		}
 	}
-	return s, ignored, problem, records
+	return s, ignored, problem, records, off
 }
 
-// readJournalFile reads the journal at path (at most maxJournalBytes of
-// it): exists is false when there is none. A path that is not a regular
-// file is an error wrapping errJournal.
-func readJournalFile(fsys vfs.FS, path string) (b []byte, exists bool, err error) {
+// readJournalFile reads the journal at path (at most limit bytes of it:
+// size is its whole size): exists is false when there is none. A path
+// that is not a regular file is an error wrapping errJournal; a file
+// larger than limit is an error wrapping errJournal with b set.
+func readJournalFile(fsys vfs.FS, path string, limit int64) (b []byte, size int64, exists bool, err error) {
 	fi, err := fsys.Lstat(path)
 	if vfs.IsNotExist(err) {
-		return nil, false, nil
+		return nil, 0, false, nil
 	}
 	if err != nil {
-		return nil, true, err
+		return nil, 0, true, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
+		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
 	}
 	f, err := fsys.Open(path)
 	if err != nil {
-		return nil, true, err
+		return nil, 0, true, err
 	}
 	defer f.Close()
 	st, err := f.Stat()
 	if err != nil {
-		return nil, true, err
+		return nil, 0, true, err
 	}
 	if !st.Mode().IsRegular() {
-		return nil, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
+		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
 	}
-	b = make([]byte, min(st.Size(), maxJournalBytes))
+	b = make([]byte, min(st.Size(), limit))
 	n, err := f.ReadAt(b, 0)
 	if err != nil && !errors.Is(err, io.EOF) {
-		return nil, true, err
+		return nil, 0, true, err
 	}
-	if st.Size() > maxJournalBytes {
-		err = fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, st.Size(), maxJournalBytes)
+	if st.Size() > limit {
+		err = fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, st.Size(), limit)
 	} else {
 		err = nil
 	}
-	return b[:n], true, err
+	return b[:n], st.Size(), true, err
 }
 
 // Batching of the journal's writes.
@@ -373,6 +396,16 @@ type journal struct {
 	warned   map[string]time.Time // namespace -> last Warn of a failed write
 	// compactions published (for tests).
 	compactions int
+	// readLimit: bytes of a journal a replay reads; 0 is
+	// maxJournalBytes (tests lower it).
+	readLimit int64
+}
+
+func (j *journal) limit() int64 {
+	if j.readLimit > 0 {
+		return j.readLimit
+	}
+	return maxJournalBytes
 }
 
 // journalFile is a namespace's journal opened for appending.
@@ -748,8 +781,11 @@ func (j *journal) compactGrown() {
 // append. The file is read (all processes' records), replayed, and
 // published with the durable publish (temp file, fdatasync, rename,
 // directory fsync, under the store's sync policy); a file that is a
-// snapshot alone already is left. Entries beyond a snapshot's maxima are
-// dropped (logged). It reports whether the lock was taken.
+// snapshot alone already is left. A file larger than a replay reads
+// (maxJournalBytes) is compacted up to a record boundary within what was
+// read: the bytes after it follow the snapshot in the new file, as they
+// were (the next compaction replays them). Entries beyond a snapshot's
+// maxima are dropped (logged). It reports whether the lock was taken.
 func (j *journal) compact(ctx context.Context, ns string) bool {
 	st := j.t.e.store
 	n, err := st.Namespace(ns)
@@ -766,7 +802,7 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	if fi, err := fsys.Lstat(n.Dir()); err != nil || !fi.IsDir() {
 		return true // gone, or not ours to write into
 	}
-	set, canonical, ok := j.read(path)
+	set, canonical, tail, ok := j.readRest(path)
 	if !ok || canonical {
 		return true
 	}
@@ -778,7 +814,13 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	}
 	b := encodeJournal(pl, ml)
 	err = layout.Publish(fsys, path, st.PublishOptions(true, int64(len(b))), func(f vfs.File) error {
-		return layout.WriteFull(f, b, 0)
+		if err := layout.WriteFull(f, b, 0); err != nil {
+			return err
+		}
+		if tail < 0 {
+			return nil
+		}
+		return copyFrom(fsys, path, tail, f, int64(len(b)))
 	})
 	if err != nil {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not compacted", "path", path, "err", err)
@@ -795,22 +837,66 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 // canonical reports a file that is a valid snapshot alone (a compaction
 // would not change it).
 func (j *journal) read(path string) (set *journalSet, canonical, ok bool) {
-	b, exists, err := readJournalFile(j.t.e.store.FS(), path)
+	set, canonical, _, ok = j.readAll(path, false)
+	return set, canonical, ok
+}
+
+// readRest is read for a compaction: a file larger than a replay reads
+// is replayed up to a record boundary within what was read, tail (else
+// -1): the bytes from tail on are not replayed (nor logged as ignored).
+func (j *journal) readRest(path string) (set *journalSet, canonical bool, tail int64, ok bool) {
+	return j.readAll(path, true)
+}
+
+func (j *journal) readAll(path string, rest bool) (set *journalSet, canonical bool, tail int64, ok bool) {
+	b, size, exists, err := readJournalFile(j.t.e.store.FS(), path, j.limit())
 	if !exists {
-		return nil, false, false
+		return nil, false, -1, false
 	}
 	if err != nil && b == nil {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
-		return nil, false, false
+		return nil, false, -1, false
 	}
-	if err != nil {
+	cut := size > int64(len(b))
+	if err != nil && !(rest && cut) {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part", "path", path, "err", err)
 	}
-	s, ignored, problem, records := decodeJournalFile(b)
+	s, ignored, problem, records, end := decodeJournalBytes(b, !(rest && cut))
 	if ignored > 0 {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", path, "bytes", ignored, "err", problem)
 	}
-	return s, !records && err == nil, true
+	tail = -1
+	if rest && cut {
+		tail, records = int64(end), true
+	}
+	return s, !records && err == nil, tail, true
+}
+
+// copyFrom appends the bytes of the file at path from offset from to its
+// end to dst at offset at (a compaction's tail: the namespace's exclusive
+// lock is held, so nobody appends to it meanwhile).
+func copyFrom(fsys vfs.FS, path string, from int64, dst vfs.File, at int64) error {
+	src, err := fsys.Open(path)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	buf := make([]byte, 1<<20)
+	for {
+		n, err := src.ReadAt(buf, from)
+		if n > 0 {
+			if werr := layout.WriteFull(dst, buf[:n], at); werr != nil {
+				return werr
+			}
+			from, at = from+int64(n), at+int64(n)
+		}
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+	}
 }
 
 // close stops the goroutine, then (on the caller's goroutine) writes the

@@ -7,6 +7,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -267,6 +268,47 @@ func FuzzDecodeJournalFile(f *testing.F) {
 	})
 }
 
+// FuzzDecodeJournalCut: a compaction of a file it read only in part (the
+// first cut bytes, past any valid snapshot) replays them up to end and
+// keeps the bytes from end on after its snapshot: that file replays to
+// what the whole file lists.
+func FuzzDecodeJournalCut(f *testing.F) {
+	k := testKeys(8)
+	var recs []byte
+	for i, key := range k {
+		recs = append(recs, record(opPageQueued, key[:])...)
+		if i%2 == 0 {
+			recs = append(recs, record(opPageSettled, k[i/2][:])...)
+		}
+		recs = append(recs, "garbage UP"...)
+	}
+	recs = append(recs, record(opManifestQueued, bytes.Repeat([]byte("m"), 200))...)
+	f.Add(slices.Concat(encodeJournal(testKeys(3), []string{"a"}), recs), uint16(300))
+	f.Add(recs, uint16(250))
+	f.Add(recs, uint16(len(recs)-3))
+	// Garbage, then a record whose magic the cut splits.
+	f.Add(append(bytes.Repeat([]byte("x"), 300), record(opPageQueued, k[0][:])...), uint16(302))
+	f.Fuzz(func(t *testing.T, b []byte, cut uint16) {
+		if len(b) == 0 {
+			return
+		}
+		n := int(cut) % (len(b) + 1)
+		if _, _, snapEnd, err := decodeSnapshot(b); err == nil && n < snapEnd {
+			n = snapEnd
+		}
+		whole, _, _, _ := decodeJournalFile(b)
+		part, _, _, _, end := decodeJournalBytes(b[:n], false)
+		if end > n {
+			t.Fatalf("end %d beyond the %d bytes read", end, n)
+		}
+		pages, names := listOf(part)
+		s, _, _, _ := decodeJournalFile(slices.Concat(encodeJournal(pages, names), b[end:]))
+		if !maps.Equal(s.pages, whole.pages) || !maps.Equal(s.manifests, whole.manifests) {
+			t.Fatalf("cut at %d (end %d): %d pages %v, the whole file %d pages %v", n, end, len(s.pages), s.manifests, len(whole.pages), whole.manifests)
+		}
+	})
+}
+
 // BenchmarkJournalAdd: what the uploads journal adds to a save's path per
 // page queued: one record appended to the in-memory batch (the write and
 // the fdatasync are the journal goroutine's, off the path). The batch is
@@ -483,5 +525,59 @@ func TestRefillFindsSpilledRecordsStillInTheBatch(t *testing.T) {
 		if !queued && !(marked && s.pages[k]) {
 			t.Errorf("page %d: not queued, and not left for the next refill (namespace marked %v, journal lists it %v)", i, marked, s.pages[k])
 		}
+	}
+}
+
+// TestCompactionKeepsWhatItDidNotRead: a journal larger than what a
+// reader reads (maxJournalBytes, lowered here to 4 KiB through the
+// journal's readLimit; a file grows so large when no compaction could
+// take the namespace's exclusive lock for long) is compacted: the new
+// file lists everything the old one listed, its records beyond the
+// limit included (they follow the snapshot, copied as they were). A
+// second compaction reads them. Before: the compaction published the
+// snapshot of the first 4 KiB (256 MiB) alone, and the uploads queued
+// in the rest were forgotten.
+func TestCompactionKeepsWhatItDidNotRead(t *testing.T) {
+	root := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(root, "ns"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e := newEngine(t, Config{Root: root})
+	keys := testKeys(300)
+	b := encodeJournal(slices.Clone(keys[:10]), []string{"m-0"})
+	for i, k := range keys[10:] {
+		b = append(b, record(opPageQueued, k[:])...)
+		if i%3 == 0 {
+			b = append(b, record(opPageSettled, k[:])...)
+		}
+	}
+	b = append(b, record(opManifestQueued, []byte("m-1"))...)
+	path := filepath.Join(root, "ns", layout.UploadsName)
+	if err := os.WriteFile(path, b, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	want, _, _, _ := decodeJournalFile(b)
+	const limit = 4 << 10
+	if len(b) < 3*limit {
+		t.Fatalf("journal of %d bytes, want more than %d", len(b), 3*limit)
+	}
+	j := &journal{t: &tier{e: e}, files: map[string]*journalFile{}, readLimit: limit}
+	for round := 1; round <= 2; round++ {
+		if !j.compact(bg, "ns") || j.compactions != round {
+			t.Fatalf("round %d: %d compactions", round, j.compactions)
+		}
+		got, err := os.ReadFile(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, ignored, problem, _ := decodeJournalFile(got)
+		if ignored != 0 || !maps.Equal(s.pages, want.pages) || !maps.Equal(s.manifests, want.manifests) {
+			t.Fatalf("round %d: the compacted journal (%d bytes, %d ignored: %v) lists %d pages and %v, want %d pages and %v",
+				round, len(got), ignored, problem, len(s.pages), s.manifests, len(want.pages), want.manifests)
+		}
+		if len(got) >= len(b) {
+			t.Fatalf("round %d: compacted journal of %d bytes, not smaller than %d", round, len(got), len(b))
+		}
+		b = got
 	}
 }
