@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -399,6 +400,9 @@ type journal struct {
 	// readLimit: bytes of a journal a replay reads; 0 is
 	// maxJournalBytes (tests lower it).
 	readLimit int64
+	// compactMin: journalCompactMin, when 0 (tests lower it; set before
+	// the first add).
+	compactMin int64
 }
 
 func (j *journal) limit() int64 {
@@ -560,8 +564,10 @@ func (j *journal) flushWithin(wait time.Duration) (left map[string]bool) {
 
 // flush writes every namespace's batch (one write each, under its shared
 // lock, taken within ctx), then fdatasyncs the files written when they
-// are due (syncDue). A batch whose lock was not taken waits for the next
-// flush: left holds its namespace.
+// are due (syncDue). A batch whose lock was not granted within ctx waits
+// for the next flush: left holds its namespace. A batch whose lock
+// cannot be taken (the namespace's directory gone) or whose write fails
+// is dropped (logged at most once a minute per namespace).
 func (j *journal) flush(ctx context.Context) (left map[string]bool) {
 	j.mu.Lock()
 	batch, urgent := j.batch, j.urgent
@@ -580,7 +586,8 @@ func (j *journal) flush(ctx context.Context) (left map[string]bool) {
 			continue
 		}
 		unlock, err := n.Lock(ctx, false)
-		if err != nil {
+		if err != nil && ctx.Err() != nil && errors.Is(err, context.Cause(ctx)) {
+			// Not granted in time: the next round.
 			j.putBack(ns, b, urgent[ns])
 			if left == nil {
 				left = map[string]bool{}
@@ -588,8 +595,12 @@ func (j *journal) flush(ctx context.Context) (left map[string]bool) {
 			left[ns] = true
 			continue
 		}
-		err = j.write(n, b, urgent[ns])
-		unlock()
+		if err == nil {
+			// Else the lock cannot be taken at all (the namespace's
+			// directory gone): dropped as a batch not written.
+			err = j.write(n, b, urgent[ns])
+			unlock()
+		}
 		if err != nil && time.Since(j.warned[ns]) >= journalWarnEvery {
 			j.warned[ns] = time.Now()
 			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not written; its uploads are queued by the next saves that name them", "path", n.UploadsPath(), "records", countRecords(b), "err", err)
@@ -761,7 +772,7 @@ func (j *journal) compactGrown() {
 			continue
 		}
 		st, err := jf.f.Stat()
-		if err != nil || st.Size() <= 2*jf.base+journalCompactMin {
+		if err != nil || st.Size() <= 2*jf.base+cmp.Or(j.compactMin, journalCompactMin) {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), journalLockWait)

@@ -376,6 +376,14 @@ func TestJournalWritersAndCompactionsShareAFile(t *testing.T) {
 	t.Cleanup(func() { _ = e1.Close(bg) })
 	e2 := newEngine(t, Config{Root: root})
 	js := []*journal{startJournal(&tier{e: e1}), startJournal(&tier{e: e2})}
+	for _, j := range js {
+		// Compacted past 64 KiB plus twice the last snapshot (7 or 8
+		// times in all in runs here), not past 1 MiB (two or three
+		// times, one of them at a close: too few to count on).
+		j.mu.Lock()
+		j.compactMin = 64 << 10
+		j.mu.Unlock()
+	}
 	const n = 20000
 	want := map[layout.PageKey]bool{}
 	keys := make([][]layout.PageKey, len(js))
@@ -406,8 +414,8 @@ func TestJournalWritersAndCompactionsShareAFile(t *testing.T) {
 	for _, j := range js {
 		j.close(bg)
 	}
-	if c := js[0].compactions + js[1].compactions; c < 3 {
-		t.Fatalf("%d compactions, want some while both appended (and one at a close)", c)
+	if c := js[0].compactions + js[1].compactions; c < 4 {
+		t.Fatalf("%d compactions, want many while both appended", c)
 	}
 	b, err := os.ReadFile(filepath.Join(root, "ns", layout.UploadsName))
 	if err != nil {
@@ -579,5 +587,46 @@ func TestCompactionKeepsWhatItDidNotRead(t *testing.T) {
 			t.Fatalf("round %d: compacted journal of %d bytes, not smaller than %d", round, len(got), len(b))
 		}
 		b = got
+	}
+}
+
+// TestJournalBatchOfUnlockableNamespaceDropped: a batch whose namespace
+// lock is not granted in time (another process holds it exclusively)
+// waits for the next round; one whose lock cannot be taken at all (the
+// namespace's directory is gone: an upload settled after the namespace
+// was removed) is dropped, logged, as a batch that cannot be written.
+// Before: it was put back and tried again every 200 ms for the life of
+// the engine, its records held in memory.
+func TestJournalBatchOfUnlockableNamespaceDropped(t *testing.T) {
+	root := t.TempDir()
+	if err := os.MkdirAll(filepath.Join(root, "held"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e := newEngine(t, Config{Root: root})
+	held, err := e.store.Namespace("held")
+	if err != nil {
+		t.Fatal(err)
+	}
+	unlock, err := held.Lock(bg, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	j := &journal{t: &tier{e: e}, batch: map[string][]byte{}, urgent: map[string]bool{}, touched: map[string]bool{},
+		wake: make(chan struct{}, 1), files: map[string]*journalFile{}, warned: map[string]time.Time{}}
+	k := testKeys(2)
+	j.add("held", opPageQueued, k[0][:])
+	j.add("gone", opPageSettled, k[1][:])
+	ctx, cancel := context.WithTimeout(bg, 50*time.Millisecond)
+	left := j.flush(ctx)
+	cancel()
+	if !left["held"] || left["gone"] || len(left) != 1 {
+		t.Fatalf("namespaces left for the next round: %v, want held only", left)
+	}
+	if want := record(opPageQueued, k[0][:]); j.nbatch != 1 || !bytes.Equal(j.batch["held"], want) || j.batch["gone"] != nil {
+		t.Fatalf("%d records waiting: %x; want held's queued record alone", j.nbatch, j.batch)
+	}
+	if _, err := os.Stat(filepath.Join(root, "gone")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the flush created the removed namespace's directory: %v", err)
 	}
 }
