@@ -359,6 +359,11 @@ const (
 	// journalCloseCompactWait bounds Close's wait for the exclusive locks
 	// of its compactions: a journal not compacted is still valid.
 	journalCloseCompactWait = time.Second
+	// maxJournalFiles: journals kept open at once (one per namespace
+	// appended to); before another is opened, the one written least
+	// recently is closed (fdatasync'd first when written since its last
+	// one), so the descriptors do not grow with the namespaces saved into.
+	maxJournalFiles = 64
 	// journalWarnEvery: a namespace whose journal cannot be written (a
 	// full disk, a directory in its place) is logged at most this often.
 	journalWarnEvery = time.Minute
@@ -393,6 +398,8 @@ type journal struct {
 
 	// Owned by the goroutine (then by close).
 	files    map[string]*journalFile
+	bases    map[string]journalBase // journals closed to bound files, by namespace
+	written  uint64                 // writes so far (journalFile.written)
 	lastSync time.Time
 	warned   map[string]time.Time // namespace -> last Warn of a failed write
 	// compactions published (for tests).
@@ -403,6 +410,8 @@ type journal struct {
 	// compactMin: journalCompactMin, when 0 (tests lower it; set before
 	// the first add).
 	compactMin int64
+	// openMax: maxJournalFiles, when 0 (tests lower it).
+	openMax int
 }
 
 func (j *journal) limit() int64 {
@@ -421,6 +430,14 @@ type journalFile struct {
 	urgent      bool        // and one of those writes held a queued record
 	newEntry    bool        // created by this open: the directory is synced after its first fdatasync
 	nextCompact time.Time   // no compaction attempt before
+	written     uint64      // journal.written at its last write (the least recent is closed first)
+}
+
+// journalBase is what a journal closed to bound the files open keeps for
+// its next open, when the path still names the same file.
+type journalBase struct {
+	fi   os.FileInfo
+	base int64
 }
 
 func startJournal(t *tier) *journal {
@@ -640,6 +657,8 @@ func (j *journal) write(n *store.Namespace, b []byte, urgent bool) error {
 	if err != nil {
 		return err
 	}
+	j.written++
+	jf.written = j.written
 	if _, err := jf.f.Write(b); err != nil {
 		// Part of it may be in the file: a reader skips a torn record.
 		j.closeFile(n.Name())
@@ -667,6 +686,9 @@ func (j *journal) file(n *store.Namespace) (*journalFile, error) {
 	if lerr != nil && !vfs.IsNotExist(lerr) {
 		return nil, lerr
 	}
+	if len(j.files) >= cmp.Or(j.openMax, maxJournalFiles) {
+		j.closeLeastRecent()
+	}
 	f, err := fsys.OpenAppend(path, layout.FilePerm)
 	if err != nil {
 		return nil, err
@@ -680,20 +702,57 @@ func (j *journal) file(n *store.Namespace) (*journalFile, error) {
 		return nil, err
 	}
 	jf = &journalFile{f: f, fi: st, base: st.Size(), newEntry: lerr != nil}
+	if b, ok := j.bases[n.Name()]; ok {
+		// Closed to bound the files open: its growth is still measured
+		// from its size when first opened (or last compacted).
+		if os.SameFile(b.fi, st) {
+			jf.base = b.base
+		}
+		delete(j.bases, n.Name())
+	}
 	j.files[n.Name()] = jf
 	return jf, nil
 }
 
-// closeFile closes ns's file, after a last fdatasync when it was written
-// since its last one (its records may be what a compaction read).
+// closeLeastRecent closes the file written least recently, remembering
+// its base for its next open.
+func (j *journal) closeLeastRecent() {
+	var ns string
+	var old *journalFile
+	for name, jf := range j.files {
+		if old == nil || jf.written < old.written {
+			ns, old = name, jf
+		}
+	}
+	if old == nil {
+		return
+	}
+	if j.bases == nil {
+		j.bases = map[string]journalBase{}
+	}
+	j.bases[ns] = journalBase{fi: old.fi, base: old.base}
+	j.closeFile(ns)
+}
+
+// closeFile closes ns's file, after a last fdatasync (and the directory's,
+// when this engine created the file and has not synced it yet) when it
+// was written since its last one (its records may be what a compaction
+// read).
 func (j *journal) closeFile(ns string) {
 	jf := j.files[ns]
 	if jf == nil {
 		return
 	}
 	delete(j.files, ns)
-	if jf.dirty && j.t.e.store.Durable() {
-		_ = jf.f.Sync()
+	st := j.t.e.store
+	if jf.dirty && st.Durable() {
+		err := jf.f.Sync()
+		if n, nerr := st.Namespace(ns); err == nil && jf.newEntry && nerr == nil {
+			err = st.SyncDir(n.Dir())
+		}
+		if err != nil {
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
+		}
 	}
 	jf.f.Close()
 }

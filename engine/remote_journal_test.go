@@ -630,3 +630,50 @@ func TestJournalBatchOfUnlockableNamespaceDropped(t *testing.T) {
 		t.Fatalf("the flush created the removed namespace's directory: %v", err)
 	}
 }
+
+// TestJournalFilesOpenBounded: an engine appending to the journals of
+// more namespaces than it keeps open (maxJournalFiles, lowered here to
+// 3) closes the one written least recently before it opens another, so
+// its descriptors do not grow with the namespaces it ever saved into;
+// every record is in its journal, and a journal opened again keeps the
+// size its growth is measured from (so that it is still compacted).
+// Before: one descriptor per namespace, open until Close.
+func TestJournalFilesOpenBounded(t *testing.T) {
+	root := t.TempDir()
+	const namespaces = 10
+	for i := range namespaces {
+		if err := os.MkdirAll(filepath.Join(root, fmt.Sprintf("ns%d", i)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := newEngine(t, Config{Root: root})
+	j := &journal{t: &tier{e: e}, batch: map[string][]byte{}, urgent: map[string]bool{}, touched: map[string]bool{},
+		wake: make(chan struct{}, 1), files: map[string]*journalFile{}, warned: map[string]time.Time{}, openMax: 3}
+	keys := testKeys(2 * namespaces)
+	for round := range 2 {
+		for i := range namespaces {
+			j.add(fmt.Sprintf("ns%d", i), opPageQueued, keys[round*namespaces+i][:])
+			if left := j.flush(bg); len(left) != 0 {
+				t.Fatalf("left %v", left)
+			}
+			if len(j.files) > 3 {
+				t.Fatalf("round %d, namespace %d: %d journals open, want at most 3", round, i, len(j.files))
+			}
+		}
+	}
+	if jf := j.files["ns9"]; jf == nil || jf.base != 0 {
+		t.Fatalf("ns9's journal, created by this engine and opened again: %+v, want open with base 0", jf)
+	}
+	for _, ns := range slices.Collect(maps.Keys(j.files)) {
+		j.closeFile(ns)
+	}
+	for i := range namespaces {
+		b, err := os.ReadFile(filepath.Join(root, fmt.Sprintf("ns%d", i), layout.UploadsName))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := slices.Concat(record(opPageQueued, keys[i][:]), record(opPageQueued, keys[namespaces+i][:])); !bytes.Equal(b, want) {
+			t.Fatalf("ns%d's journal: %x, want its two queued records %x", i, b, want)
+		}
+	}
+}
