@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -675,5 +676,65 @@ func TestJournalFilesOpenBounded(t *testing.T) {
 		if want := slices.Concat(record(opPageQueued, keys[i][:]), record(opPageQueued, keys[namespaces+i][:])); !bytes.Equal(b, want) {
 			t.Fatalf("ns%d's journal: %x, want its two queued records %x", i, b, want)
 		}
+	}
+}
+
+// TestJournalNotARegularFile: a namespace's .uploads that is a symlink
+// (to a file outside the namespace), a FIFO (with and without a reader)
+// or a directory is never written through, followed, blocked on or
+// replaced: a batch for it is dropped (logged), a compaction and a
+// replay leave it, and the symlink's target keeps its bytes.
+func TestJournalNotARegularFile(t *testing.T) {
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root})
+	victim := filepath.Join(t.TempDir(), "victim")
+	if err := os.WriteFile(victim, []byte("not a journal"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	kinds := map[string]func(path string) error{
+		"symlink":   func(p string) error { return os.Symlink(victim, p) },
+		"fifo":      func(p string) error { return syscall.Mkfifo(p, 0o644) },
+		"fifo-read": func(p string) error { return syscall.Mkfifo(p, 0o644) },
+		"directory": func(p string) error { return os.Mkdir(p, 0o755) },
+	}
+	k := testKeys(1)[0]
+	for kind, mk := range kinds {
+		if err := os.MkdirAll(filepath.Join(root, kind), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		path := filepath.Join(root, kind, layout.UploadsName)
+		if err := mk(path); err != nil {
+			t.Fatal(err)
+		}
+		if kind == "fifo-read" {
+			r, err := os.OpenFile(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+		}
+		before, err := os.Lstat(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		j := &journal{t: &tier{e: e}, batch: map[string][]byte{}, urgent: map[string]bool{}, touched: map[string]bool{},
+			wake: make(chan struct{}, 1), files: map[string]*journalFile{}, warned: map[string]time.Time{}}
+		j.add(kind, opPageQueued, k[:])
+		if left := j.flush(bg); len(left) != 0 || j.nbatch != 0 || len(j.files) != 0 {
+			t.Fatalf("%s: left %v, %d records waiting, %d files open; want the batch dropped", kind, left, j.nbatch, len(j.files))
+		}
+		if !j.compact(bg, kind) || j.compactions != 0 {
+			t.Fatalf("%s: %d compactions", kind, j.compactions)
+		}
+		if _, _, ok := j.read(path); ok {
+			t.Fatalf("%s: read as a journal", kind)
+		}
+		after, err := os.Lstat(path)
+		if err != nil || after.Mode() != before.Mode() || !os.SameFile(before, after) {
+			t.Fatalf("%s: the path is now %v (%v), was %v", kind, after.Mode(), err, before.Mode())
+		}
+	}
+	if b, err := os.ReadFile(victim); err != nil || string(b) != "not a journal" {
+		t.Fatalf("the symlink's target: %q, %v", b, err)
 	}
 }
