@@ -54,8 +54,8 @@ const (
 	maxJournalManifests = 1 << 16
 	maxNameBytes        = 200 // layout.ValidName
 	// maxJournalBytes: a replay reads at most this much of a journal
-	// (the rest is ignored, logged); a compaction replays as much and
-	// keeps the rest as it is, after the snapshot. A compaction is
+	// (the rest is ignored, logged); a compaction reads all of it, in
+	// windows of this many bytes. A compaction is
 	// attempted once a file is 1 MiB plus twice its size after the last
 	// one, so a file reaches it only when no compaction could take the
 	// namespace's lock. It exceeds the largest snapshot (80,281,624
@@ -228,10 +228,8 @@ func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, rec
 }
 
 // decodeJournalBytes is decodeJournalFile of b, the first bytes of a
-// journal: whole when final, else the file continues after b. Then it
-// stops before the last maxRecordBytes-1 bytes of b unless a record
-// ends beyond them (a record there may continue after b), and end is
-// where it stopped: the bytes of the file from end on are not replayed.
+// journal: whole when final, else the file continues after b (see
+// decodeRecords; end is where it stopped).
 func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, problem error, records bool, end int) {
 	s = &journalSet{pages: map[layout.PageKey]bool{}, manifests: map[string]bool{}}
 	off := 0
@@ -249,11 +247,26 @@ func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, probl
 			problem = err
 		}
 	}
+	records = off < len(b)
+	ignored, perr, n := decodeRecords(s, b[off:], final, int64(off))
+	if problem == nil {
+		problem = perr
+	}
+	return s, ignored, problem, records, off + n
+}
+
+// decodeRecords replays the records of b (at offset at of the file) into
+// s, skipping what does not decode up to the next record magic (ignored
+// counts those bytes, problem names the first). final: b ends where the
+// file ends; else it stops before the last maxRecordBytes-1 bytes of b
+// unless a record ends beyond them (a record there may continue after
+// b), and end is where it stopped (the next window starts there).
+func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, problem error, end int) {
+	off := 0
 	for off < len(b) {
 		if !final && len(b)-off < maxRecordBytes {
 			break
 		}
-		records = true
 		op, payload, n := decodeRecord(b[off:])
 		if n == 0 {
 			skip := bytes.Index(b[off+1:], []byte(recordMagic))
@@ -265,7 +278,7 @@ func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, probl
 				skip = max(0, len(b)-(len(recordMagic)-1)-off-1)
 			}
 			if problem == nil {
-				problem = fmt.Errorf("%w: %d bytes at offset %d are not a record", errJournal, skip+1, off)
+				problem = fmt.Errorf("%w: %d bytes at offset %d are not a record", errJournal, skip+1, at+int64(off))
 			}
 			ignored += skip + 1
 			off += skip + 1
@@ -283,14 +296,47 @@ func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, probl
 			delete(s.manifests, string(payload))
 		}
 	}
-	return s, ignored, problem, records, off
+	return ignored, problem, off
 }
 
-// readJournalFile reads the journal at path (at most limit bytes of it:
-// size is its whole size): exists is false when there is none. A path
-// that is not a regular file is an error wrapping errJournal; a file
-// larger than limit is an error wrapping errJournal with b set.
-func readJournalFile(fsys vfs.FS, path string, limit int64) (b []byte, size int64, exists bool, err error) {
+// replayJournalAt replays the first size bytes of a journal read through
+// r, in windows of at most window bytes (its memory): the first holds a
+// valid snapshot whole (window exceeds the largest snapshot; tests use
+// less), the next start where the last record decoded whole ended.
+// err is a read error.
+func replayJournalAt(r io.ReaderAt, size int64, window int) (s *journalSet, ignored int, problem error, records bool, err error) {
+	window = max(window, 2*maxRecordBytes)
+	buf := make([]byte, min(size, int64(window)))
+	var pos int64
+	for {
+		n, rerr := r.ReadAt(buf[:min(int64(len(buf)), size-pos)], pos)
+		if rerr != nil && !errors.Is(rerr, io.EOF) {
+			return nil, 0, nil, false, rerr
+		}
+		final := rerr != nil || pos+int64(n) >= size
+		var ig, end int
+		var pr error
+		if s == nil {
+			s, ig, pr, records, end = decodeJournalBytes(buf[:n], final)
+		} else {
+			records = records || n > 0
+			ig, pr, end = decodeRecords(s, buf[:n], final, pos)
+		}
+		ignored += ig
+		if problem == nil {
+			problem = pr
+		}
+		if final || end == 0 {
+			return s, ignored, problem, records, nil
+		}
+		pos += int64(end)
+	}
+}
+
+// openJournal opens the journal at path for reading: exists is false
+// when there is none; size is its size. A path that is not a regular
+// file is an error wrapping errJournal.
+func openJournal(fsys vfs.FS, path string) (f vfs.File, size int64, exists bool, err error) {
 	fi, err := fsys.Lstat(path)
 	if vfs.IsNotExist(err) {
 		return nil, 0, false, nil
@@ -301,29 +347,19 @@ func readJournalFile(fsys vfs.FS, path string, limit int64) (b []byte, size int6
 	if !fi.Mode().IsRegular() {
 		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
 	}
-	f, err := fsys.Open(path)
+	f, err = fsys.Open(path)
 	if err != nil {
 		return nil, 0, true, err
 	}
-	defer f.Close()
 	st, err := f.Stat()
+	if err == nil && !st.Mode().IsRegular() {
+		err = fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
+	}
 	if err != nil {
+		f.Close()
 		return nil, 0, true, err
 	}
-	if !st.Mode().IsRegular() {
-		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
-	}
-	b = make([]byte, min(st.Size(), limit))
-	n, err := f.ReadAt(b, 0)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return nil, 0, true, err
-	}
-	if st.Size() > limit {
-		err = fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, st.Size(), limit)
-	} else {
-		err = nil
-	}
-	return b[:n], st.Size(), true, err
+	return f, st.Size(), true, nil
 }
 
 // Batching of the journal's writes.
@@ -851,11 +887,10 @@ func (j *journal) compactGrown() {
 // append. The file is read (all processes' records), replayed, and
 // published with the durable publish (temp file, fdatasync, rename,
 // directory fsync, under the store's sync policy); a file that is a
-// snapshot alone already is left. A file larger than a replay reads
-// (maxJournalBytes) is compacted up to a record boundary within what was
-// read: the bytes after it follow the snapshot in the new file, as they
-// were (the next compaction replays them). Entries beyond a snapshot's
-// maxima are dropped (logged). It reports whether the lock was taken.
+// snapshot alone already is left. The whole file is replayed, also
+// beyond what a replay reads (maxJournalBytes), in windows of that many
+// bytes. Entries beyond a snapshot's maxima are dropped (logged). It
+// reports whether the lock was taken.
 func (j *journal) compact(ctx context.Context, ns string) bool {
 	st := j.t.e.store
 	n, err := st.Namespace(ns)
@@ -872,7 +907,7 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	if fi, err := fsys.Lstat(n.Dir()); err != nil || !fi.IsDir() {
 		return true // gone, or not ours to write into
 	}
-	set, canonical, tail, ok := j.readRest(path)
+	set, canonical, ok := j.readWhole(path)
 	if !ok || canonical {
 		return true
 	}
@@ -884,13 +919,7 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	}
 	b := encodeJournal(pl, ml)
 	err = layout.Publish(fsys, path, st.PublishOptions(true, int64(len(b))), func(f vfs.File) error {
-		if err := layout.WriteFull(f, b, 0); err != nil {
-			return err
-		}
-		if tail < 0 {
-			return nil
-		}
-		return copyFrom(fsys, path, tail, f, int64(len(b)))
+		return layout.WriteFull(f, b, 0)
 	})
 	if err != nil {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not compacted", "path", path, "err", err)
@@ -902,71 +931,46 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	return true
 }
 
-// read reads and replays the journal at path, logging (Warn) what it
-// ignores. ok is false when there is no journal or it cannot be read;
-// canonical reports a file that is a valid snapshot alone (a compaction
-// would not change it).
+// read reads and replays the journal at path (its first readLimit
+// bytes: maxJournalBytes), logging (Warn) what it ignores. ok is false
+// when there is no journal or it cannot be read; canonical reports a file
+// that is a valid snapshot alone (a compaction would not change it).
 func (j *journal) read(path string) (set *journalSet, canonical, ok bool) {
-	set, canonical, _, ok = j.readAll(path, false)
-	return set, canonical, ok
+	return j.readJournal(path, false)
 }
 
-// readRest is read for a compaction: a file larger than a replay reads
-// is replayed up to a record boundary within what was read, tail (else
-// -1): the bytes from tail on are not replayed (nor logged as ignored).
-func (j *journal) readRest(path string) (set *journalSet, canonical bool, tail int64, ok bool) {
-	return j.readAll(path, true)
+// readWhole is read of the whole file, in windows of readLimit bytes: a
+// compaction's, which must keep everything the file lists.
+func (j *journal) readWhole(path string) (set *journalSet, canonical, ok bool) {
+	return j.readJournal(path, true)
 }
 
-func (j *journal) readAll(path string, rest bool) (set *journalSet, canonical bool, tail int64, ok bool) {
-	b, size, exists, err := readJournalFile(j.t.e.store.FS(), path, j.limit())
+func (j *journal) readJournal(path string, whole bool) (set *journalSet, canonical, ok bool) {
+	f, size, exists, err := openJournal(j.t.e.store.FS(), path)
 	if !exists {
-		return nil, false, -1, false
+		return nil, false, false
 	}
-	if err != nil && b == nil {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
-		return nil, false, -1, false
+	if err == nil {
+		defer f.Close()
+		n := size
+		if !whole && size > j.limit() {
+			n = j.limit()
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part", "path", path,
+				"err", fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, size, n))
+		}
+		var ignored int
+		var problem error
+		set, ignored, problem, canonical, err = replayJournalAt(f, n, int(j.limit()))
+		canonical = !canonical && n == size
+		if err == nil && ignored > 0 {
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", path, "bytes", ignored, "err", problem)
+		}
 	}
-	cut := size > int64(len(b))
-	if err != nil && !(rest && cut) {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part", "path", path, "err", err)
-	}
-	s, ignored, problem, records, end := decodeJournalBytes(b, !(rest && cut))
-	if ignored > 0 {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", path, "bytes", ignored, "err", problem)
-	}
-	tail = -1
-	if rest && cut {
-		tail, records = int64(end), true
-	}
-	return s, !records && err == nil, tail, true
-}
-
-// copyFrom appends the bytes of the file at path from offset from to its
-// end to dst at offset at (a compaction's tail: the namespace's exclusive
-// lock is held, so nobody appends to it meanwhile).
-func copyFrom(fsys vfs.FS, path string, from int64, dst vfs.File, at int64) error {
-	src, err := fsys.Open(path)
 	if err != nil {
-		return err
+		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
+		return nil, false, false
 	}
-	defer src.Close()
-	buf := make([]byte, 1<<20)
-	for {
-		n, err := src.ReadAt(buf, from)
-		if n > 0 {
-			if werr := layout.WriteFull(dst, buf[:n], at); werr != nil {
-				return werr
-			}
-			from, at = from+int64(n), at+int64(n)
-		}
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-	}
+	return set, canonical, true
 }
 
 // close stops the goroutine, then (on the caller's goroutine) writes the
