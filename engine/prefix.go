@@ -145,10 +145,17 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			}()
 		}
 		var verified func(layout.PageKey) bool
+		var sc *jobs.PrefixScatter
 		if e.tier != nil { // read-through: remote pages into the local tier first
+			// The fetched pages that begin the chain are scattered into
+			// the destinations as they are published (a request that
+			// fails the load's checks scatters nothing: the load says why).
+			if kerr == nil {
+				sc, _ = jobs.NewPrefixScatter(cfg, r, keys)
+			}
 			var held []evict.Key
 			var fetched map[layout.PageKey]bool
-			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys)
+			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys, sc)
 			if len(fetched) > 0 {
 				// Verified by the fetch a moment ago: not hashed again.
 				verified = func(k layout.PageKey) bool { return fetched[k] }
@@ -160,7 +167,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				_ = e.pc.pol.UnpinAll(r.Namespace, held)
 			}
 		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefixChain(ctx, cfg, r, keys, verified)
+		res.Prefix, res.Metrics, err = jobs.LoadPrefixScattered(ctx, cfg, r, keys, verified, sc)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {

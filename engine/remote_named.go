@@ -191,7 +191,7 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 				func(int) (int64, error) { return objs[f].Size, nil },
 				func() error {
 					var err error
-					size, err = t.fetchPage(ctx, n, want, objs[f], func() {})
+					size, err = t.fetchPage(ctx, n, want, objs[f], func() {}, nil)
 					return err
 				})
 			mu.Lock()

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -693,12 +695,23 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // before its rename): the load need not hash them again
 // (jobs.LoadPrefixVerified).
 //
+// With sc non-nil (jobs.NewPrefixScatter of the load's request), the
+// fetched pages that begin the chain (positions 0, 1, ... all fetched by
+// this call) are scattered into the load's destinations on the calling
+// goroutine, in chain order, each once its bytes verified (beside its
+// publish) and the page before it was published and committed, while
+// later pages are still being fetched; a page whose publish fails after
+// its scatter is retracted (PrefixScatter.Retract); the load then
+// opens only the pages after them (jobs.LoadPrefixScattered). Every
+// scatter ends before readThrough returns, and readThrough returns only
+// once every fetch worker has (also when the scatter panics).
+//
 // The prefix the load can see ends at the first page that is missing
 // remotely, finds no room, fails to fetch or fails verification (reported
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey, sc *jobs.PrefixScatter) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
@@ -758,6 +771,34 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	var mu sync.Mutex
 	next := 0
 	noRoom := false
+	// The scatter (sc non-nil): the fetched pages that begin the chain
+	// (fetch[f] == f) are written into the load's destinations on this
+	// goroutine, in chain order, while later pages are still being
+	// fetched: page f once its bytes verified (verified[f] closed, rds[f]
+	// its read-only descriptor), beside its publish; the next page only
+	// once page f is published and committed (ready[f] closed, errs[f]
+	// nil). scatterTo: how many of them may be.
+	scatterTo := 0
+	if sc != nil {
+		for scatterTo < len(fetch) && fetch[scatterTo] == scatterTo {
+			scatterTo++
+		}
+	}
+	verified := make([]chan struct{}, scatterTo)
+	ready := make([]chan struct{}, scatterTo)
+	for f := range ready {
+		verified[f] = make(chan struct{})
+		ready[f] = make(chan struct{})
+	}
+	rds := make([]vfs.File, scatterTo)
+	defer func() { // after wg.Wait (deferred below): descriptors not scattered from
+		for _, f := range rds {
+			if f != nil {
+				f.Close()
+			}
+		}
+	}()
+	defer wg.Wait() // also when the scatter panics: no worker outlives the load
 	for range min(2*t.fetchPages, len(fetch)) {
 		wg.Go(func() {
 			for {
@@ -790,6 +831,17 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					}
 					return fobjs[f].Size, nil
 				}
+				var vonce sync.Once
+				markVerified := func() { vonce.Do(func() { close(verified[f]) }) }
+				var onVerified func(vfs.File)
+				if f < scatterTo {
+					onVerified = func(rd vfs.File) {
+						mu.Lock()
+						rds[f] = rd
+						mu.Unlock()
+						markVerified()
+					}
+				}
 				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
 					// The GET token is taken before the next page may
 					// reserve, so pages take tokens in chain order.
@@ -803,8 +855,10 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 					defer release()
 					wrote = true
 					decide()
-					var err error
-					sizes[f], err = t.fetchPage(ctx, n, want, fobjs[f], release)
+					size, err := t.fetchPage(ctx, n, want, fobjs[f], release, onVerified)
+					mu.Lock()
+					sizes[f] = size
+					mu.Unlock()
 					return err
 				})
 				if err != nil && !wrote {
@@ -815,10 +869,38 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 				decide()
 				mu.Lock()
 				held = append(held, h...)
-				mu.Unlock()
 				errs[f] = err
+				mu.Unlock()
+				if f < scatterTo {
+					markVerified() // when it never verified
+					close(ready[f])
+				}
 			}
 		})
+	}
+	for f := range scatterTo {
+		<-verified[f] // every worker closes its page's, whatever happens
+		mu.Lock()
+		rd := rds[f]
+		rds[f] = nil
+		mu.Unlock()
+		if rd == nil {
+			break // not fetched, or failed before its bytes verified
+		}
+		ok := sc.Page(ctx, f, n.PagePath(keys[f]), rd) // beside its publish
+		rd.Close()
+		<-ready[f]
+		mu.Lock()
+		err, size := errs[f], sizes[f]
+		mu.Unlock()
+		if ok && (err != nil || size == 0) {
+			// Verified and scattered, but not made local: the prefix
+			// ends at it (its tokens hold its verified KV: Stop).
+			sc.Retract(f, fmt.Errorf("page %s not published: %w", keys[f], cmp.Or(err, errNotPublished)))
+		}
+		if !ok || err != nil || size == 0 {
+			break
+		}
 	}
 	wg.Wait()
 	notFetched := 0
@@ -848,6 +930,11 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	}
 	return rep, held, fetched
 }
+
+// errNotPublished: a fetched page that verified was not published (a save
+// had published it first: fetchPage returned 0 bytes); only its scatter
+// sees it.
+var errNotPublished = errors.New("engine: fetched page not published")
 
 // errNotFetched: a page after one whose reservation failed; never sent.
 var errNotFetched = errors.New("engine: not fetched: an earlier page of the chain found no room")
@@ -904,7 +991,14 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // little left to write. A page that a save published since the lookup is
 // not fetched (0 bytes, no error); one published meanwhile by a save is
 // simply replaced by the same bytes (same key, same content).
-func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func()) (int64, error) {
+//
+// With verified non-nil, once the page's bytes verified and before its
+// publish, verified is given a read-only descriptor of its temp file (the
+// verification's own when it read the file back; the rename keeps it the
+// same file), for the load's scatter (readThrough), which closes it; it is
+// not called for a page that did not verify (or whose temp file could not
+// be opened again: then it is simply not scattered).
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File)) (int64, error) {
 	if t.e.pages.Has(n.Name(), want.Key) {
 		return 0, nil
 	}
@@ -923,6 +1017,14 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	}
 	kw := newKickWriter(sf.File)
 	stream := remote.NewPageStream(kw, want.Key.String(), o.Size)
+	var rd vfs.File // read-only, of the temp file: kept for the scatter
+	closeRd := func() {
+		if rd != nil {
+			rd.Close()
+			rd = nil
+		}
+	}
+	defer closeRd() // unless handed to verified
 	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
 		fetched()
 		if pg, ok := stream.Verified(); ok {
@@ -934,10 +1036,22 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		if err != nil {
 			return err
 		}
-		defer f.Close()
+		closeRd()
+		rd = f
 		return verifyPage(f, name, want, size)
 	})
 	kw.stop() // before the file is closed
+	if err == nil && verified != nil {
+		if rd == nil {
+			if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the page is simply not scattered
+				rd = f
+			}
+		}
+		if rd != nil {
+			verified(rd)
+			rd = nil
+		}
+	}
 	if err == nil {
 		err = t.publishFetched(sf)
 	} else {

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -223,13 +224,17 @@ func TestReadAsyncShortAndCorrupt(t *testing.T) {
 // completed: no asynchronous read into the destination is left in flight
 // when ReadExtents returns (so none can write into it later), and after
 // the context is closed the destination still holds what it held then.
+// The same holds when the goroutine finishing the first extent panics
+// (ReadExtents then fails with ErrPanic): the other goroutines' requests
+// are waited for all the same.
 func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 	dir := directDir(t)
 	rng := rand.New(rand.NewPCG(45, 46))
 	path, data := randomFile(t, rng, dir, "f", 32*jobs.ReadChunkBytes)
 	a := asyncReads(t)
 	cfg := &jobs.Config{ReadDepth: 32, Async: a}
-	for round := range 3 {
+	const rounds = 4 // the last one panics
+	for round := range rounds {
 		evictFiles(t, path)
 		src, err := jobs.OpenSource(cfg, path)
 		if err != nil {
@@ -243,10 +248,14 @@ func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 		}
 		ctx, cancel := context.WithCancel(context.Background())
 		var once sync.Once
-		_, _, err = jobs.ReadExtentsThen(ctx, cfg, exts, func(int, error) { once.Do(cancel) })
+		stop, want := func() { once.Do(cancel) }, context.Canceled
+		if round == rounds-1 {
+			stop, want = func() { panic("an extent's hook panics") }, jobs.ErrPanic
+		}
+		_, _, err = jobs.ReadExtentsThen(ctx, cfg, exts, func(int, error) { stop() })
 		cancel()
-		if !errors.Is(err, context.Canceled) {
-			t.Fatalf("round %d: %v, want context.Canceled", round, err)
+		if !errors.Is(err, want) {
+			t.Fatalf("round %d: %v, want %v", round, err, want)
 		}
 		if n := jobs.AsyncInFlight(a); n != 0 {
 			t.Fatalf("round %d: %d asynchronous reads still in flight after ReadExtents returned", round, n)
@@ -258,7 +267,7 @@ func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 		src.Close()
 		// Any request still owned by the kernel would land by now: Close
 		// waits for every one.
-		if round == 2 {
+		if round == rounds-1 {
 			if err := a.Close(); err != nil {
 				t.Fatal(err)
 			}
@@ -308,5 +317,80 @@ func TestReadAsyncSetupFailureFallsBack(t *testing.T) {
 		if err := a.Close(); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+// TestReadAsyncConcurrentFirstReads: six cold reads starting at once on
+// an AsyncReads not set up yet set it up once (the others wait for that
+// setup, then share it) and read every byte right, all of them
+// asynchronously; after Close a read still returns the file's bytes,
+// with O_DIRECT preads (no byte asynchronous) and no new setup.
+func TestReadAsyncConcurrentFirstReads(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(47, 48))
+	const regions = 6
+	path, data := randomFile(t, rng, dir, "f", regions*2*jobs.ReadChunkBytes)
+	var setups atomic.Int32
+	a := jobs.NewAsyncReadsWith(nil, func(depth int) (*vfs.AsyncReader, error) {
+		setups.Add(1)
+		return vfs.NewAsyncReader(depth)
+	})
+	defer a.Close()
+	// read reads region g (two pieces, one at an unaligned offset) and
+	// checks its bytes; it returns the read's stats.
+	read := func(g int) (jobs.ExtentStats, error) {
+		cfg := &jobs.Config{ReadDepth: 4, Async: a}
+		src, err := jobs.OpenSource(cfg, path)
+		if err != nil {
+			return jobs.ExtentStats{}, err
+		}
+		defer src.Close()
+		base := g * 2 * jobs.ReadChunkBytes
+		exts := []jobs.Extent{
+			{Src: src, Off: int64(base), Dst: pageAligned(jobs.ReadChunkBytes), Group: -1},
+			{Src: src, Off: int64(base + jobs.ReadChunkBytes + 100), Dst: make([]byte, jobs.ReadChunkBytes-200), Group: -1},
+		}
+		errs, st, err := jobs.ReadExtents(context.Background(), cfg, exts)
+		if err = errors.Join(append(errs, err)...); err != nil {
+			return st, err
+		}
+		for _, x := range exts {
+			if !bytes.Equal(x.Dst, data[x.Off:x.Off+int64(len(x.Dst))]) {
+				return st, fmt.Errorf("region %d: bytes at %d differ from the file's", g, x.Off)
+			}
+		}
+		return st, nil
+	}
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	errs := make([]error, regions)
+	for g := range regions {
+		wg.Go(func() {
+			<-start
+			st, err := read(g)
+			if err == nil && (st.DirectBytes != st.Bytes || st.AsyncBytes != st.Bytes) {
+				err = fmt.Errorf("region %d: stats %+v, want every byte direct and asynchronous", g, st)
+			}
+			errs[g] = err
+		})
+	}
+	close(start)
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	if n := setups.Load(); n != 1 {
+		t.Fatalf("%d AIO setups for %d concurrent first reads, want 1", n, regions)
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	evictFiles(t, path)
+	st, err := read(0)
+	if err != nil {
+		t.Fatalf("after Close: %v", err)
+	}
+	if st.Bytes == 0 || st.DirectBytes != st.Bytes || st.AsyncBytes != 0 || setups.Load() != 1 {
+		t.Fatalf("after Close: stats %+v, %d setups; want every byte direct, none asynchronous, no new setup", st, setups.Load())
 	}
 }

@@ -619,19 +619,33 @@ func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest
 // unless its header names the prompt's token ids (checkPage), but the
 // prefix then reported may be shorter than the stored one.
 func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
-	start := time.Now()
-	var m Metrics
+	return LoadPrefixScattered(ctx, cfg, req, keys, verified, nil)
+}
+
+// loadCheck is a prefix load's request after step 1: its namespace, page
+// size in tokens, page keys and destinations (itemsizes resolved).
+type loadCheck struct {
+	ns    *store.Namespace
+	p     int
+	keys  []layout.PageKey
+	dests []TensorSpec
+}
+
+// checkLoad is step 1 of a prefix load (see LoadPrefix): the request is
+// checked, and keys computed when nil (else their count checked). Errors:
+// ErrInvalidRequest, ErrDestination, or the namespace's.
+func checkLoad(cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey) (*loadCheck, error) {
 	if req == nil {
-		return nil, m, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
+		return nil, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
 	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
+		return nil, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
 	}
 	p := pageTokens(req.PageTokens)
 	n := len(req.Tokens)
 	if n == 0 {
-		return nil, m, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
+		return nil, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
 	if keys == nil {
 		keys, _, err = layout.PageChain(req.Identity, p, req.Tokens)
@@ -639,25 +653,80 @@ func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, k
 		err = layout.CheckPageTokens(p)
 	}
 	if err != nil {
-		return nil, m, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
+		return nil, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
 	}
 	if want := (n + p - 1) / p; len(keys) != want {
-		return nil, m, fmt.Errorf("%w: load prefix %s: %d page keys given for %d pages of tokens", ErrInvalidRequest, ns.Dir(), len(keys), want)
+		return nil, fmt.Errorf("%w: load prefix %s: %d page keys given for %d pages of tokens", ErrInvalidRequest, ns.Dir(), len(keys), want)
 	}
 	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
-		return nil, m, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
+		return nil, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
 	}
-	dests := resolveTensors(req.Dest)
-	fsys := cfg.fs()
+	return &loadCheck{ns: ns, p: p, keys: keys, dests: resolveTensors(req.Dest)}, nil
+}
+
+// LoadPrefixScattered is LoadPrefixChain after sc (from NewPrefixScatter
+// for the same req and keys; nil: none) scattered the first sc.Pages()
+// pages of the prefix into the destinations: those pages are not opened
+// or read again (they count as loaded: PrefixResult.Keys and Tokens
+// include them, Metrics their bytes), and the load goes on from the page
+// after them exactly as LoadPrefix would (a page there whose tensors
+// differ from the destinations is corrupt, as any page after the first).
+// When the scatter's read of a page failed (its tokens may hold partial
+// data), the load reads nothing: the prefix is the pages before it and
+// Stop says why, as when a load's own read fails; when it ended with
+// ctx's error or ErrPanic, that is the load's error. So every outcome
+// leaves the destinations as LoadPrefix documents. A failure of the
+// namespace's lock or directory checks after pages were scattered ends
+// the prefix after them (Stop) instead of failing the load (ctx's error
+// still fails it). sc must not be used after this call.
+func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool, sc *PrefixScatter) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	var m Metrics
+	lc, err := checkLoad(cfg, req, keys)
+	if err != nil {
+		return nil, m, err
+	}
+	ns, p, keys, dests := lc.ns, lc.p, lc.keys, lc.dests
+	n := len(req.Tokens)
 	res := &PrefixResult{}
+	first := 0 // the first page to open: those before it were scattered
+	if sc != nil && (sc.req != req || len(sc.keys) != len(keys)) {
+		return nil, m, fmt.Errorf("%w: load prefix %s: the scatter was made for another request", ErrInvalidRequest, ns.Dir())
+	}
+	if sc != nil {
+		if sc.fatal != nil {
+			return nil, m, sc.fatal
+		}
+		first = sc.done
+		res.Keys = append(res.Keys, keys[:first]...)
+		res.Tokens = min(n, first*p)
+		m.LogicalBytes, m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = sc.logical, sc.read, sc.direct, sc.async
+		if sc.stop != nil || first == len(keys) {
+			res.Stop = sc.stop
+			m.Elapsed = time.Since(start)
+			return res, m, nil
+		}
+	}
+	// scattered turns an error of the lock or directory checks into the
+	// end of the prefix when pages were scattered (their tokens hold the
+	// stored KV: the load succeeds with them); ctx's error stays an error.
+	scattered := func(err error) (*PrefixResult, Metrics, error) {
+		if first == 0 || ctx.Err() != nil {
+			return nil, m, err
+		}
+		res.Stop = err
+		m.Elapsed = time.Since(start)
+		return res, m, nil
+	}
+	fsys := cfg.fs()
 	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
+		return scattered(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
 	}
 	defer unlock()
 	for _, d := range []string{ns.Dir(), ns.PagesDir()} {
 		if err := checkDir(fsys, d); err != nil {
-			return nil, m, fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err)
+			return scattered(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
 		}
 	}
 	// Step 2: open and check every page of the prefix.
@@ -668,7 +737,8 @@ func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, k
 		}
 	}()
 	checked := map[string]error{}
-	for i, key := range keys {
+	for i := first; i < len(keys); i++ {
+		key := keys[i]
 		if err := ctx.Err(); err != nil {
 			return nil, m, err
 		}
@@ -680,7 +750,7 @@ func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, k
 			checked[dir] = derr
 		}
 		if derr != nil {
-			return nil, m, fmt.Errorf("jobs: load prefix: %w", derr)
+			return scattered(fmt.Errorf("jobs: load prefix: %w", derr))
 		}
 		src, snap, err := openPage(cfg, path)
 		if err != nil {
@@ -736,7 +806,9 @@ func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, k
 		}
 	}
 	errs, st, err := readExtents(ctx, cfg, exts, progress)
-	m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = st.Bytes, st.DirectBytes, st.AsyncBytes
+	m.ReadBytes += st.Bytes
+	m.DirectReadBytes += st.DirectBytes
+	m.AsyncReadBytes += st.AsyncBytes
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err

@@ -61,7 +61,7 @@ func TestFetchRetriedGetNotTrustedFromStream(t *testing.T) {
 			if got := p.Injected(faultproxy.Get); got != len(rules) {
 				t.Fatalf("faults injected into GETs: %d, want %d", got, len(rules))
 			}
-			if fs.tempOpens.Load() < 1 {
+			if fs.tempReads.Load() < 1 {
 				t.Fatal("the retried page was proved by the stream: its temp file was never read back")
 			}
 			if tc.corrupt {

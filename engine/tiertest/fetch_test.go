@@ -22,21 +22,39 @@ import (
 // before them, pages are verified from the bytes as they arrive (not read
 // back), and a corrupt object among overlapping fetches is still a miss.
 
-// watchFS is the real file system with two watches: it counts the Opens
-// of temp files (a fetched page read back to be verified), and a Rename
+// watchFS is the real file system with two watches: it counts the reads
+// of a temp file made while it still has its temp name, through a
+// descriptor opened on that name (a fetched page read back to be
+// verified: before its rename; the load's scatter reads a fetched page's
+// descriptor only once the page is published, renamed), and a Rename
 // whose target is block waits for unblock (closed) before it runs.
 type watchFS struct {
 	vfs.FS
-	tempOpens atomic.Int64
+	tempReads atomic.Int64
 	block     string
 	unblock   chan struct{}
 }
 
 func (w *watchFS) Open(name string) (vfs.File, error) {
-	if layout.IsTemp(filepath.Base(name)) {
-		w.tempOpens.Add(1)
+	f, err := w.FS.Open(name)
+	if err != nil || !layout.IsTemp(filepath.Base(name)) {
+		return f, err
 	}
-	return w.FS.Open(name)
+	return &watchFile{File: f, w: w, tmp: name}, nil
+}
+
+// watchFile is a descriptor opened on a temp name (watchFS.tempReads).
+type watchFile struct {
+	vfs.File
+	w   *watchFS
+	tmp string
+}
+
+func (f *watchFile) ReadAt(p []byte, off int64) (int, error) {
+	if _, err := f.w.FS.Lstat(f.tmp); err == nil {
+		f.w.tempReads.Add(1)
+	}
+	return f.File.ReadAt(p, off)
 }
 
 func (w *watchFS) Rename(oldname, newname string) error {
@@ -125,8 +143,8 @@ func TestFetchedPagesNotReadBack(t *testing.T) {
 				t.Fatalf("loaded %d tokens, report %+v; want %d tokens, %d pages", res.Prefix.Tokens, res.Remote, len(conv), len(keys))
 			}
 			c.checkLoaded(t, conv, len(conv))
-			if n := fs.tempOpens.Load(); !tc.readBacks(n) {
-				t.Fatalf("%d temp files opened to verify %d fetched pages", n, len(keys))
+			if n := fs.tempReads.Load(); !tc.readBacks(n) {
+				t.Fatalf("%d reads of temp files to verify %d fetched pages", n, len(keys))
 			}
 			for _, k := range keys {
 				if !bytes.Equal(readFile(t, pagePath(rootB, k)), readFile(t, pagePath(rootA, k))) {

@@ -142,8 +142,14 @@ func (a *AsyncReader) InFlight() int {
 	return int(a.inFlight.Load())
 }
 
-// Depth is how many requests may be in flight at once.
-func (a *AsyncReader) Depth() int { return len(a.slots) }
+// Depth is how many requests may be in flight at once (0 for a nil
+// AsyncReader, which reads with preads).
+func (a *AsyncReader) Depth() int {
+	if a == nil {
+		return 0
+	}
+	return len(a.slots)
+}
 
 func ioDestroy(ctx uintptr) error {
 	_, _, e := unix.Syscall(unix.SYS_IO_DESTROY, ctx, 0, 0)
@@ -199,12 +205,15 @@ type asyncFile interface {
 // ReadAt fills p from f at off like f.ReadAt (n < len(p) only with an
 // error, io.EOF at the end of the file), through AIO when f is a file of
 // the operating system's FS: async then reports true. When f is not (a
-// wrapping FS), a is nil or closed, or the kernel refuses the submission
-// (an fd that takes no AIO), it reads with f.ReadAt and async is false. f
+// wrapping FS), a is nil or closed, f is closed (then the error wraps
+// fs.ErrClosed), or the kernel refuses the submission (an fd that takes
+// no AIO), it reads with f.ReadAt and async is false. f
 // must be opened with O_DIRECT (else the read is synchronous inside
 // io_submit: correct, but holding a P) and p, off and len(p) aligned as
 // DirectAlignment says (else the read fails with EINVAL, as a pread
-// would). An error is an *fs.PathError ("read", f's name, the errno).
+// would). An error is an *fs.PathError ("read", f's name, the errno); a
+// request completed with EINTR (a signal interrupted it inside io_submit)
+// is submitted again, as a pread would be restarted.
 // When ReadAt returns, the kernel has finished writing into p.
 func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, err error) {
 	af, ok := f.(asyncFile)
@@ -220,12 +229,21 @@ func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, er
 	}
 	s := &a.slots[i]
 	var refused bool // the kernel refused the submission: the rest by pread
+	var ran bool     // control ran the reads (false: f is closed)
 	cerr := af.control(func(fd int) error {
+		ran = true
 		for n < len(p) {
 			res, ok := a.read(s, fd, p[n:], off+int64(n))
 			if !ok {
 				refused = true
 				return nil
+			}
+			if res == -int64(syscall.EINTR) {
+				// A signal interrupted the read while it slept inside
+				// io_submit: fs/aio.c completes it with EINTR, as it
+				// cannot restart the system call; a pread would have
+				// been restarted. Submit it again.
+				continue
 			}
 			if res < 0 {
 				return syscall.Errno(-res)
@@ -237,6 +255,13 @@ func (a *AsyncReader) ReadAt(f File, p []byte, off int64) (n int, async bool, er
 		}
 		return nil
 	})
+	if !ran {
+		// No descriptor to read (f is closed): f.ReadAt says so as a
+		// pread would, an *fs.PathError wrapping fs.ErrClosed, where
+		// control's error is the poller's bare "use of closed file".
+		n, err = f.ReadAt(p, off)
+		return n, false, err
+	}
 	if refused {
 		k, err := f.ReadAt(p[n:], off+int64(n))
 		return n + k, n > 0, err

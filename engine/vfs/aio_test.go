@@ -3,12 +3,15 @@ package vfs_test
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"unsafe"
@@ -95,7 +98,10 @@ func TestAsyncReaderReadsWhatWasWritten(t *testing.T) {
 
 // TestAsyncReaderErrors: a misaligned O_DIRECT read fails with EINVAL in
 // an *fs.PathError, as a pread does; a read at the end of the file is
-// io.EOF with nothing read.
+// io.EOF with nothing read; a read of a closed file fails as its ReadAt
+// does, with an *fs.PathError wrapping fs.ErrClosed and nothing submitted
+// (it used to return the poller's bare "use of closed file", which
+// errors.Is matched to no sentinel, and async true).
 func TestAsyncReaderErrors(t *testing.T) {
 	_, f, al := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)
@@ -113,11 +119,22 @@ func TestAsyncReaderErrors(t *testing.T) {
 	if n != 0 || err != io.EOF {
 		t.Fatalf("read at the end: %d bytes, %v; want 0, io.EOF", n, err)
 	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	n, async, err = a.ReadAt(f, buf, 0)
+	if n != 0 || async || !errors.Is(err, fs.ErrClosed) || !errors.As(err, &pe) || pe.Path != f.Name() {
+		t.Fatalf("read of a closed file: %d bytes, async %v, err %v (%T); want 0, false, an *fs.PathError of %s wrapping fs.ErrClosed", n, async, err, err, f.Name())
+	}
+	if k := a.InFlight(); k != 0 {
+		t.Fatalf("%d requests in flight after the reads returned", k)
+	}
 }
 
 // TestAsyncReaderFallsBackToPread: a file that is not the operating
 // system's, and any file after Close, is read with its own ReadAt (async
-// false), still with the right bytes; a nil AsyncReader reads the same way.
+// false), still with the right bytes; a nil AsyncReader reads the same way
+// (its Depth, InFlight and Close answer 0, 0, nil: Depth used to panic).
 func TestAsyncReaderFallsBackToPread(t *testing.T) {
 	want, f, _ := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)
@@ -136,6 +153,10 @@ func TestAsyncReaderFallsBackToPread(t *testing.T) {
 		if async || err != nil || n != len(buf) || !bytes.Equal(buf, want[4096:4096+len(buf)]) {
 			t.Fatalf("%s: async %v, %d bytes, %v", c.name, async, n, err)
 		}
+	}
+	var none *vfs.AsyncReader // its methods answer, none panics
+	if d, k, err := none.Depth(), none.InFlight(), none.Close(); d != 0 || k != 0 || err != nil || a.Depth() != 2 {
+		t.Fatalf("nil reader: depth %d, %d in flight, Close %v; depth of a reader of 2 slots: %d", d, k, err, a.Depth())
 	}
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
@@ -164,5 +185,59 @@ func TestAsyncReaderSetupFailure(t *testing.T) {
 	}
 	if _, err := vfs.NewAsyncReader(0); err == nil {
 		t.Fatal("depth 0 accepted")
+	}
+}
+
+// TestAsyncReaderCloseWhileReading: Close called while twelve goroutines
+// read through two slots (some requests in flight, others waiting for a
+// slot) returns once they are back; every read, before, during and after
+// it, returns the file's bytes, and each read that starts after Close
+// returned is a pread (async false). The reaper is gone afterwards
+// (goleak in TestMain).
+func TestAsyncReaderCloseWhileReading(t *testing.T) {
+	const size, piece = 4 << 20, 64 << 10
+	want, f, _ := directFile(t, size)
+	a, err := vfs.NewAsyncReader(2)
+	if err != nil {
+		t.Skipf("no AIO here: %v", err)
+	}
+	var closed atomic.Bool
+	var wg sync.WaitGroup
+	errs := make(chan error, 12)
+	for g := range 12 {
+		wg.Go(func() {
+			buf := alignedBuf(piece)
+			for k := 0; ; k++ {
+				after := closed.Load()
+				off := (g*97 + k*piece) % (size - piece) &^ 4095
+				clear(buf)
+				n, async, err := a.ReadAt(f, buf, int64(off))
+				if err != nil || n != piece || !bytes.Equal(buf, want[off:off+piece]) {
+					errs <- fmt.Errorf("read at %d: %d bytes, %v, or bytes differ", off, n, err)
+					return
+				}
+				if after {
+					if async {
+						errs <- fmt.Errorf("a read started after Close returned was asynchronous")
+					}
+					return
+				}
+			}
+		})
+	}
+	for a.InFlight() == 0 {
+		runtime.Gosched()
+	}
+	if err := a.Close(); err != nil {
+		t.Fatal(err)
+	}
+	closed.Store(true)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := a.InFlight(); n != 0 {
+		t.Fatalf("%d requests in flight after Close", n)
 	}
 }
