@@ -2,6 +2,7 @@ package engine
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -52,10 +53,13 @@ const (
 	maxJournalPages     = 1 << 21
 	maxJournalManifests = 1 << 16
 	maxNameBytes        = 200 // layout.ValidName
-	// maxJournalBytes: a reader reads at most this much of a journal
-	// (the rest is ignored, logged). A compaction is attempted once a
-	// file is 1 MiB plus twice its size after the last one, so a file
-	// reaches it only when no compaction could take the namespace's lock.
+	// maxJournalBytes: a replay reads at most this much of a journal
+	// (the rest is ignored, logged); a compaction reads all of it, in
+	// windows of this many bytes. A compaction is
+	// attempted once a file is 1 MiB plus twice its size after the last
+	// one, so a file reaches it only when no compaction could take the
+	// namespace's lock. It exceeds the largest snapshot (80,281,624
+	// bytes), so a valid snapshot is always read whole.
 	maxJournalBytes = 256 << 20
 )
 
@@ -66,6 +70,8 @@ const (
 	opManifestQueued  byte = 3
 	opManifestSettled byte = 4
 	recordOverhead         = 4 + 1 + 1 + 8
+	// maxRecordBytes: the largest valid record (a manifest op's name).
+	maxRecordBytes = recordOverhead + maxNameBytes
 )
 
 // errJournal: journal bytes that do not decode (skipped, logged).
@@ -217,6 +223,14 @@ func (s *journalSet) sortedManifests() []string {
 // errJournal) names the first. records reports whether b holds anything
 // beyond a valid snapshot (so a compaction would change it).
 func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, records bool) {
+	s, ignored, problem, records, _ = decodeJournalBytes(b, true)
+	return s, ignored, problem, records
+}
+
+// decodeJournalBytes is decodeJournalFile of b, the first bytes of a
+// journal: whole when final, else the file continues after b (see
+// decodeRecords; end is where it stopped).
+func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, problem error, records bool, end int) {
 	s = &journalSet{pages: map[layout.PageKey]bool{}, manifests: map[string]bool{}}
 	off := 0
 	if len(b) >= 8 && string(b[:8]) == journalMagic {
@@ -233,16 +247,38 @@ func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, rec
 			problem = err
 		}
 	}
+	records = off < len(b)
+	ignored, perr, n := decodeRecords(s, b[off:], final, int64(off))
+	if problem == nil {
+		problem = perr
+	}
+	return s, ignored, problem, records, off + n
+}
+
+// decodeRecords replays the records of b (at offset at of the file) into
+// s, skipping what does not decode up to the next record magic (ignored
+// counts those bytes, problem names the first). final: b ends where the
+// file ends; else it stops before the last maxRecordBytes-1 bytes of b
+// unless a record ends beyond them (a record there may continue after
+// b), and end is where it stopped (the next window starts there).
+func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, problem error, end int) {
+	off := 0
 	for off < len(b) {
-		records = true
+		if !final && len(b)-off < maxRecordBytes {
+			break
+		}
 		op, payload, n := decodeRecord(b[off:])
 		if n == 0 {
 			skip := bytes.Index(b[off+1:], []byte(recordMagic))
-			if skip < 0 {
+			switch {
+			case skip < 0 && final:
 				skip = len(b) - off - 1
+			case skip < 0:
+				// A magic may begin in b's last bytes.
+				skip = max(0, len(b)-(len(recordMagic)-1)-off-1)
 			}
 			if problem == nil {
-				problem = fmt.Errorf("%w: %d bytes at offset %d are not a record", errJournal, skip+1, off)
+				problem = fmt.Errorf("%w: %d bytes at offset %d are not a record", errJournal, skip+1, at+int64(off))
 			}
 			ignored += skip + 1
 			off += skip + 1
@@ -260,46 +296,70 @@ func decodeJournalFile(b []byte) (s *journalSet, ignored int, problem error, rec
 			delete(s.manifests, string(payload))
 		}
 	}
-	return s, ignored, problem, records
+	return ignored, problem, off
 }
 
-// readJournalFile reads the journal at path (at most maxJournalBytes of
-// it): exists is false when there is none. A path that is not a regular
+// replayJournalAt replays the first size bytes of a journal read through
+// r, in windows of at most window bytes (its memory): the first holds a
+// valid snapshot whole (window exceeds the largest snapshot; tests use
+// less), the next start where the last record decoded whole ended.
+// err is a read error.
+func replayJournalAt(r io.ReaderAt, size int64, window int) (s *journalSet, ignored int, problem error, records bool, err error) {
+	window = max(window, 2*maxRecordBytes)
+	buf := make([]byte, min(size, int64(window)))
+	var pos int64
+	for {
+		n, rerr := r.ReadAt(buf[:min(int64(len(buf)), size-pos)], pos)
+		if rerr != nil && !errors.Is(rerr, io.EOF) {
+			return nil, 0, nil, false, rerr
+		}
+		final := rerr != nil || pos+int64(n) >= size
+		var ig, end int
+		var pr error
+		if s == nil {
+			s, ig, pr, records, end = decodeJournalBytes(buf[:n], final)
+		} else {
+			records = records || n > 0
+			ig, pr, end = decodeRecords(s, buf[:n], final, pos)
+		}
+		ignored += ig
+		if problem == nil {
+			problem = pr
+		}
+		if final || end == 0 {
+			return s, ignored, problem, records, nil
+		}
+		pos += int64(end)
+	}
+}
+
+// openJournal opens the journal at path for reading: exists is false
+// when there is none; size is its size. A path that is not a regular
 // file is an error wrapping errJournal.
-func readJournalFile(fsys vfs.FS, path string) (b []byte, exists bool, err error) {
+func openJournal(fsys vfs.FS, path string) (f vfs.File, size int64, exists bool, err error) {
 	fi, err := fsys.Lstat(path)
 	if vfs.IsNotExist(err) {
-		return nil, false, nil
+		return nil, 0, false, nil
 	}
 	if err != nil {
-		return nil, true, err
+		return nil, 0, true, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
+		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
 	}
-	f, err := fsys.Open(path)
+	f, err = fsys.Open(path)
 	if err != nil {
-		return nil, true, err
+		return nil, 0, true, err
 	}
-	defer f.Close()
 	st, err := f.Stat()
+	if err == nil && !st.Mode().IsRegular() {
+		err = fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
+	}
 	if err != nil {
-		return nil, true, err
+		f.Close()
+		return nil, 0, true, err
 	}
-	if !st.Mode().IsRegular() {
-		return nil, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
-	}
-	b = make([]byte, min(st.Size(), maxJournalBytes))
-	n, err := f.ReadAt(b, 0)
-	if err != nil && !errors.Is(err, io.EOF) {
-		return nil, true, err
-	}
-	if st.Size() > maxJournalBytes {
-		err = fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, st.Size(), maxJournalBytes)
-	} else {
-		err = nil
-	}
-	return b[:n], true, err
+	return f, st.Size(), true, nil
 }
 
 // Batching of the journal's writes.
@@ -335,6 +395,11 @@ const (
 	// journalCloseCompactWait bounds Close's wait for the exclusive locks
 	// of its compactions: a journal not compacted is still valid.
 	journalCloseCompactWait = time.Second
+	// maxJournalFiles: journals kept open at once (one per namespace
+	// appended to); before another is opened, the one written least
+	// recently is closed (fdatasync'd first when written since its last
+	// one), so the descriptors do not grow with the namespaces saved into.
+	maxJournalFiles = 64
 	// journalWarnEvery: a namespace whose journal cannot be written (a
 	// full disk, a directory in its place) is logged at most this often.
 	journalWarnEvery = time.Minute
@@ -369,10 +434,27 @@ type journal struct {
 
 	// Owned by the goroutine (then by close).
 	files    map[string]*journalFile
+	bases    map[string]journalBase // journals closed to bound files, by namespace
+	written  uint64                 // writes so far (journalFile.written)
 	lastSync time.Time
 	warned   map[string]time.Time // namespace -> last Warn of a failed write
 	// compactions published (for tests).
 	compactions int
+	// readLimit: bytes of a journal a replay reads; 0 is
+	// maxJournalBytes (tests lower it).
+	readLimit int64
+	// compactMin: journalCompactMin, when 0 (tests lower it; set before
+	// the first add).
+	compactMin int64
+	// openMax: maxJournalFiles, when 0 (tests lower it).
+	openMax int
+}
+
+func (j *journal) limit() int64 {
+	if j.readLimit > 0 {
+		return j.readLimit
+	}
+	return maxJournalBytes
 }
 
 // journalFile is a namespace's journal opened for appending.
@@ -384,6 +466,14 @@ type journalFile struct {
 	urgent      bool        // and one of those writes held a queued record
 	newEntry    bool        // created by this open: the directory is synced after its first fdatasync
 	nextCompact time.Time   // no compaction attempt before
+	written     uint64      // journal.written at its last write (the least recent is closed first)
+}
+
+// journalBase is what a journal closed to bound the files open keeps for
+// its next open, when the path still names the same file.
+type journalBase struct {
+	fi   os.FileInfo
+	base int64
 }
 
 func startJournal(t *tier) *journal {
@@ -480,10 +570,10 @@ func (j *journal) run() {
 		case <-j.wake:
 		case <-timer.C:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), journalLockWait)
-		left := j.flush(ctx)
-		cancel()
-		j.refillQueue()
+		left := len(j.flushWithin(journalLockWait)) > 0
+		if j.refillQueue() {
+			left = true
+		}
 		j.compactGrown()
 		// Again later: records left (a lock not taken), or a sync due.
 		var again time.Duration
@@ -518,11 +608,20 @@ func (j *journal) syncDue() (due time.Time, ok bool) {
 	return j.lastSync.Add(wait), wait > 0
 }
 
+// flushWithin is flush with each lock waited for at most wait.
+func (j *journal) flushWithin(wait time.Duration) (left map[string]bool) {
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	return j.flush(ctx)
+}
+
 // flush writes every namespace's batch (one write each, under its shared
 // lock, taken within ctx), then fdatasyncs the files written when they
-// are due (syncDue). A batch whose lock was not taken waits for the next
-// flush (left).
-func (j *journal) flush(ctx context.Context) (left bool) {
+// are due (syncDue). A batch whose lock was not granted within ctx waits
+// for the next flush: left holds its namespace. A batch whose lock
+// cannot be taken (the namespace's directory gone) or whose write fails
+// is dropped (logged at most once a minute per namespace).
+func (j *journal) flush(ctx context.Context) (left map[string]bool) {
 	j.mu.Lock()
 	batch, urgent := j.batch, j.urgent
 	j.batch, j.urgent = map[string][]byte{}, map[string]bool{}
@@ -540,13 +639,21 @@ func (j *journal) flush(ctx context.Context) (left bool) {
 			continue
 		}
 		unlock, err := n.Lock(ctx, false)
-		if err != nil {
+		if err != nil && ctx.Err() != nil && errors.Is(err, context.Cause(ctx)) {
+			// Not granted in time: the next round.
 			j.putBack(ns, b, urgent[ns])
-			left = true
+			if left == nil {
+				left = map[string]bool{}
+			}
+			left[ns] = true
 			continue
 		}
-		err = j.write(n, b, urgent[ns])
-		unlock()
+		if err == nil {
+			// Else the lock cannot be taken at all (the namespace's
+			// directory gone): dropped as a batch not written.
+			err = j.write(n, b, urgent[ns])
+			unlock()
+		}
 		if err != nil && time.Since(j.warned[ns]) >= journalWarnEvery {
 			j.warned[ns] = time.Now()
 			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not written; its uploads are queued by the next saves that name them", "path", n.UploadsPath(), "records", countRecords(b), "err", err)
@@ -586,6 +693,8 @@ func (j *journal) write(n *store.Namespace, b []byte, urgent bool) error {
 	if err != nil {
 		return err
 	}
+	j.written++
+	jf.written = j.written
 	if _, err := jf.f.Write(b); err != nil {
 		// Part of it may be in the file: a reader skips a torn record.
 		j.closeFile(n.Name())
@@ -613,6 +722,9 @@ func (j *journal) file(n *store.Namespace) (*journalFile, error) {
 	if lerr != nil && !vfs.IsNotExist(lerr) {
 		return nil, lerr
 	}
+	if len(j.files) >= cmp.Or(j.openMax, maxJournalFiles) {
+		j.closeLeastRecent()
+	}
 	f, err := fsys.OpenAppend(path, layout.FilePerm)
 	if err != nil {
 		return nil, err
@@ -626,20 +738,57 @@ func (j *journal) file(n *store.Namespace) (*journalFile, error) {
 		return nil, err
 	}
 	jf = &journalFile{f: f, fi: st, base: st.Size(), newEntry: lerr != nil}
+	if b, ok := j.bases[n.Name()]; ok {
+		// Closed to bound the files open: its growth is still measured
+		// from its size when first opened (or last compacted).
+		if os.SameFile(b.fi, st) {
+			jf.base = b.base
+		}
+		delete(j.bases, n.Name())
+	}
 	j.files[n.Name()] = jf
 	return jf, nil
 }
 
-// closeFile closes ns's file, after a last fdatasync when it was written
-// since its last one (its records may be what a compaction read).
+// closeLeastRecent closes the file written least recently, remembering
+// its base for its next open.
+func (j *journal) closeLeastRecent() {
+	var ns string
+	var old *journalFile
+	for name, jf := range j.files {
+		if old == nil || jf.written < old.written {
+			ns, old = name, jf
+		}
+	}
+	if old == nil {
+		return
+	}
+	if j.bases == nil {
+		j.bases = map[string]journalBase{}
+	}
+	j.bases[ns] = journalBase{fi: old.fi, base: old.base}
+	j.closeFile(ns)
+}
+
+// closeFile closes ns's file, after a last fdatasync (and the directory's,
+// when this engine created the file and has not synced it yet) when it
+// was written since its last one (its records may be what a compaction
+// read).
 func (j *journal) closeFile(ns string) {
 	jf := j.files[ns]
 	if jf == nil {
 		return
 	}
 	delete(j.files, ns)
-	if jf.dirty && j.t.e.store.Durable() {
-		_ = jf.f.Sync()
+	st := j.t.e.store
+	if jf.dirty && st.Durable() {
+		err := jf.f.Sync()
+		if n, nerr := st.Namespace(ns); err == nil && jf.newEntry && nerr == nil {
+			err = st.SyncDir(n.Dir())
+		}
+		if err != nil {
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
+		}
 	}
 	jf.f.Close()
 }
@@ -675,11 +824,15 @@ func (j *journal) sync() {
 // refillQueue queues from the journal the uploads spilled since the last
 // refill (the queue has drained to half): each namespace's journal is
 // replayed (replayJournal), which skips what is queued here already.
-func (j *journal) refillQueue() {
+// The batches are written first: a spill's queued record may have been
+// added after this round's flush, and the replay reads only the file. A
+// namespace whose batch could not be written (its lock not taken) stays
+// marked, and the refill is tried again after journalLockWait (again).
+func (j *journal) refillQueue() (again bool) {
 	j.mu.Lock()
 	if !j.refill {
 		j.mu.Unlock()
-		return
+		return false
 	}
 	j.refill = false
 	spilled := j.spilled
@@ -689,12 +842,21 @@ func (j *journal) refillQueue() {
 	closing := j.t.closing
 	j.t.mu.Unlock()
 	if closing {
-		return // the next start queues them
+		return false // the next start queues them
 	}
+	left := j.flushWithin(journalLockWait)
 	for ns := range spilled {
+		if left[ns] {
+			j.mu.Lock()
+			j.spilled[ns], j.refill = true, true
+			j.mu.Unlock()
+			again = true
+			continue
+		}
 		j.t.replayJournal(ns, false)
 	}
 	j.t.queueDepth()
+	return again
 }
 
 // compactGrown compacts each open file grown past its threshold, each
@@ -705,7 +867,7 @@ func (j *journal) compactGrown() {
 			continue
 		}
 		st, err := jf.f.Stat()
-		if err != nil || st.Size() <= 2*jf.base+journalCompactMin {
+		if err != nil || st.Size() <= 2*jf.base+cmp.Or(j.compactMin, journalCompactMin) {
 			continue
 		}
 		ctx, cancel := context.WithTimeout(context.Background(), journalLockWait)
@@ -725,8 +887,10 @@ func (j *journal) compactGrown() {
 // append. The file is read (all processes' records), replayed, and
 // published with the durable publish (temp file, fdatasync, rename,
 // directory fsync, under the store's sync policy); a file that is a
-// snapshot alone already is left. Entries beyond a snapshot's maxima are
-// dropped (logged). It reports whether the lock was taken.
+// snapshot alone already is left. The whole file is replayed, also
+// beyond what a replay reads (maxJournalBytes), in windows of that many
+// bytes. Entries beyond a snapshot's maxima are dropped (logged). It
+// reports whether the lock was taken.
 func (j *journal) compact(ctx context.Context, ns string) bool {
 	st := j.t.e.store
 	n, err := st.Namespace(ns)
@@ -743,7 +907,7 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	if fi, err := fsys.Lstat(n.Dir()); err != nil || !fi.IsDir() {
 		return true // gone, or not ours to write into
 	}
-	set, canonical, ok := j.read(path)
+	set, canonical, ok := j.readWhole(path)
 	if !ok || canonical {
 		return true
 	}
@@ -767,27 +931,46 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 	return true
 }
 
-// read reads and replays the journal at path, logging (Warn) what it
-// ignores. ok is false when there is no journal or it cannot be read;
-// canonical reports a file that is a valid snapshot alone (a compaction
-// would not change it).
+// read reads and replays the journal at path (its first readLimit
+// bytes: maxJournalBytes), logging (Warn) what it ignores. ok is false
+// when there is no journal or it cannot be read; canonical reports a file
+// that is a valid snapshot alone (a compaction would not change it).
 func (j *journal) read(path string) (set *journalSet, canonical, ok bool) {
-	b, exists, err := readJournalFile(j.t.e.store.FS(), path)
+	return j.readJournal(path, false)
+}
+
+// readWhole is read of the whole file, in windows of readLimit bytes: a
+// compaction's, which must keep everything the file lists.
+func (j *journal) readWhole(path string) (set *journalSet, canonical, ok bool) {
+	return j.readJournal(path, true)
+}
+
+func (j *journal) readJournal(path string, whole bool) (set *journalSet, canonical, ok bool) {
+	f, size, exists, err := openJournal(j.t.e.store.FS(), path)
 	if !exists {
 		return nil, false, false
 	}
-	if err != nil && b == nil {
+	if err == nil {
+		defer f.Close()
+		n := size
+		if !whole && size > j.limit() {
+			n = j.limit()
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part", "path", path,
+				"err", fmt.Errorf("%w: %s is %d bytes, only the first %d are read", errJournal, path, size, n))
+		}
+		var ignored int
+		var problem error
+		set, ignored, problem, canonical, err = replayJournalAt(f, n, int(j.limit()))
+		canonical = !canonical && n == size
+		if err == nil && ignored > 0 {
+			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", path, "bytes", ignored, "err", problem)
+		}
+	}
+	if err != nil {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
 		return nil, false, false
 	}
-	if err != nil {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part", "path", path, "err", err)
-	}
-	s, ignored, problem, records := decodeJournalFile(b)
-	if ignored > 0 {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", path, "bytes", ignored, "err", problem)
-	}
-	return s, !records && err == nil, true
+	return set, canonical, true
 }
 
 // close stops the goroutine, then (on the caller's goroutine) writes the
