@@ -369,7 +369,8 @@ func TestReadOpensEachBlockOnce(t *testing.T) {
 
 // TestReadFallsBackWhenDirectReadRefused: an O_DIRECT pread refused with
 // EINVAL (a file on a file system other than the one the decision was made
-// for) is read again buffered: the extent is read exactly.
+// for) is read again buffered, and the source reads buffered from then
+// on: the extent is read exactly.
 func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 	dir := directDir(t)
 	rng := rand.New(rand.NewPCG(9, 10))
@@ -390,7 +391,9 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 	if err != nil || errs[0] != nil || !bytes.Equal(x[0].Dst, data) {
 		t.Fatalf("%v, %v", err, errs[0])
 	}
-	if len(ffs.Injected()) != 1 || st.DirectBytes != 0 || src.Direct() {
-		t.Fatalf("%d injections, %d bytes direct, still direct: %v", len(ffs.Injected()), st.DirectBytes, src.Direct())
+	// The refused read is read again buffered; reads already in flight
+	// beside it (the other chunks) may still complete with O_DIRECT.
+	if len(ffs.Injected()) != 1 || st.DirectBytes >= int64(len(data)) || src.Direct() {
+		t.Fatalf("%d injections, %d of %d bytes direct, still direct: %v", len(ffs.Injected()), st.DirectBytes, len(data), src.Direct())
 	}
 }
