@@ -4,12 +4,14 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -63,7 +65,7 @@ func Start(ctx context.Context, bin string) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Server{Bin: bin, Dir: dir, ownDir: true, AccessKey: "kvpersist-test", SecretKey: "kvpersist-test-secret", Bucket: "kvpersist-test"}
+	s := &Server{Bin: bin, Dir: dir, ownDir: true, AccessKey: "kvpersist-test", SecretKey: fmt.Sprintf("kvpersist-test-secret-%016x", rand.Uint64()), Bucket: "kvpersist-test"}
 	var lastErr error
 	for attempt := 0; attempt < 3; attempt++ { // a port picked free can be taken before weed binds it
 		if err := s.pickPorts(); err != nil {
@@ -82,6 +84,15 @@ func Start(ctx context.Context, bin string) (*Server, error) {
 	return nil, lastErr
 }
 
+// pickPorts gives every port flag a loopback port free now, chosen at
+// random outside the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range). A port from that range (what
+// listening on port 0 returns) can be handed to any outgoing connection
+// as its source port once freed, and to another test process's server:
+// Restart binds the same ports again after Kill, and a port taken
+// meanwhile left a server half up, or a readiness check answered by
+// another package's server with the same bucket (seen on a fresh clone:
+// connection refused mid-test, PUTs counted by the wrong proxy).
 func (s *Server) pickPorts() error {
 	s.ports = map[string]int{}
 	var ls []net.Listener
@@ -90,16 +101,46 @@ func (s *Server) pickPorts() error {
 			l.Close()
 		}
 	}()
+	lo, hi := portRange()
 	for _, f := range portFlags {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
+		var l net.Listener
+		var err error
+		for try := 0; try < 200; try++ {
+			port := lo + rand.IntN(hi-lo)
+			if l, err = net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port)); err == nil {
+				break
+			}
+		}
 		if err != nil {
-			return fmt.Errorf("seaweedfs: picking a loopback port: %w", err)
+			return fmt.Errorf("seaweedfs: picking a loopback port in [%d, %d): %w", lo, hi, err)
 		}
 		ls = append(ls, l)
 		s.ports[f] = l.Addr().(*net.TCPAddr).Port
 	}
 	s.Endpoint = "http://127.0.0.1:" + strconv.Itoa(s.ports["s3.port"])
 	return nil
+}
+
+// portRange is where pickPorts draws ports: [lo, hi), below the kernel's
+// ephemeral range when there is room (10000 up to it), else above it.
+func portRange() (lo, hi int) {
+	eLo, eHi := 32768, 60999 // Linux's default
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if a, err1 := strconv.Atoi(f[0]); err1 == nil {
+				if z, err2 := strconv.Atoi(f[1]); err2 == nil {
+					eLo, eHi = a, z
+				}
+			}
+		}
+	}
+	if eLo-10000 >= 2000 {
+		return 10000, eLo
+	}
+	if 65535-eHi >= 2000 {
+		return eHi + 1, 65536
+	}
+	return 1024, 65536 // no room outside it: anywhere unprivileged
 }
 
 // start launches the process and waits for readiness.
