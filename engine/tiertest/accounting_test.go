@@ -14,12 +14,8 @@ import (
 // the page cache's accounting must count them (they did not before the
 // fetch went through the page cache's admission).
 func TestFetchedPagesAccountedWhenTheLoadFails(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(5000, 4*ptoks)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, _, conv, _ := uploadedConv(t, 5000, 4*ptoks)
+	rootB := t.TempDir()
 
 	b := newEngine(t, rootB, prefix, newRecorder(t), nil)
 	c := newKV(len(conv))

@@ -22,13 +22,7 @@ import (
 // length) is ErrRemoteCorrupt, publishes nothing and leaves no temp file.
 // Either way the accounting equals the disk.
 func TestFetchRetriedGetNotTrustedFromStream(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA := t.TempDir()
-	conv := seq(14000, 3*ptoks)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, rootA, conv, keys := uploadedConv(t, 14000, 3*ptoks)
 	page := readFile(t, pagePath(rootA, keys[1]))
 	pageBytes := int64(len(page))
 

@@ -77,13 +77,8 @@ func getOf(k layout.PageKey) func(*http.Request) bool {
 // waited for a GET that never came (the test's 20 s bound). The load then
 // gets every page bit-exact.
 func TestFetchOverlapsPublish(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA, rootB := t.TempDir(), t.TempDir()
-	conv := seq(11000, 3*ptoks)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, _, conv, keys := uploadedConv(t, 11000, 3*ptoks)
+	rootB := t.TempDir()
 
 	fs := &watchFS{FS: vfs.Default, block: pagePath(rootB, keys[0]), unblock: make(chan struct{})}
 	var overlapped atomic.Bool
@@ -114,13 +109,7 @@ func TestFetchOverlapsPublish(t *testing.T) {
 // is read back to be verified instead. Either way the load is bit-exact,
 // every page is published and the accounting equals the disk.
 func TestFetchedPagesNotReadBack(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA := t.TempDir()
-	conv := seq(12000, 4*ptoks+10)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, rootA, conv, keys := uploadedConv(t, 12000, 4*ptoks+10)
 	pageBytes := int64(len(readFile(t, pagePath(rootA, keys[0]))))
 
 	for _, tc := range []struct {
@@ -164,13 +153,7 @@ func TestFetchedPagesNotReadBack(t *testing.T) {
 // ErrRemoteCorrupt, publishes no file for page 3 and leaves no temp file;
 // the valid pages after it are kept, and the accounting equals the disk.
 func TestCorruptPageAmongOverlappingFetches(t *testing.T) {
-	prefix := bucketPrefix(t)
-	rootA := t.TempDir()
-	conv := seq(13000, 8*ptoks)
-	keys := keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
+	prefix, rootA, conv, keys := uploadedConv(t, 13000, 8*ptoks)
 	st := openStore(t, prefix)
 	name, _ := st.PageName(ns, keys[3].String())
 	page := readFile(t, pagePath(rootA, keys[3]))

@@ -311,3 +311,17 @@ func snapshotOps(rec *metrics.Recorder) map[string]uint64 {
 	}
 	return out
 }
+
+// uploadedConv saves n tokens from base on an engine of its own root
+// (rootA) and closes it, so every page is uploaded under a bucket prefix
+// of the test's own.
+func uploadedConv(t *testing.T, base, n int) (prefix, rootA string, conv []uint32, keys []layout.PageKey) {
+	t.Helper()
+	prefix, rootA = bucketPrefix(t), t.TempDir()
+	conv = seq(base, n)
+	keys = keysOf(t, conv)
+	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
+	save(t, a, conv)
+	closeEngine(t, a)
+	return prefix, rootA, conv, keys
+}

@@ -15,7 +15,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvpersist/kvpersist/engine"
-	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -89,20 +88,6 @@ func checkPrefixSkipSentinel(t *testing.T, c *kv, tokens []uint32, n, skip int) 
 			}
 		}
 	}
-}
-
-// uploadedConv saves n tokens from base on an engine of its own root
-// (rootA) and closes it, so every page is uploaded under a bucket prefix
-// of the test's own.
-func uploadedConv(t *testing.T, base, n int) (prefix, rootA string, conv []uint32, keys []layout.PageKey) {
-	t.Helper()
-	prefix, rootA = bucketPrefix(t), t.TempDir()
-	conv = seq(base, n)
-	keys = keysOf(t, conv)
-	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
-	save(t, a, conv)
-	closeEngine(t, a)
-	return prefix, rootA, conv, keys
 }
 
 // TestFetchedPagesScatteredDuringFetch: a prompt of 5 remote pages, all
