@@ -820,23 +820,37 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 		}
 		// The first error in extent order is the first failed page's: an
 		// extent is skipped only after an earlier one failed.
-		fp := &found[k/nt]
-		if errors.Is(e, ErrBlockSize) {
-			e = fmt.Errorf("%w: %w", ErrCorrupt, e) // the page file is shorter than its header says
-		}
 		loaded = k / nt
-		res.Stop = fmt.Errorf("page %s tensor %d: %w", fp.snap.Path, k%nt, e)
+		res.Stop = pageReadError(found[loaded].snap.Path, k%nt, e)
 		res.Missing = nil
 		break
 	}
 	for _, fp := range found[:loaded] {
 		res.Keys = append(res.Keys, fp.snap.Page.Key)
 		res.Tokens = fp.lo + len(fp.snap.Page.Tokens)
-		for _, t := range fp.snap.Header.Caches[0].Tensors {
-			m.LogicalBytes += t.Bytes
-		}
+		m.LogicalBytes += pageTensorBytes(fp.snap)
 	}
 	return res, m, nil
+}
+
+// pageReadError is the Stop of a load (or a scatter) whose read of tensor
+// t of page file name failed with e: ErrBlockSize (the file is shorter
+// than its header says) is also ErrCorrupt.
+func pageReadError(name string, t int, e error) error {
+	if errors.Is(e, ErrBlockSize) {
+		e = fmt.Errorf("%w: %w", ErrCorrupt, e)
+	}
+	return fmt.Errorf("page %s tensor %d: %w", name, t, e)
+}
+
+// pageTensorBytes is the tensor bytes of a decoded page file (its one
+// cache entry's tensors; header and alignment not counted).
+func pageTensorBytes(snap *layout.Snapshot) int64 {
+	var n int64
+	for _, t := range snap.Header.Caches[0].Tensors {
+		n += t.Bytes
+	}
+	return n
 }
 
 // loadExtents is one extent per tensor of every page found, in page then

@@ -2,8 +2,6 @@ package jobs
 
 import (
 	"context"
-	"errors"
-	"fmt"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -123,17 +121,11 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	}
 	for k, e := range errs {
 		if e != nil {
-			if errors.Is(e, ErrBlockSize) {
-				e = fmt.Errorf("%w: %w", ErrCorrupt, e)
-			}
-			s.stop = fmt.Errorf("page %s tensor %d: %w", name, k, e)
+			s.stop = pageReadError(name, k, e)
 			return false
 		}
 	}
-	s.last = 0
-	for _, t := range snap.Header.Caches[0].Tensors {
-		s.last += t.Bytes
-	}
+	s.last = pageTensorBytes(snap)
 	s.logical += s.last
 	s.done++
 	s.ended = false
