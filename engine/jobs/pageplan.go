@@ -19,11 +19,9 @@ type PagePlan struct {
 	// PageTokens is P, resolved (never 0).
 	PageTokens int
 
-	req      *SavePrefixRequest
-	identity string
-	tokens   []uint32
-	tensors  []TensorSpec // the request's, each with its itemsize (resolveTensors)
-	shapes   [][]int
+	req     *SavePrefixRequest
+	tensors []TensorSpec // the request's, each with its itemsize (resolveTensors)
+	shapes  [][]int
 }
 
 // PlanPrefixSave checks r exactly as SavePrefix does before touching the
@@ -46,7 +44,7 @@ func PlanPrefixSave(r *SavePrefixRequest) (*PagePlan, error) {
 		return nil, fmt.Errorf("save prefix %s: %w", r.Namespace, err)
 	}
 	pl := &PagePlan{Keys: keys, Parents: make([]layout.PageKey, len(keys)), PageTokens: p,
-		req: r, identity: r.Identity, tokens: r.Tokens, tensors: resolveTensors(r.Tensors)}
+		req: r, tensors: resolveTensors(r.Tensors)}
 	pl.Parents[0] = layout.PageRoot(r.Identity, p)
 	copy(pl.Parents[1:], keys)
 	pl.shapes = make([][]int, len(pl.tensors))
@@ -65,8 +63,8 @@ func (pl *PagePlan) FileBytes(i int) (int64, error) {
 	if i < 0 || i >= len(pl.Keys) {
 		return 0, fmt.Errorf("%w: page %d of a save of %d pages", ErrInvalidRequest, i, len(pl.Keys))
 	}
-	lo, hi := i*pl.PageTokens, min(len(pl.tokens), (i+1)*pl.PageTokens)
-	page := &layout.Page{Key: pl.Keys[i], Parent: pl.Parents[i], Identity: pl.identity, PageTokens: pl.PageTokens, Tokens: pl.tokens[lo:hi]}
+	lo, hi := i*pl.PageTokens, min(len(pl.req.Tokens), (i+1)*pl.PageTokens)
+	page := &layout.Page{Key: pl.Keys[i], Parent: pl.Parents[i], Identity: pl.req.Identity, PageTokens: pl.PageTokens, Tokens: pl.req.Tokens[lo:hi]}
 	pp, err := planPage(pl.tensors, pl.shapes, page, lo, pl.Keys[i].String())
 	if err != nil {
 		return 0, err

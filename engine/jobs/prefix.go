@@ -188,7 +188,7 @@ func SavePlannedPrefix(ctx context.Context, cfg *Config, pl *PagePlan) (*PrefixR
 // savePlanned runs a checked, keyed save into ns.
 func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *PagePlan, start time.Time) (*PrefixResult, Metrics, error) {
 	var m Metrics
-	req, keys, tensors, n := pl.req, pl.Keys, pl.tensors, len(pl.tokens)
+	req, keys, tensors, n := pl.req, pl.Keys, pl.tensors, len(pl.req.Tokens)
 	// The namespace directory (never a symlink), durably (the root synced
 	// in any case, as for Write), then its lock, shared: collect may not
 	// sweep meanwhile.
@@ -204,7 +204,7 @@ func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *Page
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, pl.identity, pl.PageTokens, pl.tokens, tensors, keys, res, &m, req.Progress)
+	err = savePages(ctx, cfg, ns, req.Identity, pl.PageTokens, req.Tokens, tensors, keys, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }

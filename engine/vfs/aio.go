@@ -179,7 +179,7 @@ func (a *AsyncReader) reap() {
 			time.Sleep(time.Millisecond)
 			continue
 		}
-		a.reapReady(events, &zeroTimeout)
+		a.reapReady(events)
 	}
 }
 
@@ -195,10 +195,10 @@ var zeroTimeout unix.Timespec
 // polls the netpoller (where the reaper waits) only when a P runs out of
 // work, or every 10 ms from its monitor, so a completion could otherwise
 // sit unseen while the goroutine that would hash it waits.
-func (a *AsyncReader) reapReady(events []ioEvent, zero *unix.Timespec) {
+func (a *AsyncReader) reapReady(events []ioEvent) {
 	for {
 		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(events)),
-			uintptr(unsafe.Pointer(&events[0])), uintptr(unsafe.Pointer(zero)), 0)
+			uintptr(unsafe.Pointer(&events[0])), uintptr(unsafe.Pointer(&zeroTimeout)), 0)
 		if e == syscall.EINTR {
 			continue
 		}
@@ -328,7 +328,7 @@ func (a *AsyncReader) read(s *asyncSlot, fd int, p []byte, off int64) (res int64
 	select {
 	case res = <-s.done:
 	default:
-		a.reapReady(s.events[:], &zeroTimeout)
+		a.reapReady(s.events[:])
 		res = <-s.done
 	}
 	a.inFlight.Add(-1)
