@@ -1015,8 +1015,15 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if err != nil {
 		return 0, err
 	}
-	kw := newKickWriter(sf.File)
-	stream := remote.NewPageStream(kw, want.Key.String(), o.Size)
+	// The writeback kicks only when the publish will fdatasync (the
+	// store's sync policy, as a save's StartWriteback).
+	var dst io.WriterAt = sf.File
+	var kw *kickWriter
+	if t.e.store.Durable() {
+		kw = newKickWriter(sf.File)
+		dst = kw
+	}
+	stream := remote.NewPageStream(dst, want.Key.String(), o.Size)
 	var rd vfs.File // read-only, of the temp file: kept for the scatter
 	closeRd := func() {
 		if rd != nil {
@@ -1040,7 +1047,9 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		rd = f
 		return verifyPage(f, name, want, size)
 	})
-	kw.stop() // before the file is closed
+	if kw != nil {
+		kw.stop() // before the file is closed
+	}
 	if err == nil && verified != nil {
 		if rd == nil {
 			if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the page is simply not scattered

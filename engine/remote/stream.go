@@ -80,9 +80,8 @@ func (s *PageStream) follow(p []byte) {
 	}
 	if s.snap == nil {
 		s.head = append(s.head, p...)
-		if !s.decodeHead() {
-			return
-		}
+		s.decodeHead() // once decoded, it follows the bytes after the header itself
+		return
 	}
 	end := start + int64(len(p))
 	for i := s.first; i < len(s.slots) && s.slots[i].start < end; i++ {
@@ -97,25 +96,26 @@ func (s *PageStream) follow(p []byte) {
 	}
 }
 
-// decodeHead decodes the header once the bytes in s.head hold it and
-// reports whether it did (then s.head is released and the slots set).
-func (s *PageStream) decodeHead() bool {
+// decodeHead decodes the header once the bytes in s.head hold it; then
+// s.head is released, the slots are set and the bytes after the header
+// that came with it are followed.
+func (s *PageStream) decodeHead() {
 	if len(s.head) < layout.PrefixLen {
-		return false
+		return
 	}
 	p, err := layout.ParsePrefix(s.head)
 	need := int64(layout.PrefixLen) + int64(p.HeaderLen)
 	if err != nil || need > MaxStreamHeaderBytes || need > s.size {
 		s.broken = true
-		return false
+		return
 	}
 	if int64(len(s.head)) < need {
-		return false
+		return
 	}
 	snap, err := Decode(bytes.NewReader(s.head[:need]), s.size, "page "+s.key)
 	if err != nil {
 		s.broken = true
-		return false
+		return
 	}
 	s.snap = snap
 	for _, t := range snap.Header.Slots() {
@@ -130,7 +130,6 @@ func (s *PageStream) decodeHead() bool {
 	s.head = nil
 	s.pos = need
 	s.follow(rest)
-	return false // follow has consumed the rest
 }
 
 // Verified reports whether the stream proved the page: every byte of the
