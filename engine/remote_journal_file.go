@@ -780,17 +780,27 @@ func (j *journal) closeFile(ns string) {
 		return
 	}
 	delete(j.files, ns)
-	st := j.t.e.store
-	if jf.dirty && st.Durable() {
-		err := jf.f.Sync()
-		if n, nerr := st.Namespace(ns); err == nil && jf.newEntry && nerr == nil {
-			err = st.SyncDir(n.Dir())
-		}
-		if err != nil {
-			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
-		}
+	if jf.dirty { // set only under a syncing store
+		j.syncFile(ns, jf)
 	}
 	jf.f.Close()
+}
+
+// syncFile fdatasyncs ns's file jf (and the namespace directory when this
+// engine created the file and has not synced it yet). A failure is
+// logged: records written since its last sync may be lost at a power
+// loss.
+func (j *journal) syncFile(ns string, jf *journalFile) error {
+	err := jf.f.Sync()
+	if err == nil && jf.newEntry {
+		if n, nerr := j.t.e.store.Namespace(ns); nerr == nil {
+			err = j.t.e.store.SyncDir(n.Dir())
+		}
+	}
+	if err != nil {
+		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
+	}
+	return err
 }
 
 // sync fdatasyncs every file written since its last sync (and the
@@ -800,21 +810,13 @@ func (j *journal) closeFile(ns string) {
 // since its last sync may be lost at a power loss.
 func (j *journal) sync() {
 	j.lastSync = time.Now()
-	st := j.t.e.store
 	for ns, jf := range j.files {
 		if !jf.dirty {
 			continue
 		}
-		err := jf.f.Sync()
-		if err == nil && jf.newEntry {
-			if n, nerr := st.Namespace(ns); nerr == nil {
-				err = st.SyncDir(n.Dir())
-			}
-		}
-		if err != nil {
+		if j.syncFile(ns, jf) != nil {
 			delete(j.files, ns)
 			jf.f.Close()
-			j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not synced; its latest records may be lost at a power loss", "namespace", ns, "err", err)
 			continue
 		}
 		jf.dirty, jf.urgent, jf.newEntry = false, false, false
