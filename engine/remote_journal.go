@@ -210,12 +210,11 @@ func (t *tier) replayJournal(ns string, atStart bool) {
 	if atStart && !canonical {
 		t.j.touch(ns)
 	}
-	fsys := t.e.store.FS()
 	var queue []layout.PageKey
 	for _, k := range set.sortedPages() {
-		// Only a regular file can be uploaded (enqueueFile): an entry
-		// whose path is gone or is anything else is settled.
-		if fi, err := fsys.Lstat(n.PagePath(k)); err != nil || !fi.Mode().IsRegular() || t.isKnown(ns, k) {
+		// A page known stored is settled here; one whose path is gone or
+		// is not a regular file is settled by enqueueFile's lstat.
+		if t.isKnown(ns, k) {
 			t.settle(ns, k, "")
 			continue
 		}

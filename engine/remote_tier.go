@@ -377,14 +377,21 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey, journaled bool) []
 // enqueueFile queues the upload of the local file path as object name
 // (p describes it), unless name is queued already (that upload is
 // returned), and appends its queued record to the journal (unless
-// p.journaled). It returns nil when nothing is queued: the file is gone,
-// or the queue refused it. A page the queue refuses because it is full
+// p.journaled). It returns nil when nothing is queued: the file is gone
+// (a replayed page's entry is then settled), or the queue refused it. A page the queue refuses because it is full
 // is spilled: recorded in the journal only, and queued from it when the
 // queue drains (journal.spill); any other refusal is logged and counted
 // as an upload error. See queueUpload for what each attempt checks.
 func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
 	fi, err := t.e.store.FS().Lstat(path)
 	if err != nil || !fi.Mode().IsRegular() {
+		if p.journaled && !p.manifest {
+			// A replayed page whose file is gone (evicted since) or is
+			// not a regular file: it can never be uploaded from here,
+			// so its entry is settled, quietly.
+			t.settle(p.ns, p.key, "")
+			return nil
+		}
 		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
 		return nil
 	}
