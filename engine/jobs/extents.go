@@ -490,6 +490,34 @@ type ExtentStats struct {
 	Bytes, DirectBytes, AsyncBytes int64
 }
 
+// add adds st's counts to x.
+func (x *ExtentStats) add(st ExtentStats) {
+	x.Bytes += st.Bytes
+	x.DirectBytes += st.DirectBytes
+	x.AsyncBytes += st.AsyncBytes
+}
+
+// addReads adds st's counts to m's read counters.
+func (m *Metrics) addReads(st ExtentStats) {
+	m.ReadBytes += st.Bytes
+	m.DirectReadBytes += st.DirectBytes
+	m.AsyncReadBytes += st.AsyncBytes
+}
+
+// extentProgress is the progress callback of readExtents that reports
+// each extent of exts read whole and without error to p, in bytes; nil
+// when p is nil.
+func extentProgress(exts []Extent, p func(bytes int64)) func(int, error) {
+	if p == nil {
+		return nil
+	}
+	return func(k int, err error) {
+		if b := exts[k].Bytes(); err == nil && b > 0 {
+			p(int64(b))
+		}
+	}
+}
+
 // ReadExtents reads every extent into its Dst (or View) with up to
 // cfg.ReadDepth (default DefaultReadDepth) requests in flight: that many
 // goroutines, started and joined here, each taking the next request. A

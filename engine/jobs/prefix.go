@@ -700,7 +700,8 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 		first = sc.done
 		res.Keys = append(res.Keys, keys[:first]...)
 		res.Tokens = min(n, first*p)
-		m.LogicalBytes, m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = sc.logical, sc.read, sc.direct, sc.async
+		m.LogicalBytes = sc.logical
+		m.addReads(sc.read)
 		if sc.stop != nil || first == len(keys) {
 			res.Stop = sc.stop
 			m.Elapsed = time.Since(start)
@@ -797,18 +798,8 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 	if err != nil {
 		return nil, m, err
 	}
-	var progress func(int, error)
-	if req.Progress != nil {
-		progress = func(k int, err error) {
-			if b := exts[k].Bytes(); err == nil && b > 0 {
-				req.Progress(int64(b))
-			}
-		}
-	}
-	errs, st, err := readExtents(ctx, cfg, exts, progress)
-	m.ReadBytes += st.Bytes
-	m.DirectReadBytes += st.DirectBytes
-	m.AsyncReadBytes += st.AsyncBytes
+	errs, st, err := readExtents(ctx, cfg, exts, extentProgress(exts, req.Progress))
+	m.addReads(st)
 	m.Elapsed = time.Since(start)
 	if err != nil {
 		return nil, m, err

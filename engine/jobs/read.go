@@ -199,7 +199,7 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 		exts = blocks.extents(snap, spec.Dest, spec.Verify)
 	}
 	errs, st, err := ReadExtents(ctx, cfg, exts)
-	m.ReadBytes, m.DirectReadBytes, m.AsyncReadBytes = st.Bytes, st.DirectBytes, st.AsyncBytes
+	m.addReads(st)
 	if err == nil && snap.Legacy && snap.Layout == layout.Single && spec.Verify {
 		// Bun.hash has no streaming form here: hash each tensor once read.
 		for k, x := range exts {

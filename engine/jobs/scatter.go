@@ -35,15 +35,13 @@ type PrefixScatter struct {
 	dests []TensorSpec
 	p     int
 
-	done    int   // pages [0, done) are in the destinations
-	ended   bool  // no later page may be scattered
-	stop    error // the read of page done failed: the prefix ends there (Stop)
-	fatal   error // ctx's error or ErrPanic during a read: the load's error
-	logical int64 // tensor bytes of pages [0, done)
-	last    int64 // tensor bytes of page done-1
-	read    int64 // bytes read (ExtentStats) by the scatter
-	direct  int64
-	async   int64
+	done    int         // pages [0, done) are in the destinations
+	ended   bool        // no later page may be scattered
+	stop    error       // the read of page done failed: the prefix ends there (Stop)
+	fatal   error       // ctx's error or ErrPanic during a read: the load's error
+	logical int64       // tensor bytes of pages [0, done)
+	last    int64       // tensor bytes of page done-1
+	read    ExtentStats // what the scatter read
 }
 
 // NewPrefixScatter checks req as LoadPrefix's step 1 does (keys as for
@@ -103,18 +101,8 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	if err != nil {
 		return false
 	}
-	var progress func(int, error)
-	if s.req.Progress != nil {
-		progress = func(k int, err error) {
-			if b := exts[k].Bytes(); err == nil && b > 0 {
-				s.req.Progress(int64(b))
-			}
-		}
-	}
-	errs, st, err := readExtents(ctx, s.cfg, exts, progress)
-	s.read += st.Bytes
-	s.direct += st.DirectBytes
-	s.async += st.AsyncBytes
+	errs, st, err := readExtents(ctx, s.cfg, exts, extentProgress(exts, s.req.Progress))
+	s.read.add(st)
 	if err != nil {
 		s.fatal = err
 		return false
