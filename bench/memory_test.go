@@ -46,7 +46,8 @@ func (c saveCost) String() string {
 //     the bytes allocated during the whole save (a bound on the peak that
 //     no sampling can miss);
 //   - the heap does not grow with the bytes: in the single-file layout 4x
-//     the bytes allocate no more (nothing per byte or per chunk); in the
+//     the bytes allocate no more (nothing per byte or per chunk: fewer
+//     than one object per 8 MiB more, least of three saves); in the
 //     block layout 256 and 2,048 tokens (the same 513 blocks, 8x the bytes)
 //     allocate the same objects;
 //   - in the block layout allocations per block are constant: the objects
@@ -99,18 +100,29 @@ func TestSaveHeapBounded(t *testing.T) {
 	save(layout.Blocks, tiny, 0, "warm-blocks")
 	reset()
 
+	// Single file: the chunks are zero-copy slices of the views, so 4x the
+	// bytes (768 MiB more) may not cost more objects or bytes. The
+	// process's own background (the race detector, timers, sync.Pool
+	// refills after a GC) moves a save's count by up to about ±70 objects
+	// from run to run (1,658-1,767 seen for the same save), so each size is
+	// saved three times and its least count compared against a bound of
+	// one object per 8 MiB more: an object per MiB (per write-back range,
+	// say) would add 768.
 	single := map[int]saveCost{}
 	for _, tokens := range []int{small, large} {
-		single[tokens] = save(layout.Single, tokens, 0, "single")
-		reset()
+		for range 3 {
+			c := save(layout.Single, tokens, 0, "single")
+			if prev, ok := single[tokens]; !ok || c.objects < prev.objects {
+				single[tokens] = c
+			}
+			reset()
+		}
 	}
-	// Single file: the chunks are zero-copy slices of the views; 4x the
-	// bytes may not cost more objects or bytes (slack for pooled scratch
-	// that a GC, or the race detector, dropped).
 	s, l := single[small], single[large]
-	if float64(l.objects) > 1.05*float64(s.objects)+16 || float64(l.allocBytes) > 1.05*float64(s.allocBytes)+(16<<20) {
-		t.Errorf("single-file heap grows with size: %d objects / %d bytes at T=%d, %d / %d at T=%d",
-			s.objects, s.allocBytes, small, l.objects, l.allocBytes, large)
+	extraMiB := (l.logical - s.logical) >> 20
+	if int64(l.objects)-int64(s.objects) >= extraMiB/8 || float64(l.allocBytes) > 1.05*float64(s.allocBytes)+(16<<20) {
+		t.Errorf("single-file heap grows with size: %d objects / %d bytes at T=%d, %d / %d at T=%d (%d MiB more; least of 3 saves each)",
+			s.objects, s.allocBytes, small, l.objects, l.allocBytes, large, extraMiB)
 	}
 
 	type point struct{ tokens, blockBytes int }
