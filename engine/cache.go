@@ -472,7 +472,10 @@ func (pc *pageCache) close() error {
 // not removed: it and every later victim of its namespace are abandoned,
 // and it is pinned. A removed page leaves the policy (Removed) and the
 // index. A failed unlink abandons that victim and every later one of its
-// namespace. Evicted pages are reported to Config.Metrics. kept is the
+// namespace. Evicted pages are reported to Config.Metrics; those whose
+// upload to the object store was pending (evict.Victim.Pending: nothing
+// else was evictable) are also logged (Warn, one line per namespace) and
+// counted (RemoteUploadEvicted). kept is the
 // number of victims kept for a page manifest; the error is the first
 // failure (the lock's, ctx's or an unlink's).
 func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, err error) {
@@ -480,6 +483,7 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, e
 	done := make([]bool, len(vs))
 	type tally struct{ pages, bytes int64 }
 	var evicted [evict.ReasonShrink + 1]tally
+	var pendingEvicted int64 // pages whose upload was pending (evict rule 6)
 	for i := range vs {
 		if done[i] {
 			continue
@@ -508,6 +512,7 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, e
 			continue
 		}
 		named := pc.rescanManifests(n)
+		nsPendingBefore := pendingEvicted
 		end := len(group)
 		for gi, j := range group {
 			if named[vs[j].Key] > 0 {
@@ -535,7 +540,14 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, e
 				v := vs[j]
 				evicted[v.Reason].pages++
 				evicted[v.Reason].bytes += v.Bytes
+				if v.Pending {
+					pendingEvicted++
+				}
 			}
+		}
+		if pendingEvicted > nsPendingBefore {
+			pc.log.Warn("kvpersist: page cache: evicted pages whose upload to the object store was pending (nothing else was evictable); they reach the store only if a save writes them again",
+				"namespace", ns, "pages", pendingEvicted-nsPendingBefore)
 		}
 		unlock()
 		pc.markDirty(ns)
@@ -545,6 +557,9 @@ func (pc *pageCache) unlink(ctx context.Context, vs []evict.Victim) (kept int, e
 			if t.pages > 0 {
 				pc.metrics.Evicted(evict.Reason(r), t.pages, t.bytes)
 			}
+		}
+		if pendingEvicted > 0 {
+			pc.metrics.RemoteUploadEvicted(pendingEvicted)
 		}
 	}
 	return kept, first

@@ -42,6 +42,12 @@ type MetricsSink interface {
 	RemoteLookup(hitPages, missPages int64)
 	// RemoteQueue sets the upload queue's depth (waiting or in flight).
 	RemoteQueue(depth int64)
+	// RemoteUploadEvicted adds pages that the page cache evicted while
+	// their upload to the object store was pending (queued, in flight or
+	// spilled to the journal): nothing else evictable was left to make
+	// room, and such a page reaches the store only if a save writes it
+	// again. Also counted in Evicted.
+	RemoteUploadEvicted(pages int64)
 }
 
 // NopMetrics is a MetricsSink that records nothing. Embed it in a sink of
@@ -78,6 +84,9 @@ func (NopMetrics) RemoteLookup(hitPages, missPages int64) {}
 
 // RemoteQueue does nothing.
 func (NopMetrics) RemoteQueue(depth int64) {}
+
+// RemoteUploadEvicted does nothing.
+func (NopMetrics) RemoteUploadEvicted(pages int64) {}
 
 var _ MetricsSink = NopMetrics{}
 

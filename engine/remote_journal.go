@@ -215,6 +215,12 @@ func (t *tier) replayJournal(ns string, atStart bool) {
 		// A page known stored is settled here; one whose path is gone or
 		// is not a regular file is settled by enqueueFile's lstat.
 		if t.isKnown(ns, k) {
+			t.mu.Lock()
+			if name, err := t.st.PageName(ns, k.String()); err == nil && t.pending[name] == nil {
+				// Spilled earlier (marked pending), and stored since.
+				t.markPendingLocked(ns, k, false)
+			}
+			t.mu.Unlock()
 			t.settle(ns, k, "")
 			continue
 		}

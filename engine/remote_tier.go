@@ -399,23 +399,39 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 	}
 	t.mu.Lock()
 	if q := t.pending[name]; q != nil {
+		if !p.manifest {
+			// Queued already; the page may have been evicted and saved
+			// again since, which cleared its mark.
+			t.markPendingLocked(p.ns, p.key, true)
+		}
 		t.mu.Unlock()
 		return q
 	}
 	p.done = make(chan struct{})
 	t.pending[name] = p
+	if !p.manifest {
+		// Before the uploader has it, so that its settle (uploaded)
+		// unmarks it after.
+		t.markPendingLocked(p.ns, p.key, true)
+	}
 	t.mu.Unlock()
 	if !p.journaled {
 		// Before the queue has it: its settled record comes after.
 		t.journalQueued(p)
 	}
 	if err := t.queueUpload(name, path, fi, p, wait); err != nil {
+		spilled := !p.manifest && errors.Is(err, remote.ErrQueueFull)
 		t.mu.Lock()
 		delete(t.pending, name)
+		if !p.manifest && !spilled {
+			// A spilled page is still pending (listed in the journal,
+			// queued from it when the queue drains): it keeps its mark.
+			t.markPendingLocked(p.ns, p.key, false)
+		}
 		t.mu.Unlock()
 		p.err = err
 		close(p.done)
-		if !p.manifest && errors.Is(err, remote.ErrQueueFull) {
+		if spilled {
 			t.j.spill(p.ns)
 			return nil
 		}
@@ -548,12 +564,32 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 	return nil
 }
 
+// markPendingLocked marks page k of ns pending in the page cache's
+// eviction policy (evict.Cache.SetPending: evicted only after every
+// evictable page that is not), or unmarks it. A page is marked while its
+// upload is queued, in flight or spilled to the journal (a full queue),
+// from enqueueFile until the upload settles (uploaded) or a replay finds
+// it known stored; so that under pressure the cache evicts the pages the
+// object store holds (or need not hold) before the pages it does not
+// have yet. A page the policy does not track (written by another process)
+// is not marked. t.mu held: a page's marks and unmarks are ordered as its
+// entries in t.pending are, so a settle never unmarks a later queueing's
+// mark. See ARCHITECTURE.md, "A pending upload is evicted last".
+func (t *tier) markPendingLocked(ns string, k layout.PageKey, pending bool) {
+	t.e.pc.pol.SetPending(ns, evict.Key(k), pending)
+}
+
 // uploaded is the uploader's OnDone: it marks a stored page known and
 // feeds the metrics. It runs on an uploader goroutine.
 func (t *tier) uploaded(r remote.UploadResult) {
 	t.mu.Lock()
 	p := t.pending[r.Name]
 	delete(t.pending, r.Name)
+	if p != nil && !p.manifest {
+		// Settled (done, impossible or abandoned): back in the page
+		// cache's plain eviction order.
+		t.markPendingLocked(p.ns, p.key, false)
+	}
 	t.mu.Unlock()
 	if p != nil {
 		defer func() { p.err = r.Err; close(p.done) }()

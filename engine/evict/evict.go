@@ -28,6 +28,18 @@
 //     namespace that has no quota or that is above its quota (their bytes
 //     beyond a quota are shared); it never evicts pages of a namespace that
 //     has a quota and is within it. A's own quota is met from A's pages only.
+//  6. Pending pages last: a page marked pending (SetPending; the engine
+//     marks a page whose upload to the object store is waiting, so that
+//     evicting it would lose the fleet's only copy to come) is evicted
+//     only after every evictable page of the candidate set that is not
+//     pending. It is a second class of rule 4's order, not a pin: when
+//     only pending pages are evictable they are evicted (least recently
+//     used first), so a full cache still makes room. Rules 1-3 and 5 hold
+//     for both classes alike; a page whose only evictable ancestors are
+//     pending keeps its place (a non-pending parent of a pending leaf
+//     becomes evictable, in the first class, once that leaf is gone).
+//     So the order is (Pending, Access, Namespace, Key) ascending, and a
+//     Victim says whether it was pending.
 //
 // # Accounting and the bound
 //
@@ -129,6 +141,9 @@ type Victim struct {
 	Key       Key
 	Bytes     int64 // allocated bytes
 	Reason    Reason
+	// Pending: the page was marked pending (rule 6) when it was chosen:
+	// nothing else evictable was left to make the room.
+	Pending bool
 }
 
 // Sentinel errors, usable with errors.Is.
@@ -213,6 +228,7 @@ type node struct {
 	hasParent bool
 	present   bool
 	evicting  bool
+	pending   bool // SetPending (rule 6); only a present page is pending
 	bytes     int64
 	access    int64
 	pins      int32
@@ -259,9 +275,12 @@ func (n *node) eligible() bool {
 	return n.present && !n.evicting && n.pins == 0 && n.children == 0
 }
 
-// less is the eviction order: least recently used first, then namespace,
-// then key.
+// less is the eviction order: pages not pending first (rule 6), then the
+// least recently used, then namespace, then key.
 func less(a *node, an string, b *node, bn string) bool {
+	if a.pending != b.pending {
+		return b.pending
+	}
 	if a.access != b.access {
 		return a.access < b.access
 	}
@@ -409,7 +428,7 @@ func (c *Cache) insert(s *nsState, p Page) {
 		n = &node{key: p.Key, idx: -1}
 		s.nodes[p.Key] = n
 	}
-	n.present, n.evicting = true, false
+	n.present, n.evicting, n.pending = true, false, false
 	n.parent, n.hasParent = p.Parent, p.HasParent
 	n.bytes, n.access = p.Bytes, p.Access
 	s.used += p.Bytes
@@ -513,6 +532,38 @@ func (c *Cache) Unpin(ns string, key Key) error {
 	return nil
 }
 
+// SetPending marks a tracked page pending (pending true) or not (rule 6):
+// a pending page is evicted only after every evictable page of the
+// candidate set that is not pending. The engine marks a page whose upload
+// to the object store is queued and unmarks it when the upload settles
+// (uploaded, found stored, or given up). A page not tracked is ignored
+// (false): a page added later starts not pending, and Removed clears the
+// mark, so a page that leaves the cache and comes back (saved again) is
+// marked again by its caller. A victim not yet Removed keeps the mark it
+// is given for when it is Abandoned. O(log n) for a namespace of n
+// evictable pages.
+func (c *Cache) SetPending(ns string, key Key, pending bool) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := c.nodeLocked(ns, key)
+	if n == nil || !n.present {
+		return false
+	}
+	if n.pending != pending {
+		n.pending = pending
+		c.fix(c.nss[ns], n)
+	}
+	return true
+}
+
+// Pending reports whether a tracked page is marked pending (SetPending).
+func (c *Cache) Pending(ns string, key Key) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := c.nodeLocked(ns, key)
+	return n != nil && n.present && n.pending
+}
+
 // Removed forgets a page whose file is gone: a victim the engine unlinked,
 // or a page that a collect, a delete or another process removed. Its bytes
 // leave Used (and Evicting, for a victim). It returns false when the page
@@ -538,7 +589,7 @@ func (c *Cache) Removed(ns string, key Key) bool {
 	c.used -= n.bytes
 	s.pages--
 	c.pages--
-	n.present, n.evicting = false, false
+	n.present, n.evicting, n.pending = false, false, false
 	c.fix(s, n)
 	s.drop(n)
 	c.gc(s)
@@ -571,6 +622,11 @@ func (c *Cache) choose(s *nsState, n *node) {
 	c.evicting += n.bytes
 	c.fix(s, n)
 	c.adjustChildren(s, n, -1)
+}
+
+// victim describes the page n of s chosen for reason.
+func victim(s *nsState, n *node, reason Reason) Victim {
+	return Victim{Namespace: s.name, Key: n.key, Bytes: n.bytes, Reason: reason, Pending: n.pending}
 }
 
 // unchoose undoes choose.
@@ -683,7 +739,7 @@ func (c *Cache) plan(s *nsState, need Need, req int64, dst []Victim) ([]Victim, 
 		n := s.lru.top()
 		c.choose(s, n)
 		freed += n.bytes
-		dst = append(dst, Victim{Namespace: s.name, Key: n.key, Bytes: n.bytes, Reason: ReasonQuota})
+		dst = append(dst, victim(s, n, ReasonQuota))
 	}
 	for _, lim := range [...]struct {
 		want   int64
@@ -696,14 +752,15 @@ func (c *Cache) plan(s *nsState, need Need, req int64, dst []Victim) ([]Victim, 
 			}
 			c.choose(vs, n)
 			freed += n.bytes
-			dst = append(dst, Victim{Namespace: vs.name, Key: n.key, Bytes: n.bytes, Reason: lim.reason})
+			dst = append(dst, victim(vs, n, lim.reason))
 		}
 	}
 	return dst, nil
 }
 
-// oldest returns the least recently used evictable page that a save in s
-// may evict (rule 5): s's own or a shared namespace's.
+// oldest returns the first evictable page in the eviction order (rules 4
+// and 6) that a save in s may evict (rule 5): s's own or a shared
+// namespace's.
 func (c *Cache) oldest(s *nsState) (*nsState, *node) {
 	var best *node
 	var bs *nsState
@@ -817,7 +874,7 @@ func (c *Cache) Shrink(targetBytes int64, dst []Victim) ([]Victim, bool) {
 		s := c.shared.top()
 		n := s.lru.top()
 		c.choose(s, n)
-		dst = append(dst, Victim{Namespace: s.name, Key: n.key, Bytes: n.bytes, Reason: ReasonShrink})
+		dst = append(dst, victim(s, n, ReasonShrink))
 	}
 	return dst, true
 }
@@ -837,7 +894,7 @@ func (c *Cache) ShrinkNamespace(ns string, targetBytes int64, dst []Victim) ([]V
 		}
 		n := s.lru.top()
 		c.choose(s, n)
-		dst = append(dst, Victim{Namespace: s.name, Key: n.key, Bytes: n.bytes, Reason: ReasonShrink})
+		dst = append(dst, victim(s, n, ReasonShrink))
 	}
 	return dst, true
 }

@@ -3,27 +3,32 @@ package evict
 import "encoding/binary"
 
 // pageHeap is a 4-ary min-heap of a namespace's evictable pages in the
-// eviction order (Access, then Key); each node knows its index, so that a
+// eviction order (pending pages last, then Access, then Key: rule 6 and
+// rule 4 of the package doc); each node knows its index, so that a
 // touched, pinned or chosen page is fixed or removed in O(log n). Entries
-// carry the access and the key's first 8 bytes, so that comparisons do not
+// carry the pending mark, the access and the key's first 8 bytes, so that comparisons do not
 // chase node pointers, and sifting moves a hole (one node's index written
 // per level): a heap of a million pages does not fit in cache, and a
 // 4-ary one has half the levels of a binary one.
 type pageHeap struct{ a []heapEntry }
 
 type heapEntry struct {
-	access int64
-	k0     uint64 // the key's first 8 bytes, big-endian: orders like the bytes
-	n      *node
+	access  int64
+	k0      uint64 // the key's first 8 bytes, big-endian: orders like the bytes
+	n       *node
+	pending bool // n.pending: after every entry that is not
 }
 
 const heapArity = 4
 
 func entryOf(n *node) heapEntry {
-	return heapEntry{access: n.access, k0: binary.BigEndian.Uint64(n.key[:8]), n: n}
+	return heapEntry{access: n.access, k0: binary.BigEndian.Uint64(n.key[:8]), n: n, pending: n.pending}
 }
 
 func entryLess(a, b *heapEntry) bool {
+	if a.pending != b.pending {
+		return b.pending
+	}
 	if a.access != b.access {
 		return a.access < b.access
 	}
@@ -59,10 +64,11 @@ func (h *pageHeap) remove(i int) {
 	h.sift(i, e)
 }
 
-// fix restores the order after the node at i changed its access.
+// fix restores the order after the node at i changed its access or its
+// pending mark.
 func (h *pageHeap) fix(i int) {
 	e := h.a[i]
-	e.access = e.n.access
+	e.access, e.pending = e.n.access, e.n.pending
 	h.sift(i, e)
 }
 
@@ -111,8 +117,8 @@ func (h *pageHeap) down(i int, e heapEntry) {
 	h.place(i, e)
 }
 
-// nsHeap is a binary min-heap of namespaces ordered by their oldest
-// evictable page, (Access, Namespace, Key).
+// nsHeap is a binary min-heap of namespaces ordered by their first
+// evictable page in the eviction order, (pending, Access, Namespace, Key).
 type nsHeap struct{ a []*nsState }
 
 func (h *nsHeap) len() int      { return len(h.a) }

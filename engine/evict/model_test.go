@@ -32,6 +32,7 @@ type mPage struct {
 	bytes     int64
 	access    int64
 	evicting  bool
+	pending   bool // SetPending; a page removed and added again is not
 }
 
 type mRes struct {
@@ -120,8 +121,9 @@ func (m *model) shared(ns string) bool {
 	return q == 0 || used-evicting > q
 }
 
-// oldest scans for the least recently used evictable page among the
-// namespaces accepted by in, in the order (access, namespace, key).
+// oldest scans for the first evictable page among the namespaces
+// accepted by in, in the order (pending, access, namespace, key): pages
+// not pending first.
 func (m *model) oldest(in func(ns string) bool) (mKey, bool) {
 	var best mKey
 	found := false
@@ -134,6 +136,12 @@ func (m *model) oldest(in func(ns string) bool) (mKey, bool) {
 			continue
 		}
 		b := m.pages[best]
+		if p.pending != b.pending {
+			if !p.pending {
+				best = k
+			}
+			continue
+		}
 		if p.access != b.access {
 			if p.access < b.access {
 				best = k
@@ -184,7 +192,7 @@ func (m *model) reserve(ns string, bytes, avail, headroom int64) ([]Victim, Reas
 		p := m.pages[k]
 		p.evicting = true
 		freed += p.bytes
-		victims = append(victims, Victim{Namespace: k.ns, Key: k.key, Bytes: p.bytes, Reason: r})
+		victims = append(victims, Victim{Namespace: k.ns, Key: k.key, Bytes: p.bytes, Reason: r, Pending: p.pending})
 	}
 	for freed < needQ {
 		k, ok := m.oldest(func(n string) bool { return n == ns })
@@ -234,7 +242,7 @@ func (m *model) shrink(target int64, ns string) ([]Victim, bool) {
 		}
 		p := m.pages[k]
 		p.evicting = true
-		victims = append(victims, Victim{Namespace: k.ns, Key: k.key, Bytes: p.bytes, Reason: ReasonShrink})
+		victims = append(victims, Victim{Namespace: k.ns, Key: k.key, Bytes: p.bytes, Reason: ReasonShrink, Pending: p.pending})
 	}
 }
 
@@ -358,6 +366,20 @@ func runModel(t *testing.T, seed uint64, steps int) {
 			}
 			if p != nil && at > p.access {
 				p.access = at
+			}
+		case r < 39:
+			op = "pending"
+			want := rng.IntN(3) > 0
+			got := c.SetPending(ns, k, want)
+			p := m.pages[mk]
+			if got != (p != nil) {
+				t.Fatalf("step %d: SetPending = %v, tracked %v", step, got, p != nil)
+			}
+			if p != nil {
+				p.pending = want
+			}
+			if c.Pending(ns, k) != (p != nil && want) {
+				t.Fatalf("step %d: Pending = %v after SetPending(%v), tracked %v", step, !(p != nil && want), want, p != nil)
 			}
 		case r < 42:
 			op = "pin"

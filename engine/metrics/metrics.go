@@ -131,6 +131,7 @@ type Recorder struct {
 	remoteHit     atomic.Int64 // pages
 	remoteMiss    atomic.Int64 // pages
 	uploadQueue   atomic.Int64 // uploads waiting or in flight (a gauge)
+	uploadEvicted atomic.Int64 // pages evicted with their upload pending
 	remoteUsed    atomic.Bool  // a remote method was called: export the remote families
 }
 
@@ -254,6 +255,19 @@ func (r *Recorder) RemoteQueue(depth int64) {
 	r.uploadQueue.Store(depth)
 }
 
+// RemoteUploadEvicted adds pages the page cache evicted while their upload
+// to the object store was pending (kvpersist_remote_upload_evicted_pages_total):
+// the cache had nothing else evictable, and those pages reach the store
+// only if a save writes them again. A rate above zero says the cache is
+// too small for the time uploads take (or the store is unreachable).
+func (r *Recorder) RemoteUploadEvicted(pages int64) {
+	if r == nil {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.uploadEvicted.Add(pages)
+}
+
 // Bytes adds bytes written to disk (new data and headers), reused (dedup:
 // blocks or pages already stored) and read from disk into destinations.
 func (r *Recorder) Bytes(written, reused, read int64) {
@@ -357,13 +371,15 @@ var (
 		"Pages a remote lookup asked the object store for, hit (stored) or miss.", []string{"result"}, nil)
 	descUploadQueue = prometheus.NewDesc("kvpersist_remote_upload_queue",
 		"Uploads to the object store waiting or in flight.", nil, nil)
+	descUploadEvicted = prometheus.NewDesc("kvpersist_remote_upload_evicted_pages_total",
+		"Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descReadAsync, descLookup,
 		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
-		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue} {
+		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted} {
 		ch <- d
 	}
 }
@@ -478,6 +494,7 @@ func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prome
 	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteHit.Load()), "hit")
 	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteMiss.Load()), "miss")
 	emit(descUploadQueue, prometheus.GaugeValue, float64(r.uploadQueue.Load()))
+	emit(descUploadEvicted, prometheus.CounterValue, float64(r.uploadEvicted.Load()))
 }
 
 // Snapshot is the recorder's figures as a plain struct (JSON-ready, field
@@ -511,6 +528,9 @@ type RemoteSnapshot struct {
 	LookupHitPages   int64     `json:"lookupHitPages"`
 	LookupMissPages  int64     `json:"lookupMissPages"`
 	UploadQueueDepth int64     `json:"uploadQueueDepth"`
+	// UploadEvictedPages: pages evicted while their upload was pending
+	// (kvpersist_remote_upload_evicted_pages_total).
+	UploadEvictedPages int64 `json:"uploadEvictedPages"`
 }
 
 // RemoteCount is kvpersist_remote_ops_total for one op and result.
@@ -634,5 +654,6 @@ func (r *Recorder) Snapshot() Snapshot {
 	s.Remote.FetchBytes, s.Remote.UploadBytes = r.remoteBytes[RemoteFetch].Load(), r.remoteBytes[RemoteUpload].Load()
 	s.Remote.LookupHitPages, s.Remote.LookupMissPages = r.remoteHit.Load(), r.remoteMiss.Load()
 	s.Remote.UploadQueueDepth = r.uploadQueue.Load()
+	s.Remote.UploadEvictedPages = r.uploadEvicted.Load()
 	return s
 }

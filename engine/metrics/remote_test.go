@@ -14,7 +14,8 @@ import (
 
 // remoteFamilies are the object-store tier's metric names.
 var remoteFamilies = []string{"kvpersist_remote_ops_total", "kvpersist_remote_duration_seconds",
-	"kvpersist_remote_bytes_total", "kvpersist_remote_lookup_pages_total", "kvpersist_remote_upload_queue"}
+	"kvpersist_remote_bytes_total", "kvpersist_remote_lookup_pages_total", "kvpersist_remote_upload_queue",
+	"kvpersist_remote_upload_evicted_pages_total"}
 
 // Durations below are binary fractions of a second (whole nanoseconds),
 // so sums in float64 are exact in any order.
@@ -28,7 +29,8 @@ func remoteHistText(op string, obs ...float64) string {
 // TestRemoteMetrics: a recorder exports no remote family until the tier
 // reports (an engine without a remote tier shows none), then every op ×
 // result (zeros included), the latency histograms of the ops that ran,
-// the fetch and upload bytes, the lookup pages and the queue depth, with
+// the fetch and upload bytes, the lookup pages, the queue depth and the
+// pages evicted with their upload pending, with
 // the values of a known sequence; the snapshot holds the same figures and
 // survives a JSON round trip.
 func TestRemoteMetrics(t *testing.T) {
@@ -56,6 +58,8 @@ func TestRemoteMetrics(t *testing.T) {
 	r.Remote(RemoteUpload, RemoteExisted, 0, 1953125*time.Nanosecond)
 	r.Remote(RemoteUpload, RemoteAbandoned, 0, 0)
 	r.RemoteQueue(7)
+	r.RemoteUploadEvicted(2)
+	r.RemoteUploadEvicted(1)
 
 	want := map[[2]string]int{{"lookup", "ok"}: 1, {"lookup", "error"}: 1, {"fetch", "ok"}: 2, {"fetch", "corrupt"}: 1,
 		{"upload", "ok"}: 1, {"upload", "existed"}: 1, {"upload", "abandoned"}: 1}
@@ -81,6 +85,9 @@ kvpersist_remote_lookup_pages_total{result="miss"} 2
 # HELP kvpersist_remote_upload_queue Uploads to the object store waiting or in flight.
 # TYPE kvpersist_remote_upload_queue gauge
 kvpersist_remote_upload_queue 7
+# HELP kvpersist_remote_upload_evicted_pages_total Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).
+# TYPE kvpersist_remote_upload_evicted_pages_total counter
+kvpersist_remote_upload_evicted_pages_total 3
 `)
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(b.String()), remoteFamilies...); err != nil {
 		t.Fatal(err)
@@ -91,7 +98,7 @@ kvpersist_remote_upload_queue 7
 
 	s := r.Snapshot()
 	rs := s.Remote
-	if rs == nil || rs.FetchBytes != 1024 || rs.UploadBytes != 500 || rs.LookupHitPages != 10 || rs.LookupMissPages != 2 || rs.UploadQueueDepth != 7 {
+	if rs == nil || rs.FetchBytes != 1024 || rs.UploadBytes != 500 || rs.LookupHitPages != 10 || rs.LookupMissPages != 2 || rs.UploadQueueDepth != 7 || rs.UploadEvictedPages != 3 {
 		t.Fatalf("remote snapshot %+v", rs)
 	}
 	if len(rs.Ops) != len(want) {
