@@ -23,7 +23,8 @@
 //     save that uses it.
 //  3. Never a page already chosen as a victim (it is being unlinked).
 //  4. Among the evictable pages of the candidate set, the least recently
-//     used first, in the total order (Access, Namespace, Key) ascending.
+//     used first (within each class of rule 6), in the total order
+//     (Access, Namespace, Key) ascending.
 //  5. Tenants: a save in namespace A may evict pages of A, and pages of any
 //     namespace that has no quota or that is above its quota (their bytes
 //     beyond a quota are shared); it never evicts pages of a namespace that
