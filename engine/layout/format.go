@@ -54,7 +54,19 @@ const (
 // Format versions carried in the header's "formatVersion".
 const (
 	FormatSingle = 4 // kvpersist single-file snapshot
-	FormatBlocks = 5 // block manifest (the original's number)
+	// FormatBlocks is the block manifest of the original worker's number:
+	// each block named by its SHA-256 alone. kvpersist reads it (the Bun
+	// worker's stores, and kvpersist's own manifests written before
+	// FormatBlocksXXH3) and no longer writes it.
+	FormatBlocks = 5
+	// FormatBlocksXXH3 is the block manifest kvpersist writes: FormatBlocks
+	// with each block's XXH3-64 (seed 0) beside its SHA-256 name
+	// (BlockRef.XXH3), which a verified restore checks instead of SHA-256
+	// (ARCHITECTURE.md, "Block manifest"). A new version rather than an
+	// optional key, because readers of FormatBlocks refuse a block object
+	// with any key but "hash" and "bytes": an older build reports this one
+	// as ErrFormatVersion instead of a malformed block.
+	FormatBlocksXXH3 = 8
 )
 
 // Layout says how a snapshot stores its tensor bytes.
@@ -242,7 +254,7 @@ func (n slotName) String() string { return n.h.SlotName(n.i) }
 func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 	var lay Layout
 	switch {
-	case h.FormatVersion == FormatBlocks:
+	case h.FormatVersion == FormatBlocks, h.FormatVersion == FormatBlocksXXH3 && !p.Legacy:
 		lay = Blocks
 	case (h.FormatVersion == FormatSingle || h.FormatVersion == FormatPage) && !p.Legacy:
 		lay = Single // a page file is a single file with a "page" object
@@ -250,8 +262,10 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		lay = Pages
 	case h.FormatVersion == 0 && p.Legacy:
 		lay = Single
+	case p.Legacy:
+		return 0, fmt.Errorf("%w: formatVersion %d in a file of the Bun worker (it wrote none, or %d)", ErrFormatVersion, h.FormatVersion, FormatBlocks)
 	default:
-		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatPages)
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocksXXH3)
 	}
 	if lay != Blocks && !p.Legacy && p.DataStart%DataAlign != 0 {
 		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)
@@ -340,6 +354,13 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 			for b, ref := range t.Blocks {
 				if !ValidBlockHash(ref.Hash) {
 					return 0, fmt.Errorf("%w: %s block %d name %q is not 64 lowercase hex digits", ErrInvalidHeader, name, b, ref.Hash)
+				}
+				if h.FormatVersion == FormatBlocksXXH3 {
+					if !tensorHashRE.MatchString(ref.XXH3) {
+						return 0, fmt.Errorf("%w: %s block %d xxh3 %q is not 16 lowercase hex digits", ErrInvalidHeader, name, b, ref.XXH3)
+					}
+				} else if ref.XXH3 != "" {
+					return 0, fmt.Errorf("%w: %s block %d has an xxh3 (%q), which a formatVersion %d manifest does not carry", ErrInvalidHeader, name, b, ref.XXH3, FormatBlocks)
 				}
 				if ref.Bytes <= 0 {
 					return 0, fmt.Errorf("%w: %s block %d has %d bytes", ErrInvalidHeader, name, b, ref.Bytes)
