@@ -694,18 +694,27 @@ const blockSumPiece = 64 << 10
 // by SHA-256, then by xxh3 while it is still in cache. Neither hash copies
 // data (xxh3s.Digest; sha256-simd hashes whole 64-byte blocks in place).
 func blockSums(data []byte) (sum [sha256.Size]byte, xx uint64) {
-	h := sha256Pool.Get().(hash.Hash)
-	defer sha256Pool.Put(h)
-	h.Reset()
-	var d xxh3s.Digest
+	s := blockSumsPool.Get().(*blockSumState)
+	defer blockSumsPool.Put(s)
+	s.sha.Reset()
+	s.xx.Reset()
 	for o := 0; o < len(data); o += blockSumPiece {
 		p := data[o:min(o+blockSumPiece, len(data))]
-		h.Write(p)
-		d.Write(p)
+		s.sha.Write(p)
+		s.xx.Write(p)
 	}
-	h.Sum(sum[:0])
-	return sum, d.Sum64()
+	s.sha.Sum(s.sum[:0]) // into the pooled state: a local would escape
+	return s.sum, s.xx.Sum64()
 }
+
+// blockSumState is blockSums' reusable state.
+type blockSumState struct {
+	sha hash.Hash
+	xx  xxh3s.Digest
+	sum [sha256.Size]byte
+}
+
+var blockSumsPool = sync.Pool{New: func() any { return &blockSumState{sha: sha256.New()} }}
 
 // put stores one block unless a block file of that name and size exists.
 // A file of that name but another size (torn, or foreign) is rewritten. The

@@ -7,6 +7,7 @@ package layout
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -161,7 +162,11 @@ func HeaderHash(headerLen, dataStart uint32, js []byte) uint64 {
 
 // TensorHash formats a tensor hash: xxh3-64 (seed 0) of the logical bytes
 // as 16 lowercase hex digits of the u64 (most significant digit first).
-func TensorHash(sum uint64) string { return fmt.Sprintf("%016x", sum) }
+func TensorHash(sum uint64) string {
+	var b [8]byte // the big-endian bytes' hex is "%016x", one allocation fewer
+	binary.BigEndian.PutUint64(b[:], sum)
+	return hex.EncodeToString(b[:])
+}
 
 // EncodePrefix builds the 26-byte prefix plus JSON for kvpersist's format,
 // returning a buffer of at least PrefixLen+len(js) bytes (padded with zeros
