@@ -13,7 +13,9 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/metrics"
+	"runtime/pprof"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -704,6 +706,11 @@ type measured struct {
 	objects     uint64 // heap objects allocated during ours, summed
 	allocBytes  uint64 // heap bytes allocated during ours, summed
 	n           int
+	// CPU time (user + system) spent while ours / limit ran, summed over
+	// the iterations: of this process (getrusage), and of the server
+	// (steps.serverCPU; zero without one).
+	oursCPU, limitCPU       time.Duration
+	oursSrvCPU, limitSrvCPU time.Duration
 }
 
 // steps are the parts of one benchmark iteration. Only ours runs with the
@@ -712,6 +719,65 @@ type steps struct {
 	prepOurs, prepLimit func(i int) // before ours / limit
 	ours, limit         func(i int)
 	cleanup             func(i int) // after both
+	// serverCPU, when set, returns the CPU time (user + system) a server
+	// the benchmark talks to has used so far; alternate then sums it over
+	// each side's runs (measured.oursSrvCPU, limitSrvCPU).
+	serverCPU func() time.Duration
+}
+
+// sideProfiles numbers the side profiles of this process, so that the runs
+// of -test.count > 1 do not overwrite each other's.
+var sideProfiles atomic.Int64
+
+// startSideProfile starts a CPU profile of one run of a side ("ours" or
+// "limit") of iteration i when $KVPERSIST_BENCH_PROFILE_DIR is set, into
+// <dir>/<benchmark>-<side>-<i>-<n>.pprof (the benchmark's name with '/'
+// replaced by '_'; i is -1 for the warm-up; n counts the profiles of the
+// process); the returned func stops it.
+// `go tool pprof -top BIN DIR/*-ours-*.pprof` then shows where ours spent
+// its CPU apart from the limit's and the untimed setup's (a profile of the
+// whole run, -test.cpuprofile, mixes them). Without the variable it does
+// nothing; a profile that cannot start (another one runs) fails b.
+func startSideProfile(b *testing.B, side string, i int) func() {
+	dir := os.Getenv("KVPERSIST_BENCH_PROFILE_DIR")
+	if dir == "" {
+		return func() {}
+	}
+	f, err := os.Create(filepath.Join(dir, fmt.Sprintf("%s-%s-%d-%d.pprof", strings.ReplaceAll(b.Name(), "/", "_"), side, i, sideProfiles.Add(1))))
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		b.Fatalf("side profile (run without -test.cpuprofile): %v", err)
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		if err := f.Close(); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// processCPU returns the CPU time (user + system) this process has used.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// cpuMark is the CPU times at one moment: this process's, and the
+// server's (zero without steps.serverCPU).
+type cpuMark struct{ self, srv time.Duration }
+
+func (s steps) cpuNow() cpuMark {
+	m := cpuMark{self: processCPU()}
+	if s.serverCPU != nil {
+		m.srv = s.serverCPU()
+	}
+	return m
 }
 
 // alternate runs one untimed warm-up iteration of s (index -1; only the
@@ -727,11 +793,17 @@ func alternate(b *testing.B, s steps) measured {
 		}
 		hs := startHeapSampler()
 		o0, a0 := allocCounts()
+		c0 := s.cpuNow()
 		b.StartTimer()
 		t0 := time.Now()
+		stopProf := startSideProfile(b, "ours", i)
 		s.ours(i)
+		stopProf()
 		m.ours += time.Since(t0)
 		b.StopTimer()
+		c1 := s.cpuNow()
+		m.oursCPU += c1.self - c0.self
+		m.oursSrvCPU += c1.srv - c0.srv
 		o1, a1 := allocCounts()
 		m.objects += o1 - o0
 		m.allocBytes += a1 - a0
@@ -741,9 +813,15 @@ func alternate(b *testing.B, s steps) measured {
 		if s.prepLimit != nil {
 			s.prepLimit(i)
 		}
+		c0 := s.cpuNow()
 		t0 := time.Now()
+		stopProf := startSideProfile(b, "limit", i)
 		s.limit(i)
+		stopProf()
 		m.limit += time.Since(t0)
+		c1 := s.cpuNow()
+		m.limitCPU += c1.self - c0.self
+		m.limitSrvCPU += c1.srv - c0.srv
 	}
 	// One untimed iteration first (index -1), once per benchmark and
 	// process: on a VM, page-cache pages the guest has never used cost a
@@ -800,6 +878,23 @@ func (m measured) report(b *testing.B, limitBytes int64) {
 		b.ReportMetric(float64(limitBytes)*float64(m.n)/m.limit.Seconds()/1e6, "limit-MB/s")
 	}
 	b.ReportMetric(float64(m.peakHeap)/(1<<20), "peak-heap-MiB")
+}
+
+// reportCPU publishes the CPU seconds per GiB of bytes (the bytes each
+// side moves per iteration) spent while ours ran ("cpu-s/GiB": this
+// process; "srv-cpu-s/GiB": the server, when steps.serverCPU was set) and
+// while the limit ran ("limit-cpu-s/GiB", "limit-srv-cpu-s/GiB").
+func (m measured) reportCPU(b *testing.B, bytes int64) {
+	if bytes <= 0 || m.n == 0 {
+		return
+	}
+	gib := float64(bytes) * float64(m.n) / (1 << 30)
+	b.ReportMetric(m.oursCPU.Seconds()/gib, "cpu-s/GiB")
+	b.ReportMetric(m.limitCPU.Seconds()/gib, "limit-cpu-s/GiB")
+	if m.oursSrvCPU > 0 || m.limitSrvCPU > 0 {
+		b.ReportMetric(m.oursSrvCPU.Seconds()/gib, "srv-cpu-s/GiB")
+		b.ReportMetric(m.limitSrvCPU.Seconds()/gib, "limit-srv-cpu-s/GiB")
+	}
 }
 
 // removeAll removes path and fails tb on error. A directory that is not

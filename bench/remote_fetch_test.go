@@ -35,7 +35,9 @@ const remoteFetchInFlight = 16
 // capacity-padded destinations. The limit, measured in the same run, is
 // the client's own GETs of the same 32 objects into memory with 16 in
 // flight. Target x-limit >= 0.8; GB/s reported for both. The loaded bytes
-// are compared with the cache's at the end.
+// are compared with the cache's at the end. The CPU seconds per GiB
+// fetched, of this process and of the server, are reported for both sides
+// (measured.reportCPU): on a 2-core machine the two share the cores.
 func BenchmarkRemoteFetch(b *testing.B) {
 	srv := seaweedfs.StartTB(b) // fails (never skips) when weed cannot be built
 	w := getWorkload(b, benchModel, prefixTokens)
@@ -127,8 +129,16 @@ func BenchmarkRemoteFetch(b *testing.B) {
 			closeEngine(b, e)
 			removeAll(b, root)
 		},
+		serverCPU: func() time.Duration {
+			d, err := srv.CPUTime()
+			if err != nil {
+				b.Fatal(err)
+			}
+			return d
+		},
 	})
 	mm.report(b, objBytes)
+	mm.reportCPU(b, objBytes)
 	if mm.ours > 0 {
 		b.ReportMetric(float64(objBytes)*float64(mm.n)/mm.ours.Seconds()/1e9, "GB/s")
 	}

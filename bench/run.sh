@@ -31,6 +31,10 @@
 #                           engine.Config.NoAsyncReads (O_DIRECT preads
 #                           instead of Linux AIO), for a comparison in one
 #                           binary
+#   KVPERSIST_BENCH_PROFILE_DIR  a directory: each run of a row's engine side
+#                           and of its limit is CPU-profiled apart into
+#                           <dir>/<row>-<ours|limit>-<i>-<n>.pprof
+#                           (`go tool pprof -top BIN DIR/*-ours-*.pprof`)
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
 #                           go run golang.org/x/perf/cmd/benchstat@latest;
 #                           skipped if that fails); 0 to skip

@@ -782,7 +782,8 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	// (fetch[f] == f) are written into the load's destinations on this
 	// goroutine, in chain order, while later pages are still being
 	// fetched: page f once its bytes verified (verified[f] closed, rds[f]
-	// its read-only descriptor), beside its publish; the next page only
+	// its read-only descriptor, heads[f] its header as the PageStream
+	// decoded it, or nil), beside its publish; the next page only
 	// once page f is published and committed (ready[f] closed, errs[f]
 	// nil). scatterTo: how many of them may be.
 	scatterTo := 0
@@ -798,6 +799,8 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 		ready[f] = make(chan struct{})
 	}
 	rds := make([]vfs.File, scatterTo)
+	// heads[f]: rds[f]'s header as the stream decoded it (nil: not).
+	heads := make([]*layout.Snapshot, scatterTo)
 	defer func() { // after wg.Wait (deferred below): descriptors not scattered from
 		for _, f := range rds {
 			if f != nil {
@@ -840,11 +843,11 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 				}
 				var vonce sync.Once
 				markVerified := func() { vonce.Do(func() { close(verified[f]) }) }
-				var onVerified func(vfs.File)
+				var onVerified func(vfs.File, *layout.Snapshot)
 				if f < scatterTo {
-					onVerified = func(rd vfs.File) {
+					onVerified = func(rd vfs.File, head *layout.Snapshot) {
 						mu.Lock()
-						rds[f] = rd
+						rds[f], heads[f] = rd, head
 						mu.Unlock()
 						markVerified()
 					}
@@ -888,13 +891,13 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 	for f := range scatterTo {
 		<-verified[f] // every worker closes its page's, whatever happens
 		mu.Lock()
-		rd := rds[f]
-		rds[f] = nil
+		rd, head := rds[f], heads[f]
+		rds[f], heads[f] = nil, nil
 		mu.Unlock()
 		if rd == nil {
 			break // not fetched, or failed before its bytes verified
 		}
-		ok := sc.Page(ctx, f, n.PagePath(keys[f]), rd) // beside its publish
+		ok := sc.Page(ctx, f, n.PagePath(keys[f]), rd, head) // beside its publish
 		rd.Close()
 		<-ready[f]
 		mu.Lock()
@@ -1002,10 +1005,12 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // With verified non-nil, once the page's bytes verified and before its
 // publish, verified is given a read-only descriptor of its temp file (the
 // verification's own when it read the file back; the rename keeps it the
-// same file), for the load's scatter (readThrough), which closes it; it is
-// not called for a page that did not verify (or whose temp file could not
-// be opened again: then it is simply not scattered).
-func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File)) (int64, error) {
+// same file), for the load's scatter (readThrough), which closes it, and
+// the header the stream decoded from the bytes it wrote (nil when the page
+// was verified by reading it back), so the scatter does not decode it
+// again; it is not called for a page that did not verify (or whose temp
+// file could not be opened again: then it is simply not scattered).
+func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File, *layout.Snapshot)) (int64, error) {
 	if t.e.pages.Has(n.Name(), want.Key) {
 		return 0, nil
 	}
@@ -1031,7 +1036,8 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		dst = kw
 	}
 	stream := remote.NewPageStream(dst, want.Key.String(), o.Size)
-	var rd vfs.File // read-only, of the temp file: kept for the scatter
+	var rd vfs.File           // read-only, of the temp file: kept for the scatter
+	var head *layout.Snapshot // the stream's decoded header, when it verified the page
 	closeRd := func() {
 		if rd != nil {
 			rd.Close()
@@ -1041,8 +1047,9 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	defer closeRd() // unless handed to verified
 	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
 		fetched()
-		if pg, ok := stream.Verified(); ok {
-			return checkWant(name, pg, want)
+		if snap, ok := stream.Verified(); ok {
+			head = snap
+			return checkWant(name, snap.Page, want)
 		}
 		// The temp file is open for writing only: verify through a
 		// read-only descriptor of it.
@@ -1064,7 +1071,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 			}
 		}
 		if rd != nil {
-			verified(rd)
+			verified(rd, head)
 			rd = nil
 		}
 	}

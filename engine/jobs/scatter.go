@@ -77,13 +77,26 @@ func (s *PrefixScatter) Pages() int { return s.done }
 // of it written; the load checks it again from its own file) or its read
 // failed (the load's Stop, or ctx's error / ErrPanic as the load's error).
 // f is not closed.
-func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File) bool {
+//
+// head, when not nil, is f's header already decoded by the caller
+// (layout.Decode's result for the same bytes: the engine passes the one its
+// remote.PageStream decoded from the very bytes it wrote to f), and f's
+// header is not read nor decoded again (a page's header is a JSON of a few
+// KiB: decoding it allocates about 2,000 objects); it is checked exactly as
+// a decoded one. nil: Page decodes f's header itself.
+func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File, head *layout.Snapshot) bool {
 	if s.ended || i != s.done || i >= len(s.keys) {
 		return false
 	}
 	s.ended = true // until page i is in
-	snap, err := layout.Decode(f, name)
-	if err != nil || snap.Page == nil {
+	snap := head
+	if snap == nil {
+		var err error
+		if snap, err = layout.Decode(f, name); err != nil {
+			return false
+		}
+	}
+	if snap.Page == nil {
 		return false
 	}
 	n := len(s.req.Tokens)

@@ -30,6 +30,20 @@ func (f failData) ReadAt(p []byte, off int64) (int, error) {
 	return f.File.ReadAt(p, off)
 }
 
+// failHead is a page file whose reads before dataStart (its prefix and
+// header) fail with EIO; its tensors read as they are.
+type failHead struct {
+	vfs.File
+	dataStart int64
+}
+
+func (f failHead) ReadAt(p []byte, off int64) (int, error) {
+	if off < f.dataStart {
+		return 0, syscall.EIO
+	}
+	return f.File.ReadAt(p, off)
+}
+
 // openPageFile opens the page file of key in nsDir read-only, closed at
 // the test's end.
 func openPageFile(t *testing.T, nsDir string, key layout.PageKey) vfs.File {
@@ -69,12 +83,12 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if sc.Page(ctx, 1, "page 1", openPageFile(t, ns, keys[1])) {
+		if sc.Page(ctx, 1, "page 1", openPageFile(t, ns, keys[1]), nil) {
 			t.Fatal("page 1 scattered before page 0")
 		}
 		c.checkDest(t, bufs, 768, 0)
 		for i := range 2 {
-			if !sc.Page(ctx, i, "page", openPageFile(t, ns, keys[i])) {
+			if !sc.Page(ctx, i, "page", openPageFile(t, ns, keys[i]), nil) {
 				t.Fatalf("page %d not scattered", i)
 			}
 		}
@@ -108,7 +122,7 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if !sc.Page(ctx, 0, "page 0", openPageFile(t, ns, keys[0])) {
+		if !sc.Page(ctx, 0, "page 0", openPageFile(t, ns, keys[0]), nil) {
 			t.Fatal("page 0 not scattered")
 		}
 		f := openPageFile(t, ns, keys[1])
@@ -116,10 +130,10 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if sc.Page(ctx, 1, "page 1", failData{File: f, off: int64(snap.DataStart)}) {
+		if sc.Page(ctx, 1, "page 1", failData{File: f, off: int64(snap.DataStart)}, nil) {
 			t.Fatal("page 1 scattered although its reads fail")
 		}
-		if sc.Page(ctx, 2, "page 2", openPageFile(t, ns, keys[2])) {
+		if sc.Page(ctx, 2, "page 2", openPageFile(t, ns, keys[2]), nil) {
 			t.Fatal("page 2 scattered after a failed page")
 		}
 		lr, _, err := jobs.LoadPrefixScattered(ctx, cfg, req, keys, nil, sc)
@@ -159,7 +173,7 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if sc.Page(ctx, 0, "page 0", openPageFile(t, ns, keys[0])) {
+		if sc.Page(ctx, 0, "page 0", openPageFile(t, ns, keys[0]), nil) {
 			t.Fatal("a page unlike the destinations was scattered")
 		}
 		if _, _, err := jobs.LoadPrefixScattered(ctx, cfg, req, keys, nil, sc); !errors.Is(err, jobs.ErrMismatch) {
@@ -172,6 +186,40 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 				}
 			}
 		}
+	})
+
+	t.Run("given-header", func(t *testing.T) {
+		// A header given to Page is the one checked, and f's header is not
+		// read again: page 0's file fails every read before its data, yet
+		// it scatters from its decoded header; page 1 given page 2's
+		// header is refused, nothing of it written.
+		heads := make([]*layout.Snapshot, 3)
+		for i := range heads {
+			snap, err := layout.Decode(openPageFile(t, ns, keys[i]), "page")
+			if err != nil {
+				t.Fatal(err)
+			}
+			heads[i] = snap
+		}
+		bufs, dest := c.dests(768)
+		req := newReq(dest)
+		sc, err := jobs.NewPrefixScatter(cfg, req, keys)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f0 := failHead{File: openPageFile(t, ns, keys[0]), dataStart: int64(heads[0].DataStart)}
+		if !sc.Page(ctx, 0, "page 0", f0, heads[0]) {
+			t.Fatal("page 0 not scattered from its given header")
+		}
+		if sc.Page(ctx, 1, "page 1", openPageFile(t, ns, keys[1]), heads[2]) {
+			t.Fatal("page 1 scattered with page 2's header")
+		}
+		c.checkDest(t, bufs, 768, 256)
+		lr, _, err := jobs.LoadPrefixScattered(ctx, cfg, req, keys, nil, sc)
+		if err != nil || lr.Tokens != 700 || lr.Stop != nil || !slices.Equal(lr.Keys, keys) {
+			t.Fatalf("load after the scatter: %+v %v; want 700 tokens, every key", lr, err)
+		}
+		c.checkDest(t, bufs, 768, 700)
 	})
 
 	t.Run("bad-request-no-scatter", func(t *testing.T) {

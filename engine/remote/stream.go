@@ -135,10 +135,12 @@ func (s *PageStream) decodeHead() {
 // Verified reports whether the stream proved the page: every byte of the
 // object written once, in order, its header decoding (layout.Decode) as
 // the page of s's key ending exactly at the object's size, and every
-// tensor's xxh3-64 equal to its header hash; page is then the decoded
-// page. false means nothing: the caller verifies by reading the object
-// back (VerifyPage).
-func (s *PageStream) Verified() (page *layout.Page, ok bool) {
+// tensor's xxh3-64 equal to its header hash; snap is then the decoded
+// header (snap.Page the page), decoded from the very bytes written to dst,
+// which a caller may use instead of decoding dst's header again (the
+// engine's scatter: jobs.PrefixScatter.Page). false means nothing: the
+// caller verifies by reading the object back (VerifyPage).
+func (s *PageStream) Verified() (snap *layout.Snapshot, ok bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.broken || s.snap == nil || s.pos != s.size || checkPageSnap(s.snap, s.key, s.size) != nil {
@@ -149,5 +151,5 @@ func (s *PageStream) Verified() (page *layout.Page, ok bool) {
 			return nil, false
 		}
 	}
-	return s.snap.Page, true
+	return s.snap, true
 }

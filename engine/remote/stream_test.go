@@ -59,9 +59,9 @@ func TestPageStreamVerifiesInOrderBytes(t *testing.T) {
 	}
 	for _, chunks := range [][]int{{1}, {7, 4093}, {len(page)}, {25, 1 << 10, 3}, {256 << 10}} {
 		s, dst := stream(key, page, int64(len(page)), chunks...)
-		pg, ok := s.Verified()
-		if !ok || pg == nil || pg.Key.String() != key {
-			t.Fatalf("chunks %v: Verified = %v, %v; want the page of key %s", chunks, pg, ok, key)
+		snap, ok := s.Verified()
+		if !ok || snap == nil || snap.Page == nil || snap.Page.Key.String() != key {
+			t.Fatalf("chunks %v: Verified = %v, %v; want the page of key %s", chunks, snap, ok, key)
 		}
 		if !bytes.Equal(dst, page) {
 			t.Fatalf("chunks %v: the destination differs from the object", chunks)

@@ -3,6 +3,7 @@ package seaweedfs
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"net"
@@ -224,6 +225,52 @@ func (s *Server) LogTail(n int) string {
 		b = b[len(b)-n:]
 	}
 	return string(bytes.TrimSpace(b))
+}
+
+// CPUTime returns the CPU time (user + system) the running weed process
+// has used since it started, from /proc/<pid>/stat (Linux; fields utime
+// and stime in USER_HZ ticks of 10 ms). Benchmarks read it before and
+// after a step to see what the server spent on it. Errors: the server is
+// not running, or /proc cannot be read or parsed.
+func (s *Server) CPUTime() (time.Duration, error) {
+	s.mu.Lock()
+	cmd := s.cmd
+	s.mu.Unlock()
+	if cmd == nil || cmd.Process == nil {
+		return 0, errors.New("seaweedfs: server not running")
+	}
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", cmd.Process.Pid))
+	if err != nil {
+		return 0, err
+	}
+	return parseStatCPU(b)
+}
+
+// userHZ is the unit of /proc/<pid>/stat's times: 100 ticks per second on
+// every Linux architecture (USER_HZ, fixed by the kernel's ABI).
+const userHZ = 100
+
+// parseStatCPU returns utime + stime (fields 14 and 15) of a
+// /proc/<pid>/stat line. The command name (field 2) is in parentheses and
+// may hold spaces, so fields are counted after its last ')'.
+func parseStatCPU(b []byte) (time.Duration, error) {
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, fmt.Errorf("seaweedfs: /proc stat without a command name: %q", b)
+	}
+	f := strings.Fields(string(b[i+1:])) // f[0] is field 3 (state)
+	if len(f) < 13 {
+		return 0, fmt.Errorf("seaweedfs: /proc stat has %d fields after the name, want at least 13", len(f))
+	}
+	var ticks int64
+	for _, v := range f[11:13] { // fields 14 (utime) and 15 (stime)
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 0 {
+			return 0, fmt.Errorf("seaweedfs: /proc stat time %q: not a tick count", v)
+		}
+		ticks += n
+	}
+	return time.Duration(ticks) * time.Second / userHZ, nil
 }
 
 // Port is the port given to weed for flag (e.g. "s3.port").

@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 // TestServerLoopbackOnly starts the real server and checks, from
@@ -59,4 +60,29 @@ func socketInodes(t *testing.T, pid int) map[string]bool {
 		}
 	}
 	return out
+}
+
+// TestParseStatCPU: utime + stime of a /proc/<pid>/stat line, counted
+// after the command name even when the name holds spaces and parentheses;
+// a short or garbled line is an error.
+func TestParseStatCPU(t *testing.T) {
+	// Fields 14 and 15 are 250 and 1,234 ticks: 14.84 s.
+	line := "4242 (we (ed) x) S 1 4242 4242 0 -1 4194560 100 0 0 0 250 1234 7 9 20 0 12 0 555 1000 200\n"
+	got, err := parseStatCPU([]byte(line))
+	if want := 14840 * time.Millisecond; err != nil || got != want {
+		t.Fatalf("parseStatCPU = %v, %v; want %v", got, err, want)
+	}
+	for _, bad := range []string{"", "4242 weed S 1", "4242 (weed) S 1 2 3", "4242 (weed) S 1 4242 4242 0 -1 4194560 100 0 0 0 x 1234 7"} {
+		if _, err := parseStatCPU([]byte(bad)); err == nil {
+			t.Errorf("parseStatCPU(%q) = nil error", bad)
+		}
+	}
+	// The real file of this process parses.
+	b, err := os.ReadFile("/proc/self/stat")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := parseStatCPU(b); err != nil {
+		t.Fatalf("/proc/self/stat: %v", err)
+	}
 }
