@@ -481,6 +481,28 @@ func shaLimit(b []byte, offs, lens []int, sums [][32]byte) {
 	})
 }
 
+// xxh3Limit is the hashing limit of a formatVersion 8 block restore:
+// xxh3.Hash of each extent of b on every core. sums receives the hashes
+// (len(offs)).
+func xxh3Limit(b []byte, offs, lens []int, sums []uint64) {
+	_ = parallelFor(len(offs), func(i int) error {
+		sums[i] = xxh3.Hash(b[offs[i] : offs[i]+lens[i]])
+		return nil
+	})
+}
+
+// shaXXH3Limit is the hashing limit of a block save: SHA-256 (the block's
+// name) then xxh3-64 (its manifest entry) of each extent of b, one pass
+// each, on every core.
+func shaXXH3Limit(b []byte, offs, lens []int, sums [][32]byte, xsums []uint64) {
+	_ = parallelFor(len(offs), func(i int) error {
+		ext := b[offs[i] : offs[i]+lens[i]]
+		sums[i] = sha256.Sum256(ext)
+		xsums[i] = xxh3.Hash(ext)
+		return nil
+	})
+}
+
 // preadLimit is the warm-read limit: pread of each extent of the file into
 // dest[i] (file offset offs[i]) on every core, no hashing.
 func preadLimit(path string, dest [][]byte, offs []int64) error {
@@ -535,21 +557,46 @@ func preadXXH3Limit(path string, dest [][]byte, offs []int64, h *layout.Header) 
 	})
 }
 
-// preadSHALimit is the warm block restore limit: for every block a
-// manifest names, open its file, pread it whole into its place in dest,
-// SHA-256 it (one pass) and close it, on every core; a digest that differs
-// from the block's name is an error.
+// preadSHALimit is the warm block restore limit the issue defines: for
+// every block a manifest names, open its file, pread it whole into its
+// place in dest, SHA-256 it (one pass) and close it, on every core; a
+// digest that differs from the block's name is an error.
 func preadSHALimit(snap *layout.Snapshot, path string, dest [][]byte) error {
+	return preadBlocks(snap, path, dest, func(ref layout.BlockRef, b []byte) error {
+		if sum := sha256.Sum256(b); hex.EncodeToString(sum[:]) != ref.Hash {
+			return fmt.Errorf("pread+SHA-256 limit: block %s hashes to %x", ref.Hash, sum)
+		}
+		return nil
+	})
+}
+
+// preadXXH3BlocksLimit is the physical limit of a verified restore of a
+// formatVersion 8 manifest, which checks each block's XXH3-64: the same
+// opens and preads as preadSHALimit, then xxh3.Hash of each block (one
+// pass), on every core; a hash that differs from the manifest's is an
+// error.
+func preadXXH3BlocksLimit(snap *layout.Snapshot, path string, dest [][]byte) error {
+	return preadBlocks(snap, path, dest, func(ref layout.BlockRef, b []byte) error {
+		if got := layout.TensorHash(xxh3.Hash(b)); got != ref.XXH3 {
+			return fmt.Errorf("pread+xxh3 limit: block %s hashes to %s, the manifest says %q", ref.Hash, got, ref.XXH3)
+		}
+		return nil
+	})
+}
+
+// preadBlocks opens every block a manifest names, preads it whole into its
+// place in dest, runs check on those bytes and closes it, on every core.
+func preadBlocks(snap *layout.Snapshot, path string, dest [][]byte, check func(ref layout.BlockRef, b []byte) error) error {
 	type blk struct {
 		path string
 		dst  []byte
-		hash string
+		ref  layout.BlockRef
 	}
 	var blks []blk
 	for i, t := range snap.Header.Slots() {
 		var o int64
 		for _, ref := range t.Blocks {
-			blks = append(blks, blk{testutil.BlockPath(filepath.Dir(path), ref.Hash), dest[i][o : o+ref.Bytes], ref.Hash})
+			blks = append(blks, blk{testutil.BlockPath(filepath.Dir(path), ref.Hash), dest[i][o : o+ref.Bytes], ref})
 			o += ref.Bytes
 		}
 	}
@@ -562,10 +609,7 @@ func preadSHALimit(snap *layout.Snapshot, path string, dest [][]byte) error {
 		if err := preadFull(int(f.Fd()), blks[k].dst, 0); err != nil {
 			return err
 		}
-		if sum := sha256.Sum256(blks[k].dst); hex.EncodeToString(sum[:]) != blks[k].hash {
-			return fmt.Errorf("pread+SHA-256 limit: block %s hashes to %x", blks[k].hash, sum)
-		}
-		return nil
+		return check(blks[k].ref, blks[k].dst)
 	})
 }
 

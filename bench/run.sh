@@ -146,6 +146,9 @@ END {
 		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))
 		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
 		if (has[n, "x-cpu-bound"]) other = other sprintf("; sha256 %.0f MB/s, CPU bound %.0f MB/s, x-bound %.3f, x-cpu-bound %.3f, %.0f CPU-ms/op (bound %.0f)", median(n SUBSEP "sha256-MB/s"), median(n SUBSEP "cpu-bound-MB/s"), median(n SUBSEP "x-bound"), median(n SUBSEP "x-cpu-bound"), median(n SUBSEP "cpu-ms/op"), median(n SUBSEP "bound-cpu-ms/op"))
+		if (has[n, "x-cpu-bound-xxh3"]) other = other sprintf("; xxh3 %.0f MB/s, CPU bound %.0f MB/s, x-bound-xxh3 %.3f, x-cpu-bound-xxh3 %.3f (CPU bound %.0f ms/op)", median(n SUBSEP "xxh3-MB/s"), median(n SUBSEP "cpu-bound-xxh3-MB/s"), median(n SUBSEP "x-bound-xxh3"), median(n SUBSEP "x-cpu-bound-xxh3"), median(n SUBSEP "bound-xxh3-cpu-ms/op"))
+		if (has[n, "x-pread-xxh3"]) other = other sprintf("pread+xxh3 %.0f MB/s, x-pread-xxh3 %.3f; ", median(n SUBSEP "pread-xxh3-MB/s"), median(n SUBSEP "x-pread-xxh3"))
+		if (has[n, "x-sha256-xxh3"]) other = other sprintf("x-sha256-xxh3 %.3f; ", median(n SUBSEP "x-sha256-xxh3"))
 		if (has[n, "hit-rate"]) other = sprintf("%.0f saves/s (unbounded %.0f), hit rate %.3f (unbounded %.3f), %.1f pages evicted/turn", median(n SUBSEP "saves/s"), median(n SUBSEP "unbounded-saves/s"), median(n SUBSEP "hit-rate"), median(n SUBSEP "unbounded-hit-rate"), median(n SUBSEP "evicted/turn"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
 		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],

@@ -11,7 +11,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -470,7 +469,7 @@ func TestEveryJobIsAckedWhenTheLoggerPanics(t *testing.T) {
 	case res := <-job.Ack:
 		t.Logf("acked: %v", res.Err)
 		e.Close(context.Background())
-	case <-time.After(3 * time.Second):
-		t.Fatalf("job never acked after a panic in the logger (engine left running: Close would hang)")
+	case <-guardTimer():
+		t.Fatalf("job not acked within %v after a panic in the logger (engine left running: Close would hang)", guard)
 	}
 }

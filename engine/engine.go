@@ -318,6 +318,10 @@ func New(cfg Config) (*Engine, error) {
 		}
 		forget := e.tier.forget
 		e.pc.onRemoved.Store(&forget)
+		// Only now, with e.tier and onRemoved set: a resumed upload that
+		// finds a corrupt page removes it at once through e
+		// (forgetIfGone reads e.tier).
+		e.tier.resume() // the uploads an earlier engine left pending (remote_journal.go)
 	}
 	d := newDispatcher(e)
 	go d.run()

@@ -224,7 +224,9 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	}
 	t.j = startJournal(t)
 	t.queueDepth() // the remote metrics are exported from now on
-	t.resume()     // the uploads an earlier engine left pending (remote_journal.go)
+	// The uploads an earlier engine left pending are resumed by New
+	// (t.resume) once e.tier is set: one that finds a corrupt page
+	// removes it through e, which reads e.tier.
 	return t, nil
 }
 

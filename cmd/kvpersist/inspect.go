@@ -509,7 +509,11 @@ func printInspect(c *cli, r *inspectReport) {
 		fmt.Fprintf(w, "\nblocks of slot %d (%s %d tensor %d):\n", t.Slot, t.Group, t.Entry, t.Index)
 		var off int64
 		for i, b := range t.BlockList {
-			fmt.Fprintf(w, "  %4d  %s  %8d bytes at %d\n", i, b.Hash, b.Bytes, off)
+			xx := ""
+			if b.XXH3 != "" {
+				xx = "  xxh3 " + quote(b.XXH3)
+			}
+			fmt.Fprintf(w, "  %4d  %s  %8d bytes at %d%s\n", i, quote(b.Hash), b.Bytes, off, xx)
 			off += b.Bytes
 		}
 	}

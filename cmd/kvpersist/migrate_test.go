@@ -128,7 +128,7 @@ func TestMigrateCommand(t *testing.T) {
 	migContains(t, "stdout", out,
 		"3 legacy snapshot(s), 16.5 KiB of tensors",
 		"migrated  bun-blocks/grown.mlxkv     blocks  6.2 KiB",
-		"migrated  bun-blocks/snapshot.mlxkv  blocks  5.2 KiB  3.9 KiB written, 4.0 KiB reused",
+		"migrated  bun-blocks/snapshot.mlxkv  blocks  5.2 KiB  4.5 KiB written, 4.0 KiB reused",
 		"migrated  bun-single/snapshot.mlxkv  single  5.2 KiB",
 		"3 snapshot(s): 3 migrated, 0 skipped, 0 failed; 16.5 KiB of tensors migrated",
 		"4.0 KiB reused (dedup); 0 other entries left alone")

@@ -32,3 +32,6 @@ func AsyncInFlight(a *AsyncReads) int { return a.reader().InFlight() }
 func ReadExtentsThen(ctx context.Context, cfg *Config, exts []Extent, done func(i int, err error)) ([]error, ExtentStats, error) {
 	return readExtents(ctx, cfg, exts, done)
 }
+
+// BlockSums is blockSums: a block's SHA-256 and XXH3-64 in one pass.
+func BlockSums(data []byte) ([32]byte, uint64) { return blockSums(data) }

@@ -187,6 +187,10 @@ func FuzzReadHeader(f *testing.F) {
 	one := `{"caches":[{"tensors":[{"off":0,"bytes":4096,"hash":"","dtype":"uint8","shape":[4096],"blocks":[{"hash":"%s","bytes":4096}]}]}],"formatVersion":5}`
 	f.Add(uint8(fzManifest), []byte(fmt.Sprintf(one, hex.EncodeToString(sum[:]))), []byte{}, int8(0), uint8(fzVerify))
 	f.Add(uint8(fzManifest), []byte(fmt.Sprintf(one, "../../../../../../etc/passwd")), []byte{}, int8(0), uint8(fzVerify))
+	// The same block in formatVersion 8: its right xxh3, and a wrong one.
+	one8 := `{"caches":[{"tensors":[{"off":0,"bytes":4096,"hash":"","dtype":"uint8","shape":[4096],"blocks":[{"hash":"%s","bytes":4096,"xxh3":"%s"}]}]}],"formatVersion":8}`
+	f.Add(uint8(fzManifest), []byte(fmt.Sprintf(one8, hex.EncodeToString(sum[:]), leading16(xxh3.Hash(blk)))), []byte{}, int8(0), uint8(fzVerify))
+	f.Add(uint8(fzManifest), []byte(fmt.Sprintf(one8, hex.EncodeToString(sum[:]), leading16(xxh3.Hash(blk)+1))), []byte{}, int8(0), uint8(fzVerify))
 
 	// The seeds that must read back (so the success path is exercised):
 	// the files written above and the Bun worker's manifests over the
@@ -372,6 +376,13 @@ func checkStoredHash(t *testing.T, snap *layout.Snapshot, tn *layout.Tensor, b [
 		s := sha256.Sum256(b[:r.Bytes])
 		if hex.EncodeToString(s[:]) != r.Hash {
 			t.Fatalf("verified read of a block hashing to %x, manifest says %s", s, r.Hash)
+		}
+		// A formatVersion 8 manifest's restore checks the xxh3 it records.
+		if x := leading16(xxh3.Hash(b[:r.Bytes])); r.XXH3 != "" && x != r.XXH3 {
+			t.Fatalf("verified read of a block of xxh3 %s, manifest says %s", x, r.XXH3)
+		}
+		if (r.XXH3 != "") != (snap.Header.FormatVersion == layout.FormatBlocksXXH3) {
+			t.Fatalf("block xxh3 %q in a formatVersion %d manifest", r.XXH3, snap.Header.FormatVersion)
 		}
 		b = b[r.Bytes:]
 	}

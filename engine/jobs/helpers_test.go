@@ -175,7 +175,8 @@ func planSizes(shape []int64, itemSize, blockBytes int) []int64 {
 }
 
 // checkBlockRefs checks that the refs of every slot name the SHA-256 of the
-// corresponding byte ranges of want, with the planned sizes.
+// corresponding byte ranges of want, with the planned sizes, and record
+// their xxh3-64 (a formatVersion 8 manifest).
 func checkBlockRefs(t testing.TB, h *layout.Header, want [][]byte, blockBytes int) {
 	t.Helper()
 	for i, tn := range h.Slots() {
@@ -191,6 +192,9 @@ func checkBlockRefs(t testing.TB, h *layout.Header, want [][]byte, blockBytes in
 			}
 			if got := shaHex(want[i][off : off+ref.Bytes]); ref.Hash != got {
 				t.Fatalf("slot %d block %d: hash %s, SHA-256 of its bytes is %s", i, b, ref.Hash, got)
+			}
+			if got := xxhHex(want[i][off : off+ref.Bytes]); ref.XXH3 != got || h.FormatVersion != layout.FormatBlocksXXH3 {
+				t.Fatalf("slot %d block %d: xxh3 %q (formatVersion %d), xxh3-64 of its bytes is %s", i, b, ref.XXH3, h.FormatVersion, got)
 			}
 			off += ref.Bytes
 		}

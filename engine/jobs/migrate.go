@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
-	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -459,7 +458,7 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 		// block's SHA-256 against its name: the manifest names the very
 		// same blocks. Anything else is a bug, reported, not hidden.
 		for i, t := range h.Slots() {
-			if !slices.Equal(t.Blocks, rsnap.Header.Slots()[i].Blocks) {
+			if !layout.SameBlocks(t.Blocks, rsnap.Header.Slots()[i].Blocks) {
 				err = fmt.Errorf("%w: %s %s: the restored bytes do not hash to the source's block names", ErrCorrupt, it.Dst, h.SlotName(i))
 				break
 			}

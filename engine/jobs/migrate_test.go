@@ -6,6 +6,7 @@ import (
 	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -19,6 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/kvpersist/kvpersist/internal/testutil"
+	"github.com/zeebo/xxh3"
 )
 
 // migFixtures holds the files written by the original Bun worker (see its
@@ -291,8 +293,22 @@ func TestMigrateFixtures(t *testing.T) {
 			if tn.DType != ot.DType || !slices.Equal(tn.Shape, ot.Shape) {
 				t.Fatalf("%s slot %d: %s%v, source %s%v", c.rel, i, tn.DType, tn.Shape, ot.DType, ot.Shape)
 			}
-			if c.lay == layout.Blocks && !slices.Equal(tn.Blocks, ot.Blocks) {
+			if c.lay == layout.Blocks && !layout.SameBlocks(tn.Blocks, ot.Blocks) {
 				t.Fatalf("%s slot %d: blocks %v, source %v", c.rel, i, tn.Blocks, ot.Blocks)
+			}
+			// The migrated manifest records each block's xxh3-64, equal to
+			// an independent hash of the block file's bytes.
+			for k, r := range tn.Blocks {
+				if c.lay != layout.Blocks {
+					break
+				}
+				b, err := os.ReadFile(testutil.BlockPath(filepath.Dir(filepath.Join(dst, c.rel)), r.Hash))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if want := fmt.Sprintf("%016x", xxh3.Hash(b)); r.XXH3 != want || snap.Header.FormatVersion != layout.FormatBlocksXXH3 {
+					t.Fatalf("%s slot %d block %d: xxh3 %q (formatVersion %d), the block's bytes hash to %s", c.rel, i, k, r.XXH3, snap.Header.FormatVersion, want)
+				}
 			}
 		}
 	}

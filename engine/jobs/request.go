@@ -103,8 +103,10 @@ type ReadRequest struct {
 	// the header of Stat: check Header.TotalBytes against what you can
 	// allocate first).
 	Dest [][]byte
-	// Verify re-hashes what was read: xxh3-64 per tensor (single file),
-	// SHA-256 per block (block layout).
+	// Verify re-hashes what was read: xxh3-64 per tensor (single file,
+	// page manifest), per block against the xxh3-64 the manifest records
+	// (block layout, formatVersion 8), SHA-256 per block against its name
+	// (formatVersion 5 manifests: the Bun worker's, kvpersist's older ones).
 	Verify bool
 	// Expect, when non-nil, is the header the caller allocated for (from an
 	// earlier Stat): every slot's dtype and shape must still match, else

@@ -8,6 +8,7 @@ import (
 	"hash"
 	"os"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
+	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/zeebo/xxh3"
 )
 
@@ -30,6 +32,12 @@ const (
 	ProblemCorruptTensor = "corrupt-tensor"
 	// ProblemCorruptBlock: a block's SHA-256 differs from its name.
 	ProblemCorruptBlock = "corrupt-block"
+	// ProblemBlockXXH3: a block's bytes match its name (SHA-256), but a
+	// manifest records another XXH3-64 for it (path: the block; detail:
+	// the manifests): a verified restore of that manifest, which checks
+	// the xxh3, fails with ErrCorrupt. The manifest is at fault, not the
+	// block.
+	ProblemBlockXXH3 = "block-xxh3"
 	// ProblemMissingBlock: a block a manifest names does not exist (path: where it should be).
 	ProblemMissingBlock = "missing-block"
 	// ProblemBlockSize: a block's size differs from its manifest entry, or
@@ -53,7 +61,8 @@ const (
 // problemRank orders a report: data that cannot be restored first, then
 // what collect cleans up.
 var problemRank = map[string]int{ProblemIO: 0, ProblemUnreadable: 1, ProblemCorruptTensor: 2, ProblemCorruptBlock: 3,
-	ProblemCorruptPage: 4, ProblemMissingBlock: 5, ProblemMissingPage: 6, ProblemBlockSize: 7, ProblemStaleTemp: 8, ProblemOrphanBlock: 9}
+	ProblemBlockXXH3: 4, ProblemCorruptPage: 5, ProblemMissingBlock: 6, ProblemMissingPage: 7, ProblemBlockSize: 8,
+	ProblemStaleTemp: 9, ProblemOrphanBlock: 10}
 
 // maxRefs is how many referrers a problem names; the rest are counted.
 const maxRefs = 4
@@ -85,7 +94,8 @@ type VerifyChecked struct {
 type VerifyReport struct {
 	Target string
 	// Problems, sorted by kind (ProblemIO, ProblemUnreadable,
-	// ProblemCorruptTensor, ProblemCorruptBlock, ProblemCorruptPage,
+	// ProblemCorruptTensor, ProblemCorruptBlock, ProblemBlockXXH3,
+	// ProblemCorruptPage,
 	// ProblemMissingBlock, ProblemMissingPage, ProblemBlockSize,
 	// ProblemStaleTemp, ProblemOrphanBlock), then path.
 	// At most one problem per kind and path.
@@ -127,11 +137,12 @@ type verifyTask struct {
 	off   int64 // byte offset in the file
 	size  int64 // bytes to hash
 	want  string
-	block bool   // SHA-256 of a whole block file (want is its name)
-	page  bool   // a whole page file: decoded, then each tensor (size: the file's)
-	bun   bool   // Bun.hash of a legacy single-file tensor
-	slot  string // tensor: slot name
-	refs  *refs  // block: who names it
+	block bool      // SHA-256 of a whole block file (want is its name)
+	xxh3  *xxh3Refs // block: the XXH3-64s manifests record for it, checked in the same pass
+	page  bool      // a whole page file: decoded, then each tensor (size: the file's)
+	bun   bool      // Bun.hash of a legacy single-file tensor
+	slot  string    // tensor: slot name
+	refs  *refs     // block: who names it
 }
 
 // refs names the first maxRefs referrers of a block and counts the rest,
@@ -165,6 +176,57 @@ type blockUse struct {
 	bytes    int64
 	refs     refs
 	conflict bool // manifests disagree on its size: reported once
+	xxh3     xxh3Refs
+}
+
+// xxh3Refs are the XXH3-64 values FormatBlocksXXH3 manifests record for
+// one block, each with who records it: the first value inline, others (a
+// wrong manifest) in a map made only then, so the common case, every
+// manifest agreeing, costs no map per block.
+type xxh3Refs struct {
+	sum   uint64
+	who   refs // who records sum; who.n == 0: no manifest records an xxh3
+	other map[uint64]*refs
+}
+
+// add records that referrer who says the block's xxh3 is hexSum (16 hex
+// digits, validated by the decode).
+func (x *xxh3Refs) add(hexSum, who string) {
+	v, _ := strconv.ParseUint(hexSum, 16, 64)
+	switch {
+	case x.who.n == 0 || v == x.sum:
+		x.sum = v
+		x.who.add(who)
+	default:
+		if x.other == nil {
+			x.other = map[uint64]*refs{}
+		}
+		r := x.other[v]
+		if r == nil {
+			r = &refs{}
+			x.other[v] = r
+		}
+		r.add(who)
+	}
+}
+
+// recorded reports whether any manifest records an xxh3 for the block.
+func (x *xxh3Refs) recorded() bool { return x != nil && x.who.n > 0 }
+
+// wrong describes the recorded values other than got and who records
+// them; "" when every one is got.
+func (x *xxh3Refs) wrong(got uint64) string {
+	var out []string
+	if x.sum != got {
+		out = append(out, fmt.Sprintf("%s recorded by %s", layout.TensorHash(x.sum), x.who.String()))
+	}
+	for v, r := range x.other {
+		if v != got {
+			out = append(out, fmt.Sprintf("%s recorded by %s", layout.TensorHash(v), r.String()))
+		}
+	}
+	sort.Strings(out)
+	return strings.Join(out, "; ")
 }
 
 type verifier struct {
@@ -180,8 +242,9 @@ type verifier struct {
 // VerifySpec.Target) without writing anything: every header (decode and
 // validation, as Read), every single-file tensor (xxh3-64, or Bun.hash for
 // the Bun worker's files) and every block a manifest names (present, its
-// size, its SHA-256 equal to its name; each distinct block once per
-// namespace), the pages a page manifest names (present), and, for a root
+// size, its SHA-256 equal to its name, and, in the same pass, its XXH3-64
+// equal to the one each FormatBlocksXXH3 manifest records for it; each
+// distinct block once per namespace), the pages a page manifest names (present), and, for a root
 // or namespace, every page file under pages/ (its header decoded, which
 // checks its key against the chain from its parent and token ids; the
 // key equal to its file name; each tensor's xxh3-64), orphan blocks (named by no
@@ -383,7 +446,11 @@ func (v *verifier) planSnap(ns *store.Namespace, snap *layout.Snapshot, name str
 				v.problem(ProblemBlockSize, p, "manifests disagree on its size: %d bytes (%s) and %d bytes (%s slot %d block %d)",
 					u.bytes, u.refs.String(), ref.Bytes, name, i, b)
 			}
-			u.refs.add(fmt.Sprintf("%s slot %d block %d", name, i, b))
+			who := fmt.Sprintf("%s slot %d block %d", name, i, b)
+			u.refs.add(who)
+			if ref.XXH3 != "" {
+				u.xxh3.add(ref.XXH3, who)
+			}
 		}
 	}
 	return tasks
@@ -461,7 +528,7 @@ func (v *verifier) planBlocks(uses map[string]*blockUse, onDisk map[string]store
 			v.problem(ProblemBlockSize, p, "%d bytes, the manifest says %d; named by %s", size, u.bytes, u.refs.String())
 			continue
 		}
-		tasks = append(tasks, verifyTask{path: p, size: size, want: u.hash, block: true, refs: &u.refs})
+		tasks = append(tasks, verifyTask{path: p, size: size, want: u.hash, block: true, refs: &u.refs, xxh3: &u.xxh3})
 	}
 	return tasks
 }
@@ -636,10 +703,14 @@ func (v *verifier) hash(ctx context.Context, t *verifyTask, f vfs.File, buf []by
 	}
 	var h hash.Hash
 	var xh *xxh3.Hasher
+	var bx *xxh3s.Digest // a block's xxh3, when a manifest records one
 	if t.block {
 		h = sha256Pool.Get().(hash.Hash)
 		defer sha256Pool.Put(h)
 		h.Reset()
+		if t.xxh3.recorded() {
+			bx = new(xxh3s.Digest)
+		}
 	} else {
 		xh = xxh3Pool.Get().(*xxh3.Hasher)
 		defer xxh3Pool.Put(xh)
@@ -664,6 +735,9 @@ func (v *verifier) hash(ctx context.Context, t *verifyTask, f vfs.File, buf []by
 			return done, err
 		}
 		h.Write(buf[:n])
+		if bx != nil {
+			bx.Write(buf[:n]) // the same piece, hot in cache
+		}
 		done += n
 		progress(n)
 	}
@@ -671,6 +745,13 @@ func (v *verifier) hash(ctx context.Context, t *verifyTask, f vfs.File, buf []by
 		var sum [32]byte
 		if got := hex.EncodeToString(h.Sum(sum[:0])); got != t.want {
 			v.problem(ProblemCorruptBlock, t.path, "SHA-256 %s differs from its name; named by %s", got, t.refs.String())
+		} else if bx != nil {
+			// The bytes are the block's: a manifest recording another
+			// xxh3 is wrong (a corrupt block is reported once, above).
+			got := bx.Sum64()
+			if wrong := t.xxh3.wrong(got); wrong != "" {
+				v.problem(ProblemBlockXXH3, t.path, "xxh3 %s, but %s: a verified restore of that snapshot fails", layout.TensorHash(got), wrong)
+			}
 		}
 		return done, nil
 	}

@@ -29,8 +29,8 @@ func SameBoundaries(a, b *Header) bool {
 
 // DiffHeaders compares header b with header a: metadata at every level
 // (MetaEqual), the entries, and each tensor's dtype, shape, bytes and, with
-// sameBlocks, block list. It returns "" when they match, else what differs
-// (naming b's value first, a's second).
+// sameBlocks, block list (SameBlocks: names and sizes). It returns ""
+// when they match, else what differs (naming b's value first, a's second).
 func DiffHeaders(a, b *Header, sameBlocks bool) string {
 	if !MetaEqual(a.Meta, b.Meta) {
 		return "top-level metadata differs"
@@ -55,7 +55,7 @@ func DiffHeaders(a, b *Header, sameBlocks bool) string {
 				if ta.DType != tb.DType || ta.Bytes != tb.Bytes || !slices.Equal(ta.Shape, tb.Shape) || !MetaEqual(ta.Meta, tb.Meta) {
 					return fmt.Sprintf("%s[%d] tensor %d is %s%v, the other %s%v", g.what, i, j, tb.DType, tb.Shape, ta.DType, ta.Shape)
 				}
-				if sameBlocks && !slices.Equal(ta.Blocks, tb.Blocks) {
+				if sameBlocks && !SameBlocks(ta.Blocks, tb.Blocks) {
 					return fmt.Sprintf("%s[%d] tensor %d names other blocks than the other", g.what, i, j)
 				}
 			}

@@ -7,6 +7,7 @@ package layout
 
 import (
 	"encoding/binary"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -54,7 +55,19 @@ const (
 // Format versions carried in the header's "formatVersion".
 const (
 	FormatSingle = 4 // kvpersist single-file snapshot
-	FormatBlocks = 5 // block manifest (the original's number)
+	// FormatBlocks is the block manifest of the original worker's number:
+	// each block named by its SHA-256 alone. kvpersist reads it (the Bun
+	// worker's stores, and kvpersist's own manifests written before
+	// FormatBlocksXXH3) and no longer writes it.
+	FormatBlocks = 5
+	// FormatBlocksXXH3 is the block manifest kvpersist writes: FormatBlocks
+	// with each block's XXH3-64 (seed 0) beside its SHA-256 name
+	// (BlockRef.XXH3), which a verified restore checks instead of SHA-256
+	// (ARCHITECTURE.md, "Block manifest"). A new version rather than an
+	// optional key, because readers of FormatBlocks refuse a block object
+	// with any key but "hash" and "bytes": an older build reports this one
+	// as ErrFormatVersion instead of a malformed block.
+	FormatBlocksXXH3 = 8
 )
 
 // Layout says how a snapshot stores its tensor bytes.
@@ -149,7 +162,11 @@ func HeaderHash(headerLen, dataStart uint32, js []byte) uint64 {
 
 // TensorHash formats a tensor hash: xxh3-64 (seed 0) of the logical bytes
 // as 16 lowercase hex digits of the u64 (most significant digit first).
-func TensorHash(sum uint64) string { return fmt.Sprintf("%016x", sum) }
+func TensorHash(sum uint64) string {
+	var b [8]byte // the big-endian bytes' hex is "%016x", one allocation fewer
+	binary.BigEndian.PutUint64(b[:], sum)
+	return hex.EncodeToString(b[:])
+}
 
 // EncodePrefix builds the 26-byte prefix plus JSON for kvpersist's format,
 // returning a buffer of at least PrefixLen+len(js) bytes (padded with zeros
@@ -242,7 +259,7 @@ func (n slotName) String() string { return n.h.SlotName(n.i) }
 func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 	var lay Layout
 	switch {
-	case h.FormatVersion == FormatBlocks:
+	case h.FormatVersion == FormatBlocks, h.FormatVersion == FormatBlocksXXH3 && !p.Legacy:
 		lay = Blocks
 	case (h.FormatVersion == FormatSingle || h.FormatVersion == FormatPage) && !p.Legacy:
 		lay = Single // a page file is a single file with a "page" object
@@ -250,8 +267,10 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 		lay = Pages
 	case h.FormatVersion == 0 && p.Legacy:
 		lay = Single
+	case p.Legacy:
+		return 0, fmt.Errorf("%w: formatVersion %d in a file of the Bun worker (it wrote none, or %d)", ErrFormatVersion, h.FormatVersion, FormatBlocks)
 	default:
-		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatPages)
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocksXXH3)
 	}
 	if lay != Blocks && !p.Legacy && p.DataStart%DataAlign != 0 {
 		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)
@@ -340,6 +359,13 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 			for b, ref := range t.Blocks {
 				if !ValidBlockHash(ref.Hash) {
 					return 0, fmt.Errorf("%w: %s block %d name %q is not 64 lowercase hex digits", ErrInvalidHeader, name, b, ref.Hash)
+				}
+				if h.FormatVersion == FormatBlocksXXH3 {
+					if !tensorHashRE.MatchString(ref.XXH3) {
+						return 0, fmt.Errorf("%w: %s block %d xxh3 %q is not 16 lowercase hex digits", ErrInvalidHeader, name, b, ref.XXH3)
+					}
+				} else if ref.XXH3 != "" {
+					return 0, fmt.Errorf("%w: %s block %d has an xxh3 (%q), which a formatVersion %d manifest does not carry", ErrInvalidHeader, name, b, ref.XXH3, FormatBlocks)
 				}
 				if ref.Bytes <= 0 {
 					return 0, fmt.Errorf("%w: %s block %d has %d bytes", ErrInvalidHeader, name, b, ref.Bytes)

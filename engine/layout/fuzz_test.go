@@ -20,6 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // memFile is a read-only in-memory vfs.File. It records the largest buffer
@@ -106,6 +107,22 @@ func fzSeedFiles(f *testing.F) (single, manifest []byte) {
 	return read(layout.Single), read(layout.Blocks)
 }
 
+// toV5 rewrites a FormatBlocksXXH3 manifest as the FormatBlocks manifest
+// of the same blocks (no xxh3s): what kvpersist wrote before, and what the
+// Bun worker's manifests hold.
+func toV5(tb testing.TB, manifest []byte) []byte {
+	tb.Helper()
+	snap, _, err := decodeMem(manifest)
+	if err != nil || snap.Header.FormatVersion != layout.FormatBlocksXXH3 {
+		tb.Fatalf("toV5 of a formatVersion %v manifest: %v", snap.Header.FormatVersion, err)
+	}
+	js, err := testutil.AsFormatBlocks(snap.Header).Encode()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return layout.EncodePrefix(js, uint32(layout.PrefixLen+len(js)))
+}
+
 // toLegacy re-prefixes a kvpersist file the way the Bun worker wrote it:
 // LegacyMagic and Bun.hash of the JSON alone (the header itself unchanged).
 func toLegacy(b []byte) []byte {
@@ -168,7 +185,8 @@ func splitFile(f *testing.F, b []byte) (js, tail []byte) {
 // (testdata/fuzz/FuzzDecode) and hand-made hostile prefixes.
 func FuzzDecode(f *testing.F) {
 	single, manifest := fzSeedFiles(f)
-	for _, b := range [][]byte{single, manifest, toLegacy(manifest)} {
+	v5 := toV5(f, manifest)
+	for _, b := range [][]byte{single, manifest, v5, toLegacy(v5)} {
 		if _, _, err := decodeMem(b); err != nil {
 			f.Fatalf("seed does not decode: %v", err)
 		}
@@ -178,9 +196,12 @@ func FuzzDecode(f *testing.F) {
 	f.Add(uint8(modeLegacySingle), js, tail)
 	js, tail = splitFile(f, manifest)
 	f.Add(uint8(modeManifest), js, tail)
+	f.Add(uint8(modeLegacyManifest), js, tail) // refused: the Bun worker wrote no formatVersion 8
+	js, tail = splitFile(f, v5)
+	f.Add(uint8(modeManifest), js, tail)
 	f.Add(uint8(modeLegacyManifest), js, tail)
 	f.Add(uint8(modeRaw), manifest, []byte{})
-	f.Add(uint8(modeRaw), toLegacy(manifest), []byte{})
+	f.Add(uint8(modeRaw), toLegacy(v5), []byte{})
 	f.Add(uint8(modeRaw), manifest[:len(manifest)-1], []byte{})
 	// A 100-byte file whose prefix claims a 60 MiB header.
 	huge := make([]byte, 100)
@@ -195,6 +216,10 @@ func FuzzDecode(f *testing.F) {
 	f.Add(uint8(modeRaw), []byte{}, []byte{})
 	f.Add(uint8(modeManifest), []byte(`{"caches":[{"tensors":[{"off":0,"bytes":2,"hash":"","dtype":"int8","shape":[2],"blocks":[{"hash":"`+
 		strings.Repeat("0", 64)+`","bytes":2}]}]}],"formatVersion":5}`), []byte{})
+	for _, xx := range []string{`"0123456789abcdef"`, `"0123456789ABCDEF"`, `"0123456789abcde"`, `"0123456789abcdefa"`, `"0123456789abcdeg"`, `""`, `null`, `81985529216486895`} {
+		f.Add(uint8(modeManifest), []byte(`{"caches":[{"tensors":[{"off":0,"bytes":2,"hash":"","dtype":"int8","shape":[2],"blocks":[{"hash":"`+
+			strings.Repeat("0", 64)+`","bytes":2,"xxh3":`+xx+`}]}]}],"formatVersion":8}`), []byte{})
+	}
 	f.Add(uint8(modeSingle), []byte(`{"caches":[{"tensors":[{"off":0,"bytes":2,"hash":"0123456789abcdef","dtype":"int8","shape":[2]},`+
 		`{"off":4096,"bytes":4,"hash":"0123456789abcdef","dtype":"float32","shape":[1]}]}],"formatVersion":4}`), make([]byte, 4100))
 
@@ -292,9 +317,18 @@ func checkInvariants(t *testing.T, s *layout.Snapshot, size int64) {
 			}
 		case layout.Blocks:
 			var sum int64
+			v := s.Header.FormatVersion
+			if v != 5 && (v != 8 || s.Legacy) {
+				t.Fatalf("a block manifest of formatVersion %d (legacy %v)", v, s.Legacy)
+			}
 			for k, r := range tn.Blocks {
 				if len(r.Hash) != 64 || !isLowerHex(r.Hash) || r.Bytes <= 0 {
 					t.Fatalf("slot %d block %d: %q, %d bytes", i, k, r.Hash, r.Bytes)
+				}
+				// formatVersion 8 records every block's xxh3 as 16
+				// lowercase hex digits; 5 records none.
+				if (v == 8) != (len(r.XXH3) == 16 && isLowerHex(r.XXH3)) || (v == 5 && r.XXH3 != "") {
+					t.Fatalf("slot %d block %d: xxh3 %q in a formatVersion %d manifest", i, k, r.XXH3, v)
 				}
 				if r.Bytes > tn.Bytes-sum { // 0 <= sum <= tn.Bytes: no overflow
 					t.Fatalf("slot %d: blocks sum past its %d bytes", i, tn.Bytes)

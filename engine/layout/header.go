@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"slices"
 	"sort"
 	"strconv"
 	"unicode/utf8"
@@ -35,8 +36,10 @@ func MetaOf(m map[string]any) (Meta, error) {
 // slots, in file order, are every tensor of Caches (in order), then every
 // tensor of Attachments. See ARCHITECTURE.md, "On-disk format".
 type Header struct {
-	// FormatVersion is FormatSingle (4) or FormatBlocks (5). Files written by
-	// the Bun worker carry no version for the single-file layout (read as 0).
+	// FormatVersion is FormatSingle (4), FormatBlocks (5, read only),
+	// FormatPage (6), FormatPages (7) or FormatBlocksXXH3 (8, the block
+	// manifest kvpersist writes). Files written by the Bun worker carry no
+	// version for the single-file layout (read as 0).
 	FormatVersion int
 	Caches        []Entry
 	Attachments   []Entry
@@ -69,8 +72,21 @@ type Tensor struct {
 
 // BlockRef names one block of a tensor in a block manifest.
 type BlockRef struct {
-	Hash  string // SHA-256 of the block's bytes, 64 lowercase hex digits
+	Hash  string // SHA-256 of the block's bytes, 64 lowercase hex digits: the block file's name
 	Bytes int64  // block length in bytes, > 0
+	// XXH3 is XXH3-64 (seed 0) of the block's bytes as 16 lowercase hex
+	// digits of the u64, most significant first (fmt "%016x", as
+	// Tensor.Hash): what a verified restore checks the bytes against.
+	// Required in a FormatBlocksXXH3 manifest, "" (absent) in a
+	// FormatBlocks one. In JSON (inspect) it is "XXH3", left out when "".
+	XXH3 string `json:"XXH3,omitempty"`
+}
+
+// SameBlocks reports whether two block lists name the same blocks (hash
+// and size) in the same order; XXH3 is not compared, so a FormatBlocks
+// list and the FormatBlocksXXH3 list of the same blocks are the same.
+func SameBlocks(a, b []BlockRef) bool {
+	return slices.EqualFunc(a, b, func(x, y BlockRef) bool { return x.Hash == y.Hash && x.Bytes == y.Bytes })
 }
 
 // Slots returns every tensor slot in file order: caches first, then
@@ -280,7 +296,8 @@ func (w *jsonWriter) str(s string) {
 
 // Encode returns the header's compact JSON. Cache entries' metadata comes
 // first in each entry object, then "tensors"; tensor keys are written in the
-// order off, bytes, hash, dtype, shape, blocks (blocks only when non-nil).
+// order off, bytes, hash, dtype, shape, blocks (blocks only when non-nil);
+// a block's as hash, bytes, xxh3 (xxh3 only when not "").
 // It fails with ErrInvalidHeader when metadata uses a reserved key or is not
 // valid JSON.
 func (h *Header) Encode() ([]byte, error) {
@@ -349,6 +366,10 @@ func (h *Header) Encode() ([]byte, error) {
 						w.str(b.Hash)
 						w.WriteString(`,"bytes":`)
 						w.int(b.Bytes)
+						if b.XXH3 != "" {
+							w.WriteString(`,"xxh3":`)
+							w.str(b.XXH3)
+						}
 						w.WriteByte('}')
 					}
 					w.WriteByte(']')
@@ -387,11 +408,11 @@ func parseHeader(js []byte) (*Header, error) {
 		}
 	}
 	var err error
-	if h.Caches, err = parseEntries(top["caches"], "caches", true); err != nil {
+	if h.Caches, err = parseEntries(top["caches"], "caches", true, h.FormatVersion); err != nil {
 		return nil, err
 	}
 	if v, ok := top["attachments"]; ok {
-		if h.Attachments, err = parseEntries(v, "attachments", false); err != nil {
+		if h.Attachments, err = parseEntries(v, "attachments", false, h.FormatVersion); err != nil {
 			return nil, err
 		}
 	}
@@ -405,7 +426,9 @@ func parseHeader(js []byte) (*Header, error) {
 	return h, nil
 }
 
-func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, error) {
+// parseEntries parses a list of entries of a header of formatVersion
+// version (which decides the keys of a block object: parseTensor).
+func parseEntries(raw json.RawMessage, name string, required bool, version int) ([]Entry, error) {
 	if raw == nil {
 		if required {
 			return nil, fmt.Errorf("%w: %q is missing", ErrInvalidHeader, name)
@@ -444,7 +467,7 @@ func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, err
 				return nil, fmt.Errorf("%w: %s is not an object", ErrInvalidHeader, tw)
 			}
 			var err error
-			if e.Tensors[j], err = parseTensor(t, tw); err != nil {
+			if e.Tensors[j], err = parseTensor(t, tw, version); err != nil {
 				return nil, err
 			}
 		}
@@ -453,7 +476,11 @@ func parseEntries(raw json.RawMessage, name string, required bool) ([]Entry, err
 	return out, nil
 }
 
-func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
+// parseTensor parses one tensor object. Its blocks, if any, are exactly
+// {"hash": string, "bytes": integer}, plus "xxh3": string when version is
+// FormatBlocksXXH3 (either for versions without blocks); the xxh3's form
+// is Validate's to check.
+func parseTensor(t map[string]json.RawMessage, where string, version int) (Tensor, error) {
 	var x Tensor
 	field := func(k string, dst any, required bool) error {
 		v, ok := t[k]
@@ -486,14 +513,30 @@ func parseTensor(t map[string]json.RawMessage, where string) (Tensor, error) {
 	}
 	if _, ok := t["blocks"]; ok {
 		x.Blocks = make([]BlockRef, len(blocks))
+		// FormatBlocks: exactly {hash, bytes}; FormatBlocksXXH3: exactly
+		// {hash, bytes, xxh3}; any other version (which Validate refuses
+		// with blocks, or as unknown: ErrFormatVersion, the error that
+		// matters) either.
+		keys, want := 0, `{"hash": string, "bytes": integer} or {"hash": string, "bytes": integer, "xxh3": string}`
+		switch version {
+		case FormatBlocks:
+			keys, want = 2, `{"hash": string, "bytes": integer}`
+		case FormatBlocksXXH3:
+			keys, want = 3, `{"hash": string, "bytes": integer, "xxh3": string}`
+		}
 		for i, b := range blocks {
-			// Exactly {"hash": string, "bytes": integer}: keys are matched
-			// exactly (encoding/json's struct matching ignores case).
-			hv, bv := b["hash"], b["bytes"]
-			if len(b) != 2 || hv == nil || bv == nil ||
+			// Exactly these keys, matched exactly (encoding/json's struct
+			// matching ignores case).
+			hv, bv, xv := b["hash"], b["bytes"], b["xxh3"]
+			n := 2
+			if xv != nil {
+				n = 3
+			}
+			if len(b) != n || (keys != 0 && n != keys) || hv == nil || bv == nil ||
 				json.Unmarshal(hv, &x.Blocks[i].Hash) != nil || isNull(hv) ||
-				json.Unmarshal(bv, &x.Blocks[i].Bytes) != nil || isNull(bv) {
-				return x, fmt.Errorf("%w: %s.blocks[%d] must be exactly {\"hash\": string, \"bytes\": integer}", ErrInvalidHeader, where, i)
+				json.Unmarshal(bv, &x.Blocks[i].Bytes) != nil || isNull(bv) ||
+				(xv != nil && (json.Unmarshal(xv, &x.Blocks[i].XXH3) != nil || isNull(xv))) {
+				return x, fmt.Errorf("%w: %s.blocks[%d] must be exactly %s (formatVersion %d)", ErrInvalidHeader, where, i, want, version)
 			}
 		}
 	}

@@ -31,7 +31,7 @@ type Inspection struct {
 	// shape, a lenient parse of it for display only (UNVERIFIED); its
 	// Layout is guessed from formatVersion.
 	Loose *Header
-	// LooseLayout is Loose's layout (FormatBlocks: Blocks, FormatPages:
+	// LooseLayout is Loose's layout (FormatBlocks, FormatBlocksXXH3: Blocks, FormatPages:
 	// Pages, else Single).
 	LooseLayout Layout
 	// LooseVersion is Loose's formatVersion, nil when the key is absent.
@@ -211,7 +211,7 @@ func parseLoose(js []byte) (*Header, Layout, *int) {
 	}
 	lay := Single
 	switch h.FormatVersion {
-	case FormatBlocks:
+	case FormatBlocks, FormatBlocksXXH3:
 		lay = Blocks
 	case FormatPages:
 		lay = Pages

@@ -34,12 +34,13 @@ func TestCollect(t *testing.T) {
 	p, _ := s.NamespacePrefix("ns")
 	unknown := p + "pages/zz/not-a-key"
 	put(unknown, []byte("?"))
-	time.Sleep(3500 * time.Millisecond) // age them past a 2 s grace at 1 s mtime resolution
+	time.Sleep(3500 * time.Millisecond) // 3 s older than young at 1 s mtime resolution
 	young := key("young")
-	put(pageName(t, s, "ns", young), []byte("young unreferenced page"))
+	youngName := pageName(t, s, "ns", young)
+	put(youngName, []byte("young unreferenced page"))
 
 	var sawManifests []string
-	opts := remote.CollectOptions{Namespace: "ns", Grace: 2 * time.Second,
+	opts := remote.CollectOptions{Namespace: "ns",
 		Live: func(ctx context.Context, ms []remote.Listed) (map[string]bool, error) {
 			liveSet := map[string]bool{}
 			for _, m := range ms {
@@ -54,6 +55,7 @@ func TestCollect(t *testing.T) {
 		}}
 	dry := opts
 	dry.DryRun = true
+	dry.Grace = graceKeepingYoung(t, s, youngName)
 	rep, err := s.Collect(ctx, dry)
 	if err != nil || rep.Deleted != 1 {
 		t.Fatalf("dry run: %+v, %v", rep, err)
@@ -61,6 +63,7 @@ func TestCollect(t *testing.T) {
 	if _, err := s.Stat(ctx, pageName(t, s, "ns", old)); err != nil {
 		t.Fatalf("dry run deleted: %v", err)
 	}
+	opts.Grace = graceKeepingYoung(t, s, youngName)
 	rep, err = s.Collect(ctx, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +91,7 @@ func TestCollect(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(3500 * time.Millisecond)
+	time.Sleep(3500 * time.Millisecond) // young is now 3 s older than old2's refresh
 	after, err := s.Refresh(ctx, old2, before.ETag)
 	if err != nil {
 		t.Fatal(err)
@@ -96,6 +99,7 @@ func TestCollect(t *testing.T) {
 	if !after.ModTime.After(before.ModTime) || after.Size != before.Size {
 		t.Fatalf("Refresh: %+v -> %+v", before, after)
 	}
+	opts.Grace = graceKeepingYoung(t, s, old2)
 	rep, err = s.Collect(ctx, opts)
 	if err != nil || rep.Deleted != 1 || rep.Young != 1 || rep.Live != 1 {
 		t.Fatalf("collect after Refresh: %+v, %v (want the refreshed page kept, the now old unreferenced page deleted)", rep, err)

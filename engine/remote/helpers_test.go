@@ -2,6 +2,7 @@ package remote_test
 
 import (
 	"bytes"
+	"context"
 	"crypto/sha256"
 	"encoding/hex"
 	"errors"
@@ -13,6 +14,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine/remote"
 )
@@ -54,6 +56,22 @@ func pageName(t testing.TB, s *remote.Store, ns, k string) string {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// graceKeepingYoung returns a Collect grace under which the page young
+// (just put) is still young for a Collect whose listing comes within 2 s
+// of now, by the store's clock: the Date of a HEAD of young minus its
+// mtime, plus 2 s. Every page whose mtime is at least 3 s older than
+// young's is old under it, however long the test ran before. (A fixed
+// 2 s grace made young's youth depend on how long the test's earlier
+// requests took: a loaded machine could let it age.)
+func graceKeepingYoung(t testing.TB, s *remote.Store, young string) time.Duration {
+	t.Helper()
+	o, err := s.Stat(context.Background(), young)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s.ServerTime().Sub(o.ModTime) + 2*time.Second
 }
 
 func randBytes(seed uint64, n int) []byte {

@@ -205,12 +205,12 @@ func TestProxyCollectFaults(t *testing.T) {
 	for _, n := range old {
 		put(n, []byte("old "+n))
 	}
-	time.Sleep(3500 * time.Millisecond) // older than a 2 s grace at 1 s mtime resolution
+	time.Sleep(3500 * time.Millisecond) // 3 s older than young at 1 s mtime resolution
 	young := pageName(t, direct, "ns", key("young"))
 	put(young, []byte("young"))
 	all := testutil.ObjectNames(t, direct, "ns")
 
-	opts := remote.CollectOptions{Namespace: "ns", Grace: 2 * time.Second,
+	opts := remote.CollectOptions{Namespace: "ns",
 		Live: func(ctx context.Context, ms []remote.Listed) (map[string]bool, error) {
 			set := map[string]bool{}
 			for _, m := range ms {
@@ -235,6 +235,7 @@ func TestProxyCollectFaults(t *testing.T) {
 		{"manifest HEAD refused", faultproxy.Rule{Kinds: faultproxy.Head, Fault: faultproxy.Refuse}},
 	} {
 		p.Set(c.rule)
+		opts.Grace = graceKeepingYoung(t, direct, young)
 		rep, err := s.Collect(ctx, opts)
 		if err == nil || rep.Deleted != 0 {
 			t.Fatalf("%s: Collect = %+v, %v; want an error and nothing deleted", c.what, rep, err)
@@ -247,9 +248,11 @@ func TestProxyCollectFaults(t *testing.T) {
 	// refused: Collect stops at the first error.
 	p.Set(faultproxy.Rule{Kinds: faultproxy.Delete, Fault: faultproxy.Reset, Count: 1},
 		faultproxy.Rule{Kinds: faultproxy.Delete, Fault: faultproxy.Refuse, Count: 1})
+	opts.Grace = graceKeepingYoung(t, direct, young)
 	if _, err := s.Collect(ctx, opts); err == nil {
 		t.Fatal("Collect with a lost DELETE response succeeded")
 	}
+	opts.Grace = graceKeepingYoung(t, direct, young)
 	if _, err := s.Collect(ctx, opts); err == nil {
 		t.Fatal("Collect with a refused DELETE succeeded")
 	}
@@ -257,6 +260,7 @@ func TestProxyCollectFaults(t *testing.T) {
 		t.Fatalf("%d objects after a lost and a refused DELETE, want %d (one deleted)", got, len(all)-1)
 	}
 	p.Clear()
+	opts.Grace = graceKeepingYoung(t, direct, young)
 	rep, err := s.Collect(ctx, opts)
 	if err != nil || rep.Deleted != len(old)-1 || rep.Live != 2 || rep.Young != 1 || rep.Manifests != 1 {
 		t.Fatalf("clean Collect = %+v, %v; want the 3 remaining old pages deleted", rep, err)

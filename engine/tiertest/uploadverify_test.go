@@ -311,11 +311,14 @@ func TestCorruptLocalManifestNotUploaded(t *testing.T) {
 // TestJournaledCorruptPageRemovedAtNew: an upload resumed from the uploads
 // journal by New itself, of a page that rotted on disk meanwhile, takes
 // the corrupt-page path (removed under the namespace's exclusive lock,
-// never uploaded). That path reads the engine's jobs configuration, which
-// New used to assign only after it had started the tier and its resumed
-// uploads: an upload done within those microseconds would have read it
-// unset. This test cannot force that interleaving; it checks the path end
-// to end for the upload New resumes.
+// never uploaded). That path reads the engine's jobs configuration and
+// e.tier, which New used to assign only after it had started the tier and
+// its resumed uploads: an upload done within those microseconds read them
+// unordered with New's writes (the race detector reported it for e.tier
+// once in `make test`; New now resumes the uploads after both are set).
+// The test cannot force that interleaving (every way of holding New back
+// until the upload ended also orders the two goroutines); it checks the
+// path end to end for the upload New resumes.
 func TestJournaledCorruptPageRemovedAtNew(t *testing.T) {
 	prefix, root := bucketPrefix(t), t.TempDir()
 	_, kx, bad := savedWithRottenPage(t, root, prefix, 51000, 2, 0)

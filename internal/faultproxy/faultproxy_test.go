@@ -185,14 +185,33 @@ func TestFaults(t *testing.T) {
 		t.Fatalf("third HEAD: %d, want 200 (Count 1 spent)", code)
 	}
 
-	// Delay: the request waits, then passes; a shorter deadline fails it.
-	p.Set(faultproxy.Rule{Kinds: faultproxy.Any, Fault: faultproxy.Delay, Delay: 300 * time.Millisecond})
-	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	// Delay: the request waits at the proxy, so a caller giving up
+	// 50 ms after the proxy has it (far less than the delay) fails it.
+	// The 50 ms start once the proxy counts the request: a deadline set
+	// before sending could run out on a stalled machine before the
+	// request reached the proxy, which would then neither see nor
+	// fault it.
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Any, Fault: faultproxy.Delay, Delay: 10 * time.Second})
+	seenGets := p.Seen(faultproxy.Get)
+	ctx, cancel := context.WithCancel(context.Background())
+	gaveUp := make(chan struct{})
+	go func() {
+		defer close(gaveUp)
+		for p.Seen(faultproxy.Get) == seenGets {
+			if ctx.Err() != nil {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(50 * time.Millisecond)
+		cancel()
+	}()
 	req, _ := http.NewRequestWithContext(ctx, "GET", url, nil)
 	_, err = c.Do(req)
 	cancel()
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("delayed GET under a short deadline: %v", err)
+	<-gaveUp
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("delayed GET given up 50 ms after the proxy had it: %v", err)
 	}
 	// ShiftDate: the Date header moves by Delay.
 	p.Set(faultproxy.Rule{Kinds: faultproxy.Head, Fault: faultproxy.ShiftDate, Delay: 2 * time.Hour})

@@ -8,6 +8,8 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
 // BunFixtures is the path of the Bun worker's stores (testdata/bun-worker at
@@ -97,4 +99,19 @@ func BunStore(tb TB, fixtures, root string) string {
 		CopyFile(tb, filepath.Join(fixtures, "blocks", "blocks", e.Name()), filepath.Join(root, "bun-blocks", "blocks", e.Name()))
 	}
 	return root
+}
+
+// AsFormatBlocks returns a copy of h, a block manifest's header, as a
+// formatVersion 5 manifest (layout.FormatBlocks) of the same blocks: no
+// block carries an xxh3. That is what the Bun worker's manifests hold, and
+// kvpersist's own before formatVersion 8.
+func AsFormatBlocks(h *layout.Header) *layout.Header {
+	c := h.Clone()
+	c.FormatVersion = layout.FormatBlocks
+	for _, t := range c.Slots() {
+		for k := range t.Blocks {
+			t.Blocks[k].XXH3 = ""
+		}
+	}
+	return c
 }
