@@ -4,7 +4,11 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"net/http"
+	"os"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -37,13 +41,23 @@ const remoteFetchInFlight = 16
 // flight. Target x-limit >= 0.8; GB/s reported for both. The loaded bytes
 // are compared with the cache's at the end. The CPU seconds per GiB
 // fetched, of this process and of the server, are reported for both sides
-// (measured.reportCPU): on a 2-core machine the two share the cores.
+// (measured.reportCPU): on a 2-core machine the two share the cores. The
+// requests each side sends are counted per page fetched (heads/page,
+// gets/page, ranged/page: GETs with a Range header, ifmatch/page: with
+// If-Match, other/page; "limit-" for the limit's). With
+// KVPERSIST_BENCH_FETCH_CHUNK_BYTES set, engine B's
+// Store.FetchChunkBytes is that (an experiment; unset: the engine's
+// default, one GET per page up to 64 MiB).
 func BenchmarkRemoteFetch(b *testing.B) {
 	srv := seaweedfs.StartTB(b) // fails (never skips) when weed cannot be built
 	w := getWorkload(b, benchModel, prefixTokens)
 	m := w.model
 	cfg := engine.RemoteConfig{Endpoint: srv.Endpoint, Bucket: srv.Bucket, Prefix: "bench-fetch",
 		AccessKey: srv.AccessKey, SecretKey: srv.SecretKey}
+	reqs, err := newCountingRT()
+	if err != nil {
+		b.Fatal(err)
+	}
 	toks := tokenIDs(prefixTokens, 15)
 
 	// Engine A saves and uploads (Close waits for the uploads).
@@ -56,6 +70,15 @@ func BenchmarkRemoteFetch(b *testing.B) {
 		b.Fatal(err)
 	}
 
+	// Both sides count their requests from here on (one transport).
+	cfg.Transport = reqs
+	if v := os.Getenv("KVPERSIST_BENCH_FETCH_CHUNK_BYTES"); v != "" {
+		n, err := strconv.ParseInt(v, 10, 64)
+		if err != nil || n < 1 {
+			b.Fatalf("KVPERSIST_BENCH_FETCH_CHUNK_BYTES=%q: want a positive byte count", v)
+		}
+		cfg.FetchChunkBytes = n // an experiment: the engine's default is one GET per page up to 64 MiB
+	}
 	// The limit's objects and buffers.
 	st, err := remote.New(cfg)
 	if err != nil {
@@ -105,6 +128,7 @@ func BenchmarkRemoteFetch(b *testing.B) {
 
 	var e *engine.Engine
 	var root string
+	var oursReqs, limitReqs reqCounts
 	b.SetBytes(objBytes)
 	b.ReportAllocs()
 	mm := alternate(b, steps{
@@ -115,12 +139,16 @@ func BenchmarkRemoteFetch(b *testing.B) {
 			}
 		},
 		ours: func(int) {
+			c0 := reqs.counts()
+			defer func() { oursReqs = oursReqs.add(reqs.counts().sub(c0)) }()
 			res := do(b, e, req)
 			if res.Prefix.Tokens != prefixTokens || res.Remote == nil || res.Remote.Err != nil || res.Remote.BytesFetched != objBytes {
 				b.Fatalf("load: %+v, remote %+v", res.Prefix, res.Remote)
 			}
 		},
 		limit: func(int) {
+			c0 := reqs.counts()
+			defer func() { limitReqs = limitReqs.add(reqs.counts().sub(c0)) }()
 			if err := getAll(st, names, limBufs); err != nil {
 				b.Fatal(err)
 			}
@@ -145,6 +173,9 @@ func BenchmarkRemoteFetch(b *testing.B) {
 	if mm.limit > 0 {
 		b.ReportMetric(float64(objBytes)*float64(mm.n)/mm.limit.Seconds()/1e9, "limit-GB/s")
 	}
+	pages := float64(len(names) * mm.n)
+	oursReqs.report(b, "", pages)
+	limitReqs.report(b, "limit-", pages)
 	checkLoaded(b, w, dest, capT, prefixTokens)
 }
 
@@ -195,4 +226,65 @@ func getAll(st *remote.Store, names []string, bufs [][]byte) error {
 	}
 	wg.Wait()
 	return first
+}
+
+// countingRT is an http.RoundTripper (the default minio transport, as
+// remote.New builds it) counting the requests sent through it by kind.
+type countingRT struct {
+	next                              http.RoundTripper
+	head, get, ranged, ifMatch, other atomic.Int64
+}
+
+func newCountingRT() (*countingRT, error) {
+	t, err := minio.DefaultTransport(false)
+	if err != nil {
+		return nil, err
+	}
+	t.MaxIdleConnsPerHost = 16 // as remote.New sets it at the default Concurrency
+	return &countingRT{next: t}, nil
+}
+
+func (c *countingRT) RoundTrip(r *http.Request) (*http.Response, error) {
+	switch r.Method {
+	case http.MethodHead:
+		c.head.Add(1)
+	case http.MethodGet:
+		c.get.Add(1)
+		if r.Header.Get("Range") != "" {
+			c.ranged.Add(1)
+		}
+		if r.Header.Get("If-Match") != "" {
+			c.ifMatch.Add(1)
+		}
+	default:
+		c.other.Add(1)
+	}
+	return c.next.RoundTrip(r)
+}
+
+// reqCounts: requests by kind (a GET may be ranged and conditional both).
+type reqCounts struct{ head, get, ranged, ifMatch, other int64 }
+
+func (c *countingRT) counts() reqCounts {
+	return reqCounts{c.head.Load(), c.get.Load(), c.ranged.Load(), c.ifMatch.Load(), c.other.Load()}
+}
+
+func (a reqCounts) sub(b reqCounts) reqCounts {
+	return reqCounts{a.head - b.head, a.get - b.get, a.ranged - b.ranged, a.ifMatch - b.ifMatch, a.other - b.other}
+}
+
+func (a reqCounts) add(b reqCounts) reqCounts {
+	return reqCounts{a.head + b.head, a.get + b.get, a.ranged + b.ranged, a.ifMatch + b.ifMatch, a.other + b.other}
+}
+
+// report reports the requests per page fetched, each kind under prefix.
+func (a reqCounts) report(b *testing.B, prefix string, pages float64) {
+	if pages == 0 {
+		return
+	}
+	b.ReportMetric(float64(a.head)/pages, prefix+"heads/page")
+	b.ReportMetric(float64(a.get)/pages, prefix+"gets/page")
+	b.ReportMetric(float64(a.ranged)/pages, prefix+"ranged/page")
+	b.ReportMetric(float64(a.ifMatch)/pages, prefix+"ifmatch/page")
+	b.ReportMetric(float64(a.other)/pages, prefix+"other/page")
 }

@@ -35,6 +35,9 @@
 #                           and of its limit is CPU-profiled apart into
 #                           <dir>/<row>-<ours|limit>-<i>-<n>.pprof
 #                           (`go tool pprof -top BIN DIR/*-ours-*.pprof`)
+#   KVPERSIST_BENCH_FETCH_CHUNK_BYTES  BenchmarkRemoteFetch's engine fetches
+#                           with this Store.FetchChunkBytes (an experiment;
+#                           unset: one GET per page up to 64 MiB)
 #   BENCHSTAT=1             also print `benchstat` of the results (fetched with
 #                           go run golang.org/x/perf/cmd/benchstat@latest;
 #                           skipped if that fails); 0 to skip

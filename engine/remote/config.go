@@ -98,8 +98,16 @@ type Config struct {
 	// Concurrency bounds the requests in flight for one Exists batch or
 	// one Fetch. Default 16.
 	Concurrency int
-	// FetchChunkBytes is the byte length of one ranged GET. Default 8 MiB.
-	// Fetch holds at most Concurrency copy buffers of CopyBufferBytes.
+	// FetchChunkBytes is the byte length of one ranged GET. Default 8 MiB
+	// here, so that one object fetched alone (kvpersist verify --remote)
+	// has several GETs in flight; the engine's read-through, which keeps
+	// many pages in flight instead, defaults it to 64 MiB (one GET per
+	// page: engine.RemoteTier.FetchPages). Every GET carries a Range
+	// header and If-Match, also when one range is the whole object; on
+	// SeaweedFS neither costs the server measurably more CPU per byte than
+	// a plain GET, nor do 8 MiB ranges (ARCHITECTURE.md, "Where the CPU
+	// goes"). Fetch holds at most Concurrency copy buffers of
+	// CopyBufferBytes, whatever this is.
 	FetchChunkBytes int64
 	// MaxObjectBytes: larger objects are refused by Fetch (ErrTooLarge)
 	// before any byte is written. Default 4 GiB.
