@@ -308,8 +308,11 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Workers == 1 {
 		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool
 	}
-	// The tier last: the uploads it resumes from the journals run at
-	// once, and one that finds a corrupt page removes it through e.jcfg.
+	// The tier last, after e.jcfg: newTier only opens the tier and its
+	// journal; the uploads an earlier engine left pending are resumed
+	// below, once e.tier and the page cache's onRemoved are set, and
+	// start at once (one that finds a corrupt page removes it through
+	// e.jcfg and e.tier).
 	if cfg.Remote != nil {
 		if e.tier, err = newTier(e, cfg.Remote); err != nil {
 			e.pool.Release()

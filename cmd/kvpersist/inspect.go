@@ -252,7 +252,7 @@ passed, 1 when one failed, 2 on usage or I/O errors.`,
 		cobra.ExactArgs(1))
 	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print the prefix fields, the header as stored (\"header\"), the caller metadata and the tensor rows as JSON")
-	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256 and bytes) of every tensor of a manifest")
+	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256, bytes and, for formatVersion 8, xxh3-64) of every tensor of a manifest")
 	runs(cmd, func(ctx context.Context, args []string) int {
 		path := args[0]
 		rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)

@@ -15,8 +15,8 @@ type verifyReport struct {
 	Target string `json:"target"`
 	Clean  bool   `json:"clean"`
 	// Problems, by kind (io-error, unreadable, corrupt-tensor,
-	// corrupt-block, corrupt-page, missing-block, missing-page, block-size,
-	// stale-temp, orphan-block), then path.
+	// corrupt-block, block-xxh3, corrupt-page, missing-block, missing-page,
+	// block-size, stale-temp, orphan-block), then path.
 	Problems []jobs.VerifyProblem `json:"problems"`
 	Checked  jobs.VerifyChecked   `json:"checked"`
 	// Notes say what was not checked and why (e.g. orphans of a namespace
@@ -36,9 +36,11 @@ file or manifest PATH, that snapshot only.
   - every tensor of a single-file snapshot: re-read and re-hashed (xxh3-64;
     Bun.hash for the Bun worker's files) against its header hash;
   - every block a manifest names: present, of the size the manifest says,
-    and its SHA-256 equal to its name. Each distinct block is read once per
-    namespace however many manifests name it; blocks of the Bun worker's
-    manifests are looked for in blocks/<sha> (kvpersist's in blocks/<2>/<sha>);
+    its SHA-256 equal to its name and, in the same pass, its xxh3-64 equal
+    to what every formatVersion 8 manifest naming it records. Each distinct
+    block is read once per namespace however many manifests name it; blocks
+    of the Bun worker's manifests are looked for in blocks/<sha>
+    (kvpersist's in blocks/<2>/<sha>);
   - orphan blocks (ROOT or namespace): block files no manifest names, which 'gc'
     deletes. A namespace holding an unreadable manifest has no orphans:
     the blocks that manifest names cannot be known, so gc does not sweep
@@ -57,10 +59,13 @@ taken for orphans; it then re-hashes without the lock. Names and paths that
 hold non-printable characters are printed quoted. Problems are listed
 as KIND PATH DETAIL; kinds: unreadable (a header, or a page's key against
 its chain, fails), corrupt-tensor (of a single file or a page),
-corrupt-block, corrupt-page (a file under pages/ that decodes but is not
-the page its name says), missing-block, missing-page (a page a page
-manifest names is not stored), block-size, orphan-block, stale-temp,
-io-error.
+corrupt-block (its SHA-256 differs from its name: the block is bad),
+block-xxh3 (PATH is a manifest recording an xxh3-64 that differs from a
+block whose bytes match its name: the manifest is bad, its verified
+restore fails; remove or re-save the manifest, never the block),
+corrupt-page (a file under pages/ that decodes but is not the page its
+name says), missing-block, missing-page (a page a page manifest names is
+not stored), block-size, orphan-block, stale-temp, io-error.
 
 With --remote, verify checks the object-store tier instead: it fetches
 every object of each namespace (--workers at a time, each through a temp

@@ -3,6 +3,7 @@ package jobs_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -103,13 +104,16 @@ func totalBytes(h *layout.Header) int64 {
 // A manifest recording an xxh3 that differs from its block's bytes, whose
 // SHA-256 matches the block's name, fails a verified restore with
 // ErrCorrupt: the restore checks the xxh3, not the name. VerifyStore
-// reports it as ProblemBlockXXH3 of that block naming the manifest, and
-// the block as not corrupt.
+// reports it as ProblemBlockXXH3 of the MANIFEST (removing the problem's
+// path must not delete a correct block that good manifests name), naming
+// the slot, the block and the block file, and the block as not corrupt;
+// one problem per manifest at fault, however many of its blocks are wrong.
 func TestBlockRestoreManifestXXH3Differs(t *testing.T) {
 	s := newHsStore(t)
 	bad := filepath.Join(s.nsDir, "bad")
 	ref := s.header.Slots()[0].Blocks[1]
-	wrongXX := ref.XXH3[:15] + string("10"[ref.XXH3[15]&1]) // the last digit's low bit flipped
+	flip := func(x string) string { return x[:15] + string("10"[x[15]&1]) } // the last digit's low bit flipped
+	wrongXX := flip(ref.XXH3)
 	rewrite(t, s.blocks, bad, func(h *layout.Header) { h.Slots()[0].Blocks[1].XXH3 = wrongXX })
 	_, _, _, err := readBack(t, noSync(), bad, true)
 	if !errors.Is(err, jobs.ErrCorrupt) {
@@ -125,6 +129,7 @@ func TestBlockRestoreManifestXXH3Differs(t *testing.T) {
 	}
 	mustEqualExpected(t, got, s.want)
 
+	blockFile := testutil.BlockPath(s.nsDir, ref.Hash)
 	r, err := jobs.VerifyStore(context.Background(), noSync(), &jobs.VerifySpec{Target: s.nsDir})
 	if err != nil {
 		t.Fatal(err)
@@ -133,9 +138,78 @@ func TestBlockRestoreManifestXXH3Differs(t *testing.T) {
 		t.Fatalf("problems %+v, want the one block-xxh3", r.Problems)
 	}
 	p := r.Problems[0]
-	if p.Kind != jobs.ProblemBlockXXH3 || p.Path != testutil.BlockPath(s.nsDir, ref.Hash) ||
-		!strings.Contains(p.Detail, "xxh3 "+ref.XXH3+", but "+wrongXX+" recorded by bad slot 0 block 1") || strings.Contains(p.Detail, "blocks-snap") {
-		t.Fatalf("problem %+v, want %s of %s naming only bad slot 0 block 1", p, jobs.ProblemBlockXXH3, ref.Hash)
+	if p.Kind != jobs.ProblemBlockXXH3 || p.Path != bad ||
+		!strings.Contains(p.Detail, "cache 0 tensor 0 (slot 0) block 1 records xxh3 "+wrongXX+", but its block file "+blockFile) ||
+		!strings.Contains(p.Detail, "hashes to "+ref.XXH3) || !strings.Contains(p.Detail, "never the block") || strings.Contains(p.Detail, "blocks-snap") {
+		t.Fatalf("problem %+v, want %s of the manifest %s naming slot 0 block 1 and %s", p, jobs.ProblemBlockXXH3, bad, blockFile)
+	}
+	// The block is correct and stays named: removing the problem's path
+	// removes the manifest, and verify is then clean.
+	if err := os.Remove(p.Path); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := jobs.VerifyStore(context.Background(), noSync(), &jobs.VerifySpec{Target: s.nsDir}); err != nil || len(r.Problems) != 0 {
+		t.Fatalf("after removing %s: %v %+v", p.Path, err, r)
+	}
+
+	// Two manifests at fault, one of them for two blocks: one problem
+	// each, at the manifest's path; the one wrong twice counts both.
+	ref2 := s.header.Slots()[2].Blocks[0]
+	rewrite(t, s.blocks, bad, func(h *layout.Header) {
+		h.Slots()[0].Blocks[1].XXH3 = wrongXX
+		h.Slots()[2].Blocks[0].XXH3 = flip(ref2.XXH3)
+	})
+	bad2 := filepath.Join(s.nsDir, "bad2")
+	rewrite(t, s.blocks, bad2, func(h *layout.Header) { h.Slots()[0].Blocks[1].XXH3 = wrongXX })
+	r, err = jobs.VerifyStore(context.Background(), noSync(), &jobs.VerifySpec{Target: s.nsDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Problems) != 2 {
+		t.Fatalf("problems %+v, want one block-xxh3 per manifest at fault", r.Problems)
+	}
+	for i, want := range []string{bad, bad2} {
+		p := r.Problems[i]
+		if p.Kind != jobs.ProblemBlockXXH3 || p.Path != want || !strings.Contains(p.Detail, "(slot 0) block 1 records xxh3 "+wrongXX) {
+			t.Fatalf("problem %d %+v, want %s of %s naming slot 0 block 1", i, p, jobs.ProblemBlockXXH3, want)
+		}
+	}
+	if d := r.Problems[0].Detail; !strings.Contains(d, "(slot 2) block 0 records xxh3 "+flip(ref2.XXH3)+", but its block file "+testutil.BlockPath(s.nsDir, ref2.Hash)) {
+		t.Fatalf("detail %q should also name slot 2 block 0", d)
+	}
+	if d := r.Problems[1].Detail; strings.Contains(d, "slot 2") {
+		t.Fatalf("detail %q names a block bad2 records rightly", d)
+	}
+}
+
+// More manifests recording one wrong xxh3 for a block than VerifyStore
+// keeps by name (64): each named one is a ProblemBlockXXH3 of its
+// manifest, and a note counts the rest and says to verify again.
+func TestVerifyBlockXXH3ManyManifests(t *testing.T) {
+	s := newHsStore(t)
+	ref := s.header.Slots()[1].Blocks[0]
+	wrongXX := ref.XXH3[:15] + string("10"[ref.XXH3[15]&1])
+	const n = 66
+	for i := range n {
+		rewrite(t, s.blocks, filepath.Join(s.nsDir, fmt.Sprintf("bad%02d", i)), func(h *layout.Header) { h.Slots()[1].Blocks[0].XXH3 = wrongXX })
+	}
+	r, err := jobs.VerifyStore(context.Background(), noSync(), &jobs.VerifySpec{Target: s.nsDir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Problems) != 64 {
+		t.Fatalf("%d problems, want 64 (one per named manifest)", len(r.Problems))
+	}
+	seen := map[string]bool{}
+	for _, p := range r.Problems {
+		if p.Kind != jobs.ProblemBlockXXH3 || !strings.HasPrefix(filepath.Base(p.Path), "bad") || filepath.Dir(p.Path) != s.nsDir || seen[p.Path] {
+			t.Fatalf("problem %+v: want one block-xxh3 per badNN manifest", p)
+		}
+		seen[p.Path] = true
+	}
+	want := fmt.Sprintf("block %s: %d more manifest blocks record xxh3 %s", testutil.BlockPath(s.nsDir, ref.Hash), n-64, wrongXX)
+	if len(r.Notes) != 1 || !strings.Contains(r.Notes[0], want) {
+		t.Fatalf("notes %q, want one saying %q", r.Notes, want)
 	}
 }
 

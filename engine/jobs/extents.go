@@ -47,7 +47,8 @@ const (
 	// VerifyNone reads without checking.
 	VerifyNone Verify = iota
 	// VerifyXXH3 checks XXH3-64 (seed 0) of the extent's bytes against
-	// Extent.XXH3 (a single-file tensor's or a page's hash).
+	// Extent.XXH3 (a single-file tensor's or a page's hash, or a block's
+	// xxh3 in a formatVersion 8 manifest).
 	VerifyXXH3
 	// VerifySHA256 checks SHA-256 of the extent's bytes against
 	// Extent.SHA256 (a block's name).

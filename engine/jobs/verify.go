@@ -32,11 +32,15 @@ const (
 	ProblemCorruptTensor = "corrupt-tensor"
 	// ProblemCorruptBlock: a block's SHA-256 differs from its name.
 	ProblemCorruptBlock = "corrupt-block"
-	// ProblemBlockXXH3: a block's bytes match its name (SHA-256), but a
-	// manifest records another XXH3-64 for it (path: the block; detail:
-	// the manifests): a verified restore of that manifest, which checks
-	// the xxh3, fails with ErrCorrupt. The manifest is at fault, not the
-	// block.
+	// ProblemBlockXXH3: a formatVersion 8 manifest records an XXH3-64
+	// for a block that differs from the block's bytes, which match the
+	// block's name (SHA-256): a verified restore of that manifest, which
+	// checks the xxh3, fails with ErrCorrupt. The manifest is at fault,
+	// not the block (other manifests may name it rightly), so the path is
+	// the manifest's, one problem per manifest; the detail names the slot,
+	// the block and the block file (and counts further blocks the same
+	// manifest gets wrong). The repair is to remove or re-save the
+	// manifest, never the block.
 	ProblemBlockXXH3 = "block-xxh3"
 	// ProblemMissingBlock: a block a manifest names does not exist (path: where it should be).
 	ProblemMissingBlock = "missing-block"
@@ -66,6 +70,12 @@ var problemRank = map[string]int{ProblemIO: 0, ProblemUnreadable: 1, ProblemCorr
 
 // maxRefs is how many referrers a problem names; the rest are counted.
 const maxRefs = 4
+
+// maxXXH3Refs is how many manifest blocks recording one XXH3-64 value for
+// a block are kept by name (each wrong one is a ProblemBlockXXH3 of its
+// manifest); the rest are counted, in a note. A constant, so a block named
+// by a million agreeing manifests costs the same as by five.
+const maxXXH3Refs = 64
 
 // xxh3Pool holds streaming XXH3-64 hashers for VerifyStore.
 var xxh3Pool = sync.Pool{New: func() any { return xxh3.New() }}
@@ -185,48 +195,106 @@ type blockUse struct {
 // manifest agreeing, costs no map per block.
 type xxh3Refs struct {
 	sum   uint64
-	who   refs // who records sum; who.n == 0: no manifest records an xxh3
-	other map[uint64]*refs
+	who   xxh3Who // who records sum; who.n == 0: no manifest records an xxh3
+	other map[uint64]*xxh3Who
 }
 
-// add records that referrer who says the block's xxh3 is hexSum (16 hex
-// digits, validated by the decode).
-func (x *xxh3Refs) add(hexSum, who string) {
+// xxh3Ref is one manifest's block recording an xxh3.
+type xxh3Ref struct {
+	manifest string // the manifest's path
+	slot     string // its slot's name (layout.SlotIndex.Name)
+	block    int    // index in the slot's blocks
+}
+
+// xxh3Who names the first maxXXH3Refs manifest blocks recording one value
+// and counts the rest.
+type xxh3Who struct {
+	first []xxh3Ref
+	n     int
+}
+
+func (w *xxh3Who) add(manifest string, names *layout.SlotIndex, slot, block int) {
+	if len(w.first) < maxXXH3Refs {
+		w.first = append(w.first, xxh3Ref{manifest, names.Name(slot), block})
+	}
+	w.n++
+}
+
+// add records that block block of slot of manifest says the block's xxh3
+// is hexSum (16 hex digits, validated by the decode); names names the
+// slot of a referrer kept by name.
+func (x *xxh3Refs) add(hexSum, manifest string, names *layout.SlotIndex, slot, block int) {
 	v, _ := strconv.ParseUint(hexSum, 16, 64)
 	switch {
 	case x.who.n == 0 || v == x.sum:
 		x.sum = v
-		x.who.add(who)
+		x.who.add(manifest, names, slot, block)
 	default:
 		if x.other == nil {
-			x.other = map[uint64]*refs{}
+			x.other = map[uint64]*xxh3Who{}
 		}
-		r := x.other[v]
-		if r == nil {
-			r = &refs{}
-			x.other[v] = r
+		w := x.other[v]
+		if w == nil {
+			w = &xxh3Who{}
+			x.other[v] = w
 		}
-		r.add(who)
+		w.add(manifest, names, slot, block)
 	}
 }
 
 // recorded reports whether any manifest records an xxh3 for the block.
 func (x *xxh3Refs) recorded() bool { return x != nil && x.who.n > 0 }
 
-// wrong describes the recorded values other than got and who records
-// them; "" when every one is got.
-func (x *xxh3Refs) wrong(got uint64) string {
-	var out []string
+// wrong calls f for each recorded value other than got, with who records it.
+func (x *xxh3Refs) wrong(got uint64, f func(sum uint64, w *xxh3Who)) {
 	if x.sum != got {
-		out = append(out, fmt.Sprintf("%s recorded by %s", layout.TensorHash(x.sum), x.who.String()))
+		f(x.sum, &x.who)
 	}
-	for v, r := range x.other {
+	for v, w := range x.other {
 		if v != got {
-			out = append(out, fmt.Sprintf("%s recorded by %s", layout.TensorHash(v), r.String()))
+			f(v, w)
 		}
 	}
-	sort.Strings(out)
-	return strings.Join(out, "; ")
+}
+
+// xxh3Fault gathers the blocks one manifest records a wrong xxh3 for: one
+// ProblemBlockXXH3 of the manifest.
+type xxh3Fault struct {
+	first []string // the first maxRefs, described
+	n     int
+}
+
+// blockXXH3 records that r's manifest says the block file at path (whose
+// bytes match its name and hash to got) has xxh3 recorded.
+func (v *verifier) blockXXH3(r xxh3Ref, path string, recorded, got uint64) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if v.xxh3Faults == nil {
+		v.xxh3Faults = map[string]*xxh3Fault{}
+	}
+	f := v.xxh3Faults[r.manifest]
+	if f == nil {
+		f = &xxh3Fault{}
+		v.xxh3Faults[r.manifest] = f
+	}
+	if len(f.first) < maxRefs {
+		f.first = append(f.first, fmt.Sprintf("%s block %d records xxh3 %s, but its block file %s (whose SHA-256 matches its name) hashes to %s",
+			r.slot, r.block, layout.TensorHash(recorded), path, layout.TensorHash(got)))
+	}
+	f.n++
+}
+
+// reportXXH3Faults turns the gathered xxh3 faults into one
+// ProblemBlockXXH3 per manifest.
+func (v *verifier) reportXXH3Faults() {
+	for m, f := range v.xxh3Faults {
+		more := ""
+		if f.n > len(f.first) {
+			more = fmt.Sprintf("; and %d more blocks", f.n-len(f.first))
+		}
+		v.rep.Problems = append(v.rep.Problems, VerifyProblem{Kind: ProblemBlockXXH3, Path: m,
+			Detail: strings.Join(f.first, "; ") + more + ": a verified restore of this snapshot fails; remove or re-save this manifest, never the block"})
+	}
 }
 
 type verifier struct {
@@ -234,8 +302,9 @@ type verifier struct {
 	spec *VerifySpec
 	now  time.Time
 
-	mu  sync.Mutex
-	rep VerifyReport
+	mu         sync.Mutex
+	rep        VerifyReport
+	xxh3Faults map[string]*xxh3Fault // by manifest path: ProblemBlockXXH3
 }
 
 // VerifyStore re-reads and re-hashes a store, a namespace or one snapshot (see
@@ -284,6 +353,7 @@ func VerifyStore(ctx context.Context, cfg *Config, spec *VerifySpec) (*VerifyRep
 	if err := v.run(ctx, tasks); err != nil {
 		return nil, err
 	}
+	v.reportXXH3Faults()
 	r := &v.rep
 	sort.SliceStable(r.Problems, func(i, j int) bool {
 		a, b := r.Problems[i], r.Problems[j]
@@ -339,6 +409,13 @@ func (v *verifier) problem(kind, path, format string, a ...any) {
 	p := VerifyProblem{Kind: kind, Path: path, Detail: fmt.Sprintf(format, a...)}
 	v.mu.Lock()
 	v.rep.Problems = append(v.rep.Problems, p)
+	v.mu.Unlock()
+}
+
+// note adds a note to the report (safe from the hashing goroutines).
+func (v *verifier) note(format string, a ...any) {
+	v.mu.Lock()
+	v.rep.Notes = append(v.rep.Notes, fmt.Sprintf(format, a...))
 	v.mu.Unlock()
 }
 
@@ -449,7 +526,7 @@ func (v *verifier) planSnap(ns *store.Namespace, snap *layout.Snapshot, name str
 			who := fmt.Sprintf("%s slot %d block %d", name, i, b)
 			u.refs.add(who)
 			if ref.XXH3 != "" {
-				u.xxh3.add(ref.XXH3, who)
+				u.xxh3.add(ref.XXH3, snap.Path, names, i, b)
 			}
 		}
 	}
@@ -747,11 +824,18 @@ func (v *verifier) hash(ctx context.Context, t *verifyTask, f vfs.File, buf []by
 			v.problem(ProblemCorruptBlock, t.path, "SHA-256 %s differs from its name; named by %s", got, t.refs.String())
 		} else if bx != nil {
 			// The bytes are the block's: a manifest recording another
-			// xxh3 is wrong (a corrupt block is reported once, above).
+			// xxh3 is wrong (a corrupt block is reported once, above),
+			// and reported as such, never the block.
 			got := bx.Sum64()
-			if wrong := t.xxh3.wrong(got); wrong != "" {
-				v.problem(ProblemBlockXXH3, t.path, "xxh3 %s, but %s: a verified restore of that snapshot fails", layout.TensorHash(got), wrong)
-			}
+			t.xxh3.wrong(got, func(sum uint64, w *xxh3Who) {
+				for _, r := range w.first {
+					v.blockXXH3(r, t.path, sum, got)
+				}
+				if w.n > len(w.first) {
+					v.note("block %s: %d more manifest blocks record xxh3 %s for it (not named: verify names at most %d per value); verify again after repairing the manifests reported",
+						t.path, w.n-len(w.first), layout.TensorHash(sum), maxXXH3Refs)
+				}
+			})
 		}
 		return done, nil
 	}
