@@ -14,6 +14,8 @@ import (
 	"math/bits"
 	"regexp"
 	"sort"
+	"strconv"
+	"unicode/utf8"
 
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/zeebo/xxh3"
@@ -138,7 +140,26 @@ func ItemSize(dtype string) (int, error) {
 	if n, ok := dtypeSizes[dtype]; ok {
 		return n, nil
 	}
-	return 0, fmt.Errorf("%w: %q", ErrUnknownDType, dtype)
+	return 0, fmt.Errorf("%w: %s", ErrUnknownDType, quoteCapped(dtype))
+}
+
+// maxQuoted is how many bytes of a string an error quotes (quoteCapped).
+const maxQuoted = 64
+
+// quoteCapped quotes s as %q does, but at most its first maxQuoted bytes
+// (cut at a UTF-8 character boundary) followed by "... (N bytes)": a
+// header-controlled string (a block name, a hash, a dtype, a key) can be
+// megabytes long (headers go up to MaxHeaderLen), and an error echoing it
+// whole would be carried by ls, verify, inspect and every log.
+func quoteCapped(s string) string {
+	if len(s) <= maxQuoted {
+		return strconv.Quote(s)
+	}
+	cut := maxQuoted
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return strconv.Quote(s[:cut]) + "... (" + strconv.Itoa(len(s)) + " bytes)"
 }
 
 var blockHashRE = regexp.MustCompile(`^[0-9a-f]{64}$`)
@@ -346,7 +367,7 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 				return 0, fmt.Errorf("%w: %s spans bytes up to %d of a %d-byte file", ErrTruncated, name, end, fileSize)
 			}
 			if !tensorHashRE.MatchString(t.Hash) {
-				return 0, fmt.Errorf("%w: %s hash %q is not 16 lowercase hex digits", ErrInvalidHeader, name, t.Hash)
+				return 0, fmt.Errorf("%w: %s hash %s is not 16 lowercase hex digits", ErrInvalidHeader, name, quoteCapped(t.Hash))
 			}
 			if t.Blocks != nil {
 				return 0, fmt.Errorf("%w: %s has blocks in a single-file snapshot", ErrInvalidHeader, name)
@@ -358,14 +379,14 @@ func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
 			var sum int64
 			for b, ref := range t.Blocks {
 				if !ValidBlockHash(ref.Hash) {
-					return 0, fmt.Errorf("%w: %s block %d name %q is not 64 lowercase hex digits", ErrInvalidHeader, name, b, ref.Hash)
+					return 0, fmt.Errorf("%w: %s block %d name %s is not 64 lowercase hex digits", ErrInvalidHeader, name, b, quoteCapped(ref.Hash))
 				}
 				if h.FormatVersion == FormatBlocksXXH3 {
 					if !tensorHashRE.MatchString(ref.XXH3) {
-						return 0, fmt.Errorf("%w: %s block %d xxh3 %q is not 16 lowercase hex digits", ErrInvalidHeader, name, b, ref.XXH3)
+						return 0, fmt.Errorf("%w: %s block %d xxh3 %s is not 16 lowercase hex digits", ErrInvalidHeader, name, b, quoteCapped(ref.XXH3))
 					}
 				} else if ref.XXH3 != "" {
-					return 0, fmt.Errorf("%w: %s block %d has an xxh3 (%q), which a formatVersion %d manifest does not carry", ErrInvalidHeader, name, b, ref.XXH3, FormatBlocks)
+					return 0, fmt.Errorf("%w: %s block %d has an xxh3 (%s), which a formatVersion %d manifest does not carry", ErrInvalidHeader, name, b, quoteCapped(ref.XXH3), FormatBlocks)
 				}
 				if ref.Bytes <= 0 {
 					return 0, fmt.Errorf("%w: %s block %d has %d bytes", ErrInvalidHeader, name, b, ref.Bytes)

@@ -224,13 +224,13 @@ func checkMeta(m Meta, reserved []string, where string) error {
 		if !utf8.ValidString(k) {
 			// encoding/json would write U+FFFD for the bad bytes: two such
 			// keys could become one key given twice, which readers refuse.
-			return fmt.Errorf("%w: %s metadata key %q is not valid UTF-8", ErrInvalidHeader, where, k)
+			return fmt.Errorf("%w: %s metadata key %s is not valid UTF-8", ErrInvalidHeader, where, quoteCapped(k))
 		}
 		if !json.Valid(v) {
-			return fmt.Errorf("%w: %s metadata %q is not valid JSON", ErrInvalidHeader, where, k)
+			return fmt.Errorf("%w: %s metadata %s is not valid JSON", ErrInvalidHeader, where, quoteCapped(k))
 		}
 		if dk, _, dup := duplicateKey(v); dup {
-			return fmt.Errorf("%w: %s metadata %q has the key %q twice in one object (readers refuse it)", ErrInvalidHeader, where, k, dk)
+			return fmt.Errorf("%w: %s metadata %s has the key %s twice in one object (readers refuse it)", ErrInvalidHeader, where, quoteCapped(k), quoteCapped(dk))
 		}
 	}
 	return nil
@@ -399,7 +399,7 @@ func parseHeader(js []byte) (*Header, error) {
 	// Valid JSON now (Unmarshal checked it): refuse a key given twice in
 	// one object, which Unmarshal would have resolved silently (last wins).
 	if k, off, dup := duplicateKey(js); dup {
-		return nil, fmt.Errorf("%w: header JSON: key %q appears twice in one object (second at byte %d of the JSON)", ErrInvalidHeader, k, off)
+		return nil, fmt.Errorf("%w: header JSON: key %s appears twice in one object (second at byte %d of the JSON)", ErrInvalidHeader, quoteCapped(k), off)
 	}
 	h := &Header{Meta: Meta{}}
 	if v, ok := top["formatVersion"]; ok {

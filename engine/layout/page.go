@@ -71,7 +71,7 @@ func (k PageKey) String() string { return hex.EncodeToString(k[:]) }
 func ParsePageKey(s string) (PageKey, error) {
 	var k PageKey
 	if !ValidBlockHash(s) {
-		return k, fmt.Errorf("%w: page key %q is not 64 lowercase hex digits", ErrInvalidHeader, s)
+		return k, fmt.Errorf("%w: page key %s is not 64 lowercase hex digits", ErrInvalidHeader, quoteCapped(s))
 	}
 	_, _ = hex.Decode(k[:], []byte(s))
 	return k, nil

@@ -49,7 +49,7 @@ const UploadsName = ".uploads"
 // be taken for a temp file (those start with '.').
 func ValidName(kind, s string) error {
 	if !nameRE.MatchString(s) || s == BlocksDirName || s == PagesDirName {
-		return fmt.Errorf("%w: %s %q (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q or %q)", ErrBadName, kind, s, BlocksDirName, PagesDirName)
+		return fmt.Errorf("%w: %s %s (want 1-200 of [A-Za-z0-9._-], not starting with '.' or '-', not %q or %q)", ErrBadName, kind, quoteCapped(s), BlocksDirName, PagesDirName)
 	}
 	return nil
 }
