@@ -158,3 +158,46 @@ func TestDecodeBlockXXH3Malformed(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// A file of the Bun worker's magic whose header says formatVersion 8 is
+// refused as a version the Bun worker never wrote (ErrFormatVersion), not
+// for its blocks: with the Bun worker's own two-key blocks ({hash, bytes},
+// what a Bun manifest with a wrong version would hold) as with three. A
+// kvpersist file of an unknown version is refused the same way whatever
+// its blocks hold.
+func TestDecodeVersionBeforeBlockKeys(t *testing.T) {
+	h := baseHeader()
+	toBlocks(h) // formatVersion 5: two-key blocks
+	v5, err := h.Encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(v5), `"formatVersion":5`) || strings.Contains(string(v5), "xxh3") {
+		t.Fatalf("not a formatVersion 5 manifest: %s", v5)
+	}
+	legacyFile := func(js []byte) []byte {
+		b := append(prefix(js, uint32(26+len(js))), js...)
+		copy(b, layout.LegacyMagic)
+		binary.LittleEndian.PutUint64(b[18:], bunhash.Sum(js))
+		return b
+	}
+	// The unchanged Bun manifest decodes: the cases below change only the
+	// version.
+	if _, _, err := decodeBytes(t, legacyFile(v5)); err != nil {
+		t.Fatal(err)
+	}
+	for _, v := range []string{"8", "4", "7", "9"} {
+		js := []byte(strings.Replace(string(v5), `"formatVersion":5`, `"formatVersion":`+v, 1))
+		_, _, err := decodeBytes(t, legacyFile(js))
+		if !errors.Is(err, layout.ErrFormatVersion) || !strings.Contains(err.Error(), "formatVersion "+v+" in a file of the Bun worker") {
+			t.Errorf("Bun magic, formatVersion %s, two-key blocks: got %v, want ErrFormatVersion naming the Bun worker", v, err)
+		}
+	}
+	for _, v := range []string{"9", "0"} {
+		js := []byte(strings.Replace(string(v5), `"formatVersion":5`, `"formatVersion":`+v, 1))
+		_, _, err := decodeBytes(t, append(prefix(js, uint32(26+len(js))), js...))
+		if !errors.Is(err, layout.ErrFormatVersion) || !strings.Contains(err.Error(), "formatVersion "+v+" (this build reads") {
+			t.Errorf("kvpersist magic, formatVersion %s, two-key blocks: got %v, want ErrFormatVersion", v, err)
+		}
+	}
+}

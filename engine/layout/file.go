@@ -68,7 +68,7 @@ func Decode(f vfs.File, path string) (*Snapshot, error) {
 	if err := p.CheckHeaderHash(js); err != nil {
 		return nil, fmt.Errorf("layout: %s: %w", path, err)
 	}
-	h, err := parseHeader(js)
+	h, err := parseHeader(js, p)
 	if err != nil {
 		return nil, fmt.Errorf("layout: %s: %w", path, err)
 	}

@@ -66,9 +66,16 @@ const (
 	// with each block's XXH3-64 (seed 0) beside its SHA-256 name
 	// (BlockRef.XXH3), which a verified restore checks instead of SHA-256
 	// (ARCHITECTURE.md, "Block manifest"). A new version rather than an
-	// optional key, because readers of FormatBlocks refuse a block object
-	// with any key but "hash" and "bytes": an older build reports this one
-	// as ErrFormatVersion instead of a malformed block.
+	// optional key: it says every block carries an xxh3, so a block
+	// without one is malformed rather than checked by SHA-256 instead.
+	// An older build (one reading formatVersion 4 to 7) refuses such a
+	// manifest, but not as an unknown version: it parses each block
+	// object as exactly {"hash", "bytes"} before it checks
+	// formatVersion, so it refuses the manifest with ErrInvalidHeader ("...blocks[0] must be
+	// exactly {"hash": string, "bytes": integer}"): its restore of it
+	// fails, its verify reports the manifest unreadable (check "header
+	// validation"), and its gc leaves that namespace unswept ("it holds
+	// an unreadable file"; stale temp files are still removed).
 	FormatBlocksXXH3 = 8
 )
 
@@ -275,23 +282,34 @@ type slotName struct {
 
 func (n slotName) String() string { return n.h.SlotName(n.i) }
 
+// layoutOf is the layout of formatVersion version in a file of prefix p
+// (kvpersist's magic or the Bun worker's), or ErrFormatVersion. Decode
+// checks it as soon as the header's formatVersion is read, before the
+// tensors (whose block keys depend on the version), so a file of a
+// version it does not read is refused as such, not for its blocks.
+func layoutOf(p Prefix, version int) (Layout, error) {
+	switch {
+	case version == FormatBlocks, version == FormatBlocksXXH3 && !p.Legacy:
+		return Blocks, nil
+	case (version == FormatSingle || version == FormatPage) && !p.Legacy:
+		return Single, nil // a page file is a single file with a "page" object
+	case version == FormatPages && !p.Legacy:
+		return Pages, nil
+	case version == 0 && p.Legacy:
+		return Single, nil
+	case p.Legacy:
+		return 0, fmt.Errorf("%w: formatVersion %d in a file of the Bun worker (it wrote none, or %d)", ErrFormatVersion, version, FormatBlocks)
+	default:
+		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, version, FormatSingle, FormatBlocksXXH3)
+	}
+}
+
 // Validate checks a parsed header against the prefix and the file size
 // (bytes), before any tensor data is touched. It returns the layout.
 func Validate(p Prefix, h *Header, fileSize int64) (Layout, error) {
-	var lay Layout
-	switch {
-	case h.FormatVersion == FormatBlocks, h.FormatVersion == FormatBlocksXXH3 && !p.Legacy:
-		lay = Blocks
-	case (h.FormatVersion == FormatSingle || h.FormatVersion == FormatPage) && !p.Legacy:
-		lay = Single // a page file is a single file with a "page" object
-	case h.FormatVersion == FormatPages && !p.Legacy:
-		lay = Pages
-	case h.FormatVersion == 0 && p.Legacy:
-		lay = Single
-	case p.Legacy:
-		return 0, fmt.Errorf("%w: formatVersion %d in a file of the Bun worker (it wrote none, or %d)", ErrFormatVersion, h.FormatVersion, FormatBlocks)
-	default:
-		return 0, fmt.Errorf("%w: formatVersion %d (this build reads %d to %d)", ErrFormatVersion, h.FormatVersion, FormatSingle, FormatBlocksXXH3)
+	lay, err := layoutOf(p, h.FormatVersion)
+	if err != nil {
+		return 0, err
 	}
 	if lay != Blocks && !p.Legacy && p.DataStart%DataAlign != 0 {
 		return 0, fmt.Errorf("%w: dataStart %d is not a multiple of %d", ErrInvalidHeader, p.DataStart, DataAlign)

@@ -389,9 +389,12 @@ func (h *Header) Encode() ([]byte, error) {
 	return w.Bytes(), nil
 }
 
-// parseHeader decodes header JSON strictly: every known field must have its
-// JSON type; unknown keys become Meta. Semantic checks are in validate.
-func parseHeader(js []byte) (*Header, error) {
+// parseHeader decodes the header JSON of a file of prefix p strictly:
+// every known field must have its JSON type; unknown keys become Meta. The
+// formatVersion is checked against p's magic first (layoutOf: a version
+// this build or the Bun worker never wrote is ErrFormatVersion, whatever
+// its tensors hold); the other semantic checks are in Validate.
+func parseHeader(js []byte, p Prefix) (*Header, error) {
 	var top map[string]json.RawMessage
 	if err := json.Unmarshal(js, &top); err != nil {
 		return nil, fmt.Errorf("%w: header JSON: %v", ErrInvalidHeader, err)
@@ -406,6 +409,9 @@ func parseHeader(js []byte) (*Header, error) {
 		if err := json.Unmarshal(v, &h.FormatVersion); err != nil {
 			return nil, fmt.Errorf("%w: formatVersion: %v", ErrInvalidHeader, err)
 		}
+	}
+	if _, err := layoutOf(p, h.FormatVersion); err != nil {
+		return nil, err
 	}
 	var err error
 	if h.Caches, err = parseEntries(top["caches"], "caches", true, h.FormatVersion); err != nil {
@@ -514,9 +520,10 @@ func parseTensor(t map[string]json.RawMessage, where string, version int) (Tenso
 	if _, ok := t["blocks"]; ok {
 		x.Blocks = make([]BlockRef, len(blocks))
 		// FormatBlocks: exactly {hash, bytes}; FormatBlocksXXH3: exactly
-		// {hash, bytes, xxh3}; any other version (which Validate refuses
-		// with blocks, or as unknown: ErrFormatVersion, the error that
-		// matters) either.
+		// {hash, bytes, xxh3}; any other version either (an unknown one
+		// was refused with ErrFormatVersion before, by parseHeader; a
+		// known one without blocks is refused for having them by
+		// Validate, the error that matters).
 		keys, want := 0, `{"hash": string, "bytes": integer} or {"hash": string, "bytes": integer, "xxh3": string}`
 		switch version {
 		case FormatBlocks:
