@@ -759,21 +759,12 @@ func startSideProfile(b *testing.B, side string, i int) func() {
 	}
 }
 
-// processCPU returns the CPU time (user + system) this process has used.
-func processCPU() time.Duration {
-	var ru syscall.Rusage
-	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
-		return 0
-	}
-	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
-}
-
 // cpuMark is the CPU times at one moment: this process's, and the
 // server's (zero without steps.serverCPU).
 type cpuMark struct{ self, srv time.Duration }
 
 func (s steps) cpuNow() cpuMark {
-	m := cpuMark{self: processCPU()}
+	m := cpuMark{self: cpuTime()}
 	if s.serverCPU != nil {
 		m.srv = s.serverCPU()
 	}
