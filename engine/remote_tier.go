@@ -568,8 +568,9 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 // eviction policy (evict.Cache.SetPending: evicted only after every
 // evictable page that is not), or unmarks it. A page is marked while its
 // upload is queued, in flight or spilled to the journal (a full queue),
-// from enqueueFile until the upload settles (uploaded) or a replay finds
-// it known stored; so that under pressure the cache evicts the pages the
+// from enqueueFile until the upload settles (uploaded, found stored,
+// failed for good or abandoned), the queue refuses it for another reason
+// than being full, or a replay or refill finds it known stored; so that under pressure the cache evicts the pages the
 // object store holds (or need not hold) before the pages it does not
 // have yet. A page the policy does not track (written by another process)
 // is not marked. t.mu held: a page's marks and unmarks are ordered as its

@@ -196,9 +196,11 @@ func mustAccess(t *testing.T, e *Engine, toks []uint32) int64 {
 // worker, a save of 4 pages while the store is unreachable has one upload
 // in flight, one queued and two spilled to the uploads journal (queued
 // from it when the queue drains). All four are pending uploads: the
-// spilled ones keep their mark, and a capacity that must evict 2 of the
-// 4 pages plus a newer page saved before the tier existed takes that page
-// first, then the least recently used pending leaf.
+// spilled ones keep their mark. With a capacity of 5 pages holding P's 4
+// and Q's 1 (a newer page saved before the tier existed, so not pending),
+// a save of R's page evicts Q, though P's leaf is older; a further save
+// then evicts P's leaf, the least recently used pending page, as nothing
+// else is left.
 func TestSpilledUploadsStayPending(t *testing.T) {
 	pb := pageBytes(t)
 	root := t.TempDir()
@@ -222,6 +224,9 @@ func TestSpilledUploadsStayPending(t *testing.T) {
 	// again, all pending.
 	e = openStalledTier(t, root, 5*pb, nil, nil, 1)
 	defer closeStalled(t, e)
+	if a, b := mustAccess(t, e, P), mustAccess(t, e, Q); a >= b {
+		t.Fatalf("P's leaf's access %d is not older than Q's %d: the test shows nothing", a, b)
+	}
 	mustSavePages(t, e, "p", R)
 	if got := storedPages(t, e, "p", Q); got != 0 {
 		t.Fatalf("Q, not pending, has %d pages stored: want it evicted first", got)

@@ -36,9 +36,10 @@
 //     pending. It is a second class of rule 4's order, not a pin: when
 //     only pending pages are evictable they are evicted (least recently
 //     used first), so a full cache still makes room. Rules 1-3 and 5 hold
-//     for both classes alike; a page whose only evictable ancestors are
-//     pending keeps its place (a non-pending parent of a pending leaf
-//     becomes evictable, in the first class, once that leaf is gone).
+//     for both classes alike; a non-pending page whose descendants are
+//     pending waits until they are gone (a non-pending parent of a
+//     pending leaf becomes evictable, in the first class, once that leaf
+//     is gone).
 //     So the order is (Pending, Access, Namespace, Key) ascending, and a
 //     Victim says whether it was pending.
 //

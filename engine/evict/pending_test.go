@@ -119,19 +119,20 @@ func TestPendingWithPinsAndQuotas(t *testing.T) {
 	chain(t, c, "x", []Key{key(1)}, pg, []int64{1}) // pending, oldest
 	chain(t, c, "x", []Key{key(2)}, pg, []int64{2}) // not pending, pinned
 	chain(t, c, "y", []Key{key(3)}, pg, []int64{9}) // not pending, shared (no quota)
-	chain(t, c, "q", []Key{key(4)}, pg, []int64{0}) // within q's quota: protected
+	chain(t, c, "q", []Key{key(4)}, pg, []int64{6}) // within q's quota: protected; newer than key(5)
 	chain(t, c, "q", []Key{key(5)}, pg, []int64{3}) // pending, q's own
 	setPending(t, c, "x", true, key(1))
 	setPending(t, c, "q", true, key(5))
 	if !c.Pin("x", key(2)) {
 		t.Fatal("pin")
 	}
-	// q's save beyond its quota: its own non-pending page first (the older
-	// pending one waits), although q's pages are protected from others.
+	// q's save beyond its quota: its own non-pending page first although
+	// it is the newer (plain LRU would take the pending key(5)), though
+	// q's pages are protected from others.
 	checkVictims(t, "quota", reserveVictims(t, c, "q", pg), []Key{key(4)}, []bool{false})
-	chain(t, c, "q", []Key{key(4)}, pg, []int64{0})
+	chain(t, c, "q", []Key{key(4)}, pg, []int64{6})
 	checkVictims(t, "quota, pending", reserveVictims(t, c, "q", 2*pg), []Key{key(4), key(5)}, []bool{false, true})
-	chain(t, c, "q", []Key{key(4)}, pg, []int64{0})
+	chain(t, c, "q", []Key{key(4)}, pg, []int64{6})
 	chain(t, c, "q", []Key{key(5)}, pg, []int64{3})
 	setPending(t, c, "q", true, key(5))
 

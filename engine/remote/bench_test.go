@@ -183,14 +183,14 @@ func BenchmarkFetch(b *testing.B) {
 }
 
 // BenchmarkFetchCPU: what writing fetched bytes to a local file costs in
-// CPU on top of the GET itself. 16 objects of 32 MiB and 16 KiB (a
+// CPU on top of the GET itself. 16 objects of 32 MiB + 16 KiB each (a
 // Llama-3.1-8B page of 256 tokens), 16 in flight, each fetched by
 // FetchObject (one GET, no verify) either into memory (into=memory: the
 // same work as the plain GETs of the engine's BenchmarkRemoteFetch limit)
 // or into a new file on disk, fdatasync'd and removed (into=file: the
 // fetch's durable write without the rename). Reported per GiB fetched:
 // this process's CPU seconds ("cpu-s/GiB", getrusage) and the server's
-// ("srv-cpu-s/GiB", /proc); with the GB/s. On a 2-core machine that runs
+// ("srv-cpu-s/GiB", /proc), beside the MB/s b.SetBytes gives. On a 2-core machine that runs
 // the server too, the sum of the two bounds the rate: the difference
 // between the rows is the CPU a fetch that publishes locally spends that
 // the limit does not.
