@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
-	"strconv"
 	"sync/atomic"
 	"time"
 
@@ -546,7 +545,7 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 	x := Extent{Src: fp.src, Off: int64(fp.snap.DataStart) + t.Off, View: dst, Group: group}
 	if verify {
 		x.Verify = VerifyXXH3
-		x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated by Decode: 16 hex digits
+		x.XXH3 = layout.HashValue(t.Hash) // validated by Decode: 16 hex digits
 	}
 	return x
 }
@@ -1140,7 +1139,7 @@ func pagedExtents(cfg *Config, f vfs.File, snap *layout.Snapshot, dest [][]byte,
 			x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
 			if verify {
 				x.Verify = VerifyXXH3
-				x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated: 16 hex digits
+				x.XXH3 = layout.HashValue(t.Hash) // validated by Decode: 16 hex digits
 			}
 			pr.exts = append(pr.exts, x)
 		}

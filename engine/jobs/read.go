@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"sort"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -266,7 +265,7 @@ func tensorExtents(snap *layout.Snapshot, src *Source, dest [][]byte, verify boo
 		x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
 		if verify && !snap.Legacy {
 			x.Verify = VerifyXXH3
-			x.XXH3, _ = strconv.ParseUint(t.Hash, 16, 64) // validated: 16 hex digits
+			x.XXH3 = layout.HashValue(t.Hash) // validated by Decode: 16 hex digits
 		}
 		exts = append(exts, x)
 	}
@@ -430,7 +429,7 @@ func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) 
 func blockVerify(x *Extent, ref layout.BlockRef) {
 	if ref.XXH3 != "" {
 		x.Verify = VerifyXXH3
-		x.XXH3, _ = strconv.ParseUint(ref.XXH3, 16, 64) // validated: 16 hex digits
+		x.XXH3 = layout.HashValue(ref.XXH3) // validated by Decode: 16 hex digits
 		return
 	}
 	x.Verify = VerifySHA256

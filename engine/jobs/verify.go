@@ -8,7 +8,6 @@ import (
 	"hash"
 	"os"
 	"sort"
-	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -224,7 +223,7 @@ func (w *xxh3Who) add(manifest string, names *layout.SlotIndex, slot, block int)
 // is hexSum (16 hex digits, validated by the decode); names names the
 // slot of a referrer kept by name.
 func (x *xxh3Refs) add(hexSum, manifest string, names *layout.SlotIndex, slot, block int) {
-	v, _ := strconv.ParseUint(hexSum, 16, 64)
+	v := layout.HashValue(hexSum)
 	switch {
 	case x.who.n == 0 || v == x.sum:
 		x.sum = v
@@ -523,8 +522,7 @@ func (v *verifier) planSnap(ns *store.Namespace, snap *layout.Snapshot, name str
 				v.problem(ProblemBlockSize, p, "manifests disagree on its size: %d bytes (%s) and %d bytes (%s slot %d block %d)",
 					u.bytes, u.refs.String(), ref.Bytes, name, i, b)
 			}
-			who := fmt.Sprintf("%s slot %d block %d", name, i, b)
-			u.refs.add(who)
+			u.refs.add(fmt.Sprintf("%s slot %d block %d", name, i, b))
 			if ref.XXH3 != "" {
 				u.xxh3.add(ref.XXH3, snap.Path, names, i, b)
 			}

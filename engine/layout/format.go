@@ -196,6 +196,14 @@ func TensorHash(sum uint64) string {
 	return hex.EncodeToString(b[:])
 }
 
+// HashValue is TensorHash's inverse: the u64 of a hash of 16 lowercase
+// hex digits (a tensor's hash, a formatVersion 8 block's xxh3), which the
+// caller took from a header Decode validated; any other string gives 0.
+func HashValue(s string) uint64 {
+	v, _ := strconv.ParseUint(s, 16, 64)
+	return v
+}
+
 // EncodePrefix builds the 26-byte prefix plus JSON for kvpersist's format,
 // returning a buffer of at least PrefixLen+len(js) bytes (padded with zeros
 // up to dataStart when dataStart is larger).

@@ -201,6 +201,9 @@ func TestHeaderHashAndPrefixMatchSpec(t *testing.T) {
 	if got := layout.TensorHash(0x00ab_0000_0000_00cd); got != "00ab0000000000cd" {
 		t.Fatalf("TensorHash = %q", got)
 	}
+	if got := layout.HashValue("00ab0000000000cd"); got != 0x00ab_0000_0000_00cd {
+		t.Fatalf("HashValue = %#x", got)
+	}
 	p, err := layout.ParsePrefix(buf)
 	if err != nil || p.HeaderLen != uint32(len(js)) || p.DataStart != ds || p.HeaderHash != xxh3.Hash(msg) || p.Legacy {
 		t.Fatalf("ParsePrefix = %+v, %v", p, err)
