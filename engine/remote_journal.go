@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // Uploads that outlive a failure, a full queue, a Close or a crash
@@ -183,22 +184,18 @@ func (t *tier) resume() {
 		return
 	}
 	for _, ns := range names {
-		t.replayJournal(ns, true)
+		t.replayJournal(ns)
 	}
 	t.queueDepth()
 }
 
-// replayJournal reads namespace ns's journal and queues again what it
-// lists that is neither queued here already nor known stored: its pages
-// whose local files exist as regular files (sorted by key, not chain
-// order: harmless, invariant 3), then each manifest that is still a
-// local page manifest and is not waiting for a retry, with its pages, as
-// a write queues it. An entry that can never be uploaded (its local file
-// gone or not a regular file, or not a page manifest) or is known stored
-// gets a settled record. Nothing queued from it gets a queued record (it
-// is in the journal already). atStart: New's replay, which marks a
-// journal holding records or undecodable bytes for compaction at close.
-func (t *tier) replayJournal(ns string, atStart bool) {
+// replayJournal reads namespace ns's journal at New and queues again
+// what it lists (requeuePage, requeueListed): its pages (sorted by key,
+// not chain order: harmless, invariant 3), then its manifests. A journal
+// holding records or undecodable bytes is marked for compaction at
+// close. (A refill of the queue reads the journal from where its last
+// refill stopped instead: journal.refillNamespace.)
+func (t *tier) replayJournal(ns string) {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		return
@@ -207,34 +204,138 @@ func (t *tier) replayJournal(ns string, atStart bool) {
 	if !ok {
 		return
 	}
-	if atStart && !canonical {
+	if !canonical {
 		t.j.touch(ns)
 	}
-	var queue []layout.PageKey
 	for _, k := range set.sortedPages() {
-		// A page known stored is settled here; one whose path is gone or
-		// is not a regular file is settled by enqueueFile's lstat.
-		if t.isKnown(ns, k) {
-			t.mu.Lock()
-			if name, err := t.st.PageName(ns, k.String()); err == nil && t.pending[name] == nil {
-				// Spilled earlier (marked pending), and stored since.
-				t.markPendingLocked(ns, k, false)
-			}
-			t.mu.Unlock()
-			t.settle(ns, k, "")
-			continue
-		}
-		queue = append(queue, k)
+		t.requeuePage(n, k)
 	}
-	t.enqueuePages(ns, queue, true)
 	for _, m := range set.sortedManifests() {
+		t.requeueListed(ns, m)
+	}
+}
+
+// requeueResult is what requeuePage did.
+type requeueResult int
+
+const (
+	requeueTaken   requeueResult = iota // queued, queued already, known stored, or gone (settled)
+	requeueRefused                      // the queue is full: spilled again (the namespace marked)
+	requeueBusy                         // another goroutine is queueing it (its queueing may yet spill it)
+)
+
+// requeuePage queues page k of n again from its journal entry (a replay
+// at New, a refill), unless it is queued here already: a page known
+// stored gets a settled record (and loses its pending mark when it was
+// spilled: stored since); one whose local file is gone or is not a
+// regular file is settled by enqueueFile's lstat. Nothing queued from
+// here gets a queued record (the journal lists it). An entry another
+// process on the root has queued and not yet settled is queued here too:
+// a duplicate costs one HEAD (StatFirst).
+func (t *tier) requeuePage(n *store.Namespace, k layout.PageKey) requeueResult {
+	ns := n.Name()
+	name, err := t.st.PageName(ns, k.String())
+	if err != nil {
+		return requeueTaken
+	}
+	if t.isKnown(ns, k) {
 		t.mu.Lock()
-		_, waiting := t.retries[ns+"/"+m]
+		if t.pending[name] == nil {
+			// Spilled earlier (marked pending), and stored since.
+			t.markPendingLocked(ns, k, false)
+		}
 		t.mu.Unlock()
-		if !waiting {
-			t.requeueManifest(ns, m, 0, true)
+		t.settle(ns, k, "")
+		return requeueTaken
+	}
+	t.mu.Lock()
+	q := t.pending[name]
+	busy := q != nil && !q.queued
+	t.mu.Unlock()
+	switch {
+	case busy:
+		return requeueBusy
+	case q != nil:
+		return requeueTaken
+	}
+	p := &pendingUpload{ns: ns, key: k, journaled: true}
+	if t.enqueueFile(name, n.PagePath(k), p, nil) == nil && errors.Is(p.err, remote.ErrQueueFull) {
+		return requeueRefused
+	}
+	return requeueTaken
+}
+
+// queuedPages returns the pages of ns whose uploads are queued or in
+// flight here (accepted by the uploader).
+func (t *tier) queuedPages(ns string) map[layout.PageKey]bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := map[layout.PageKey]bool{}
+	for _, p := range t.pending {
+		if p.ns == ns && !p.manifest && p.queued {
+			out[p.key] = true
 		}
 	}
+	return out
+}
+
+// isPending reports whether page k of ns is queued or in flight here.
+func (t *tier) isPending(ns string, k layout.PageKey) bool {
+	name, err := t.st.PageName(ns, k.String())
+	if err != nil {
+		return false
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.pending[name] != nil
+}
+
+// requeueListed queues manifest name of ns again from its journal entry
+// (requeueManifest), unless it is waiting for a retry.
+func (t *tier) requeueListed(ns, name string) {
+	t.mu.Lock()
+	_, waiting := t.retries[ns+"/"+name]
+	t.mu.Unlock()
+	if !waiting {
+		t.requeueManifest(ns, name, 0, true)
+	}
+}
+
+// requeueEntries queues again the entries a refill read from n's
+// journal through c, in file order: each queued page (requeuePage) and
+// manifest (requeueListed), except an entry that a later entry of the
+// same read settles or queues again (the later one decides), and a page
+// that was queued here when c was opened, by an entry from before then,
+// and is not any more (its upload ended: settled). It stops at the first
+// page the queue refuses, or that another goroutine is queueing (busy):
+// stopAt is its offset, where the next refill starts.
+func (t *tier) requeueEntries(n *store.Namespace, c *refillCursor, entries []refillEntry) (stopAt int64, stopped, busy bool) {
+	lastPage, lastName := map[layout.PageKey]int{}, map[string]int{}
+	for i, e := range entries {
+		if e.op == opPageQueued || e.op == opPageSettled {
+			lastPage[e.key] = i
+		} else {
+			lastName[e.name] = i
+		}
+	}
+	for i, e := range entries {
+		switch {
+		case e.op == opPageQueued && lastPage[e.key] == i:
+			if e.off < c.opened && c.queued[e.key] && !t.isPending(n.Name(), e.key) {
+				// Queued when the cursor was opened, and settled since.
+				continue
+			}
+			switch t.requeuePage(n, e.key) {
+			case requeueRefused:
+				return e.off, true, false
+			case requeueBusy:
+				return e.off, true, true
+			}
+		case e.op == opManifestQueued && lastName[e.name] == i:
+			t.requeueListed(n.Name(), e.name)
+		}
+	}
+	return 0, false, false
 }
 
 // localPageManifest decodes the local page manifest of ref and returns

@@ -256,12 +256,33 @@ func decodeJournalBytes(b []byte, final bool) (s *journalSet, ignored int, probl
 }
 
 // decodeRecords replays the records of b (at offset at of the file) into
-// s, skipping what does not decode up to the next record magic (ignored
+// s, as scanRecords reads them (tail false).
+func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, problem error, end int) {
+	return scanRecords(b, final, false, at, func(op byte, payload []byte, _ int) {
+		switch op {
+		case opPageQueued:
+			s.pages[layout.PageKey(payload)] = true
+		case opPageSettled:
+			delete(s.pages, layout.PageKey(payload))
+		case opManifestQueued:
+			s.manifests[string(payload)] = true
+		case opManifestSettled:
+			delete(s.manifests, string(payload))
+		}
+	})
+}
+
+// scanRecords calls fn with each valid record of b (at offset at of the
+// file) in order: its op, its payload (aliasing b) and its offset in b.
+// It skips what does not decode up to the next record magic (ignored
 // counts those bytes, problem names the first). final: b ends where the
 // file ends; else it stops before the last maxRecordBytes-1 bytes of b
 // unless a record ends beyond them (a record there may continue after
-// b), and end is where it stopped (the next window starts there).
-func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, problem error, end int) {
+// b), and end is where it stopped (the next window starts there). tail,
+// with final: bytes at the end of b that may be the first bytes of a
+// record being appended (recordPrefix) stop it there, not skipped (a
+// refill reads them again next time).
+func scanRecords(b []byte, final, tail bool, at int64, fn func(op byte, payload []byte, off int)) (ignored int, problem error, end int) {
 	off := 0
 	for off < len(b) {
 		if !final && len(b)-off < maxRecordBytes {
@@ -269,6 +290,9 @@ func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, 
 		}
 		op, payload, n := decodeRecord(b[off:])
 		if n == 0 {
+			if final && tail && recordPrefix(b[off:]) {
+				break
+			}
 			skip := bytes.Index(b[off+1:], []byte(recordMagic))
 			switch {
 			case skip < 0 && final:
@@ -284,19 +308,24 @@ func decodeRecords(s *journalSet, b []byte, final bool, at int64) (ignored int, 
 			off += skip + 1
 			continue
 		}
+		fn(op, payload, off)
 		off += n
-		switch op {
-		case opPageQueued:
-			s.pages[layout.PageKey(payload)] = true
-		case opPageSettled:
-			delete(s.pages, layout.PageKey(payload))
-		case opManifestQueued:
-			s.manifests[string(payload)] = true
-		case opManifestSettled:
-			delete(s.manifests, string(payload))
-		}
 	}
 	return ignored, problem, off
+}
+
+// recordPrefix reports whether b, the last bytes of a file, may be the
+// first bytes of a record whose write(2) is still going on: consistent
+// with a record's magic and length so far, and shorter than the record
+// they announce.
+func recordPrefix(b []byte) bool {
+	if len(b) < len(recordMagic) {
+		return string(b) == recordMagic[:len(b)]
+	}
+	if string(b[:len(recordMagic)]) != recordMagic {
+		return false
+	}
+	return len(b) < 6 || len(b) < recordOverhead+int(b[5])
 }
 
 // replayJournalAt replays the first size bytes of a journal read through
@@ -334,32 +363,32 @@ func replayJournalAt(r io.ReaderAt, size int64, window int) (s *journalSet, igno
 }
 
 // openJournal opens the journal at path for reading: exists is false
-// when there is none; size is its size. A path that is not a regular
-// file is an error wrapping errJournal.
-func openJournal(fsys vfs.FS, path string) (f vfs.File, size int64, exists bool, err error) {
+// when there is none; st is the open file's Stat. A path that is not a
+// regular file is an error wrapping errJournal.
+func openJournal(fsys vfs.FS, path string) (f vfs.File, st os.FileInfo, exists bool, err error) {
 	fi, err := fsys.Lstat(path)
 	if vfs.IsNotExist(err) {
-		return nil, 0, false, nil
+		return nil, nil, false, nil
 	}
 	if err != nil {
-		return nil, 0, true, err
+		return nil, nil, true, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, 0, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
+		return nil, nil, true, fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, fi.Mode())
 	}
 	f, err = fsys.Open(path)
 	if err != nil {
-		return nil, 0, true, err
+		return nil, nil, true, err
 	}
-	st, err := f.Stat()
+	st, err = f.Stat()
 	if err == nil && !st.Mode().IsRegular() {
 		err = fmt.Errorf("%w: %s is not a regular file (mode %v)", errJournal, path, st.Mode())
 	}
 	if err != nil {
 		f.Close()
-		return nil, 0, true, err
+		return nil, nil, true, err
 	}
-	return f, st.Size(), true, nil
+	return f, st, true, nil
 }
 
 // Batching of the journal's writes.
@@ -448,6 +477,10 @@ type journal struct {
 	compactMin int64
 	// openMax: maxJournalFiles, when 0 (tests lower it).
 	openMax int
+	// cursors: where each namespace's refills stopped in its journal
+	// (remote_journal_refill.go), at most maxRefillCursors.
+	cursors map[string]*refillCursor
+	refills uint64 // refills of a namespace so far (refillCursor.used)
 }
 
 func (j *journal) limit() int64 {
@@ -478,7 +511,7 @@ type journalBase struct {
 
 func startJournal(t *tier) *journal {
 	j := &journal{t: t, batch: map[string][]byte{}, urgent: map[string]bool{}, spilled: map[string]bool{}, touched: map[string]bool{},
-		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{}), files: map[string]*journalFile{}, warned: map[string]time.Time{}}
+		wake: make(chan struct{}, 1), quit: make(chan struct{}), done: make(chan struct{}), files: map[string]*journalFile{}, warned: map[string]time.Time{}, cursors: map[string]*refillCursor{}}
 	go j.run()
 	return j
 }
@@ -753,21 +786,28 @@ func (j *journal) file(n *store.Namespace) (*journalFile, error) {
 // closeLeastRecent closes the file written least recently, remembering
 // its base for its next open.
 func (j *journal) closeLeastRecent() {
-	var ns string
-	var old *journalFile
-	for name, jf := range j.files {
-		if old == nil || jf.written < old.written {
-			ns, old = name, jf
-		}
-	}
-	if old == nil {
+	ns, ok := leastRecent(j.files, func(jf *journalFile) uint64 { return jf.written })
+	if !ok {
 		return
 	}
+	old := j.files[ns]
 	if j.bases == nil {
 		j.bases = map[string]journalBase{}
 	}
 	j.bases[ns] = journalBase{fi: old.fi, base: old.base}
 	j.closeFile(ns)
+}
+
+// leastRecent returns the key of m whose value has the smallest stamp
+// (ok false when m is empty).
+func leastRecent[V any](m map[string]V, stamp func(V) uint64) (key string, ok bool) {
+	var least uint64
+	for k, v := range m {
+		if s := stamp(v); !ok || s < least {
+			key, least, ok = k, s, true
+		}
+	}
+	return key, ok
 }
 
 // closeFile closes ns's file, after a last fdatasync (and the directory's,
@@ -824,12 +864,14 @@ func (j *journal) sync() {
 }
 
 // refillQueue queues from the journal the uploads spilled since the last
-// refill (the queue has drained to half): each namespace's journal is
-// replayed (replayJournal), which skips what is queued here already.
-// The batches are written first: a spill's queued record may have been
-// added after this round's flush, and the replay reads only the file. A
-// namespace whose batch could not be written (its lock not taken) stays
-// marked, and the refill is tried again after journalLockWait (again).
+// refill (the queue has drained to half): each marked namespace's
+// journal is read from where its last refill stopped (refillNamespace,
+// remote_journal_refill.go), until the queue refuses a page. The batches
+// are written first: a spill's queued record may have been added after
+// this round's flush, and the refill reads only the file. A namespace
+// whose batch could not be written (its lock not taken), or whose refill
+// stopped at a page another goroutine is queueing, stays marked, and the
+// refill is tried again after journalLockWait (again).
 func (j *journal) refillQueue() (again bool) {
 	j.mu.Lock()
 	if !j.refill {
@@ -848,14 +890,12 @@ func (j *journal) refillQueue() (again bool) {
 	}
 	left := j.flushWithin(journalLockWait)
 	for ns := range spilled {
-		if left[ns] {
+		if left[ns] || j.refillNamespace(ns) {
 			j.mu.Lock()
 			j.spilled[ns], j.refill = true, true
 			j.mu.Unlock()
 			again = true
-			continue
 		}
-		j.t.replayJournal(ns, false)
 	}
 	j.t.queueDepth()
 	return again
@@ -927,8 +967,10 @@ func (j *journal) compact(ctx context.Context, ns string) bool {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal not compacted", "path", path, "err", err)
 		return true
 	}
-	// The file open is the one renamed over: the next write opens the new.
+	// The file open is the one renamed over: the next write opens the
+	// new, the next refill reads the new from its start.
 	j.closeFile(ns)
+	j.replacedCursor(ns)
 	j.compactions++
 	return true
 }
@@ -948,12 +990,13 @@ func (j *journal) readWhole(path string) (set *journalSet, canonical, ok bool) {
 }
 
 func (j *journal) readJournal(path string, whole bool) (set *journalSet, canonical, ok bool) {
-	f, size, exists, err := openJournal(j.t.e.store.FS(), path)
+	f, st, exists, err := openJournal(j.t.e.store.FS(), path)
 	if !exists {
 		return nil, false, false
 	}
 	if err == nil {
 		defer f.Close()
+		size := st.Size()
 		n := size
 		if !whole && size > j.limit() {
 			n = j.limit()
@@ -1006,5 +1049,8 @@ func (j *journal) close(ctx context.Context) {
 	}
 	for ns := range j.files {
 		j.closeFile(ns)
+	}
+	for ns := range j.cursors {
+		j.dropCursor(ns)
 	}
 }

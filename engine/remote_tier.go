@@ -177,6 +177,10 @@ type pendingUpload struct {
 	start     time.Time     // first attempt (zero before it)
 	done      chan struct{} // closed when the upload ended; err is then set
 	err       error
+	// queued: the uploader accepted it (set under tier.mu once Enqueue
+	// returned; until then the queue may still refuse it, and a refill
+	// reading its entry stops there: requeuePage).
+	queued bool
 }
 
 // newTier opens the store and starts the uploader (cfg.Remote set).
@@ -348,14 +352,14 @@ func (e *Engine) RemoteKnownPages() int {
 // before its descendants unless a retry reorders them (harmless: a lookup
 // walks the chain and stops at the first page the store lacks).
 func (t *tier) saved(ns string, keys []layout.PageKey) {
-	t.enqueuePages(ns, keys, false)
+	t.enqueuePages(ns, keys)
 	t.queueDepth()
 }
 
 // enqueuePages queues the pages keys of ns not known stored and returns
 // the uploads of those it queued or found queued (a manifest waits for
-// them). journaled: the journal lists them already (a replay).
-func (t *tier) enqueuePages(ns string, keys []layout.PageKey, journaled bool) []*pendingUpload {
+// them).
+func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		return nil
@@ -369,7 +373,7 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey, journaled bool) []
 		if err != nil {
 			continue
 		}
-		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k, journaled: journaled}, nil); p != nil {
+		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k}, nil); p != nil {
 			out = append(out, p)
 		}
 	}
@@ -441,6 +445,9 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 		t.e.logSafe(slog.LevelWarn, "kvpersist: not queued for upload", "file", path, "err", err)
 		return nil
 	}
+	t.mu.Lock()
+	p.queued = true
+	t.mu.Unlock()
 	return p
 }
 
@@ -503,7 +510,7 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 // journaled: the journal lists it already. A manifest the queue refuses
 // (full) is scheduled again as a failure is.
 func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journaled bool) {
-	pages := t.enqueuePages(ref.Namespace, keys, false)
+	pages := t.enqueuePages(ref.Namespace, keys)
 	path, err := t.e.Path(ref)
 	if err != nil {
 		return

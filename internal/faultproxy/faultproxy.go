@@ -24,6 +24,7 @@ package faultproxy
 import (
 	"bufio"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -32,7 +33,10 @@ import (
 	"net/url"
 	"strings"
 	"sync"
+	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Kind is a set of S3 request kinds (a bit mask).
@@ -110,6 +114,9 @@ const (
 	Corrupt
 	// Delay waits Rule.Delay before forwarding the request (then forwards
 	// it normally). A client deadline shorter than that fails the request.
+	// A client that gives up meanwhile (closes its connection) ends the
+	// wait: the request is dropped, never forwarded (counted by
+	// Abandoned); so does Close.
 	Delay
 	// Status answers Rule.Status (default 503) with an S3 XML error body
 	// without forwarding the request (a throttling or failing server).
@@ -176,12 +183,13 @@ type Proxy struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
-	mu       sync.Mutex
-	closed   bool
-	conns    map[net.Conn]struct{}
-	rules    []*rule
-	seen     map[Kind]int // requests seen, per kind
-	injected map[Kind]int // faults injected, per kind
+	mu        sync.Mutex
+	closed    bool
+	conns     map[net.Conn]struct{}
+	rules     []*rule
+	seen      map[Kind]int // requests seen, per kind
+	injected  map[Kind]int // faults injected, per kind
+	abandoned map[Kind]int // delayed requests dropped: their client went away
 }
 
 // Start starts a proxy on a free loopback port forwarding to target
@@ -211,7 +219,7 @@ func New(target string) (*Proxy, error) {
 		Endpoint: "http://" + ln.Addr().String(),
 		target:   u, ln: ln,
 		up:    &http.Transport{Proxy: nil, MaxIdleConnsPerHost: 64, DisableCompression: true},
-		conns: map[net.Conn]struct{}{}, seen: map[Kind]int{}, injected: map[Kind]int{},
+		conns: map[net.Conn]struct{}{}, seen: map[Kind]int{}, injected: map[Kind]int{}, abandoned: map[Kind]int{},
 	}
 	p.ctx, p.cancel = context.WithCancel(context.Background())
 	p.wg.Go(p.accept)
@@ -241,6 +249,11 @@ func (p *Proxy) Seen(k Kind) int { return p.count(p.seen, k) }
 // Injected returns how many faults the proxy has injected into requests of
 // the kinds k.
 func (p *Proxy) Injected(k Kind) int { return p.count(p.injected, k) }
+
+// Abandoned returns how many requests of the kinds k the proxy dropped
+// while a Delay held them, because their client closed its connection
+// (gave up): those were never forwarded.
+func (p *Proxy) Abandoned(k Kind) int { return p.count(p.abandoned, k) }
 
 func (p *Proxy) count(m map[Kind]int, k Kind) int {
 	p.mu.Lock()
@@ -353,11 +366,21 @@ func (p *Proxy) handle(c net.Conn, bw *bufio.Writer, req *http.Request) bool {
 	case Refuse:
 		return false
 	case Delay:
+		gone, stop := clientGone(c)
 		t := time.NewTimer(ru.Delay)
 		select {
 		case <-t.C:
+			stop()
+		case <-gone:
+			t.Stop()
+			stop()
+			p.mu.Lock()
+			p.abandoned[k]++
+			p.mu.Unlock()
+			return false
 		case <-p.ctx.Done():
 			t.Stop()
+			stop()
 			return false
 		}
 	case Status:
@@ -409,6 +432,64 @@ func (p *Proxy) handle(c net.Conn, bw *bufio.Writer, req *http.Request) bool {
 		return false
 	}
 	return bw.Flush() == nil && !resp.Close
+}
+
+// clientGone watches c for its client closing the connection (a FIN or
+// an RST: POLLRDHUP, POLLHUP or POLLERR on a duplicate of its
+// descriptor) without reading from it, so a request's body still in the
+// socket stays there for the forward. gone is closed when the client
+// has gone; stop ends the watch and returns once its goroutine has (the
+// caller owns it and calls stop exactly once). A connection whose
+// descriptor cannot be watched (not a socket, or out of descriptors)
+// gets a gone that is never closed: its Delay is waited out as before.
+func clientGone(c net.Conn) (gone <-chan struct{}, stop func()) {
+	ch := make(chan struct{})
+	none := func() {}
+	sc, ok := c.(syscall.Conn)
+	if !ok {
+		return ch, none
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return ch, none
+	}
+	fd, derr := -1, error(nil)
+	if err := rc.Control(func(s uintptr) { fd, derr = unix.FcntlInt(s, unix.F_DUPFD_CLOEXEC, 0) }); err != nil || derr != nil {
+		return ch, none
+	}
+	// The duplicate keeps the socket open while it is polled (Close of
+	// the connection, by the proxy's Close, does not wait for the poll).
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC)
+	if err != nil {
+		unix.Close(fd)
+		return ch, none
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		defer unix.Close(fd)
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}, {Fd: int32(efd), Events: unix.POLLIN}}
+		for {
+			_, err := unix.Poll(fds, -1)
+			if err == unix.EINTR {
+				continue
+			}
+			if err != nil || fds[1].Revents != 0 {
+				return // stopped (or poll failed: the delay is waited out)
+			}
+			if fds[0].Revents != 0 {
+				close(ch)
+				return
+			}
+		}
+	}()
+	return ch, func() {
+		var one [8]byte
+		binary.NativeEndian.PutUint64(one[:], 1)
+		unix.Write(efd, one[:])
+		<-done
+		unix.Close(efd) // after the goroutine: its number is never reused under the poll
+	}
 }
 
 var errCut = errors.New("faultproxy: body cut")

@@ -256,3 +256,59 @@ func TestCloseWithRequestsInFlight(t *testing.T) {
 	}
 	p.Close() // twice is fine
 }
+
+// TestDelayEndsWhenTheClientGoesAway: a request held by a Delay (an hour
+// here) whose client gives up (cancels: its transport closes the
+// connection) is dropped by the proxy at once: never forwarded, counted
+// by Abandoned, its connection's goroutine returned. A GET (no body) and
+// a PUT (its body unread in the socket while the proxy waits) both.
+// Before: the proxy waited out the delay, then forwarded the request to
+// a server that its client had long stopped waiting for (a PUT then
+// created an object after its caller saw it fail).
+func TestDelayEndsWhenTheClientGoesAway(t *testing.T) {
+	o, p, c := start(t)
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Get | faultproxy.Put, Fault: faultproxy.Delay, Delay: time.Hour})
+	for i, k := range []faultproxy.Kind{faultproxy.Get, faultproxy.Put} {
+		method, body := "GET", io.Reader(nil)
+		if k == faultproxy.Put {
+			method, body = "PUT", bytes.NewReader(bytes.Repeat([]byte{7}, 64<<10))
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		req, err := http.NewRequestWithContext(ctx, method, p.Endpoint+"/b/obj", body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		errc := make(chan error, 1)
+		go func() {
+			resp, err := c.Do(req)
+			if err == nil {
+				resp.Body.Close()
+			}
+			errc <- err
+		}()
+		guard := time.Now().Add(30 * time.Second)
+		for p.Seen(k) == 0 {
+			if time.Now().After(guard) {
+				t.Fatalf("%s: the proxy never received the request", method)
+			}
+			time.Sleep(time.Millisecond)
+		}
+		cancel()
+		if err := <-errc; !errors.Is(err, context.Canceled) {
+			t.Fatalf("%s: the cancelled request returned %v", method, err)
+		}
+		for p.Abandoned(faultproxy.Any) != i+1 {
+			if time.Now().After(guard) {
+				t.Fatalf("%s: the proxy still holds the request its client gave up (Abandoned %d)", method, p.Abandoned(faultproxy.Any))
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	p.Close() // joins every connection's goroutine: a forward would have reached the server by now
+	if n := o.count("GET") + o.count("PUT"); n != 0 {
+		t.Fatalf("%d requests whose clients gave up reached the server", n)
+	}
+	if p.Abandoned(faultproxy.Get) != 1 || p.Abandoned(faultproxy.Put) != 1 {
+		t.Fatalf("Abandoned get %d put %d, want 1 and 1", p.Abandoned(faultproxy.Get), p.Abandoned(faultproxy.Put))
+	}
+}
