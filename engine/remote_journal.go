@@ -235,9 +235,13 @@ func (t *tier) replayJournal(ns string) {
 type requeueResult int
 
 const (
-	requeueTaken   requeueResult = iota // queued, queued already, known stored, or gone (settled)
-	requeueRefused                      // the queue is full: spilled again (the namespace marked)
-	requeueBusy                         // another goroutine is queueing it (its queueing may yet spill it)
+	// requeueTaken: queued, queued already, known stored, gone
+	// (settled), refused by the queue for another reason than being full
+	// (ErrClosed: closing; logged, still listed), or a name PageName
+	// rejects (still listed): the refill reads on.
+	requeueTaken   requeueResult = iota
+	requeueRefused               // the queue is full: spilled again (the namespace marked)
+	requeueBusy                  // another goroutine is queueing it (its queueing may yet spill it)
 )
 
 // requeuePage queues page k of n again from its journal entry (a replay

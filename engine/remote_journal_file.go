@@ -503,9 +503,11 @@ type journal struct {
 	// openMax: maxJournalFiles, when 0 (tests lower it).
 	openMax int
 	// cursors: where each namespace's refills stopped in its journal
-	// (remote_journal_refill.go), at most maxRefillCursors.
+	// (remote_journal_refill.go), at most cursorMax.
 	cursors map[string]*refillCursor
-	refills uint64 // refills of a namespace so far (refillCursor.used)
+	// cursorMax: maxRefillCursors, when 0 (tests lower it).
+	cursorMax int
+	refills   uint64 // refills of a namespace so far (refillCursor.used)
 }
 
 func (j *journal) limit() int64 {

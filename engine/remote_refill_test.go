@@ -2,7 +2,9 @@ package engine
 
 import (
 	"bytes"
+	"cmp"
 	"context"
+	"fmt"
 	"io/fs"
 	"maps"
 	"os"
@@ -464,6 +466,68 @@ func TestRefillPassesATornRecordFollowedByWholeOnes(t *testing.T) {
 			}
 			if c := j.cursors["ns"]; c.off != int64(len(all)) {
 				t.Errorf("cursor at %d, want the file's end %d", c.off, len(all))
+			}
+		})
+	}
+}
+
+// TestRefillCursorsBounded: the refill keeps at most maxRefillCursors
+// cursors (64; cursorMax in tests), one open descriptor each. The
+// refill of one namespace more closes the cursor used least recently
+// (its descriptor closed; a namespace refilled again since is kept),
+// and a later refill of the namespace it belonged to opens a new one
+// and queues what its journal lists since.
+func TestRefillCursorsBounded(t *testing.T) {
+	for _, cmax := range []int{0, 3} {
+		t.Run(fmt.Sprintf("cursorMax=%d", cmax), func(t *testing.T) {
+			bound := cmp.Or(cmax, maxRefillCursors)
+			e, j := unreachableTierEngine(t, t.TempDir(), 4*bound)
+			j.cursorMax = cmax
+			keys := testKeys(2 * (bound + 1))
+			spill := func(i int, k layout.PageKey) {
+				t.Helper()
+				ns := fmt.Sprintf("ns%d", i)
+				writePageFiles(t, e, ns, []layout.PageKey{k})
+				n, err := e.store.Namespace(ns)
+				if err != nil {
+					t.Fatal(err)
+				}
+				f, err := os.OpenFile(n.UploadsPath(), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := f.Write(record(opPageQueued, k[:])); err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+				refillNow(j, ns)
+				if !pageQueued(t, e, ns, k) {
+					t.Fatalf("page of %s not queued by its refill", ns)
+				}
+			}
+			for i := range bound {
+				spill(i, keys[i])
+			}
+			if len(j.cursors) != bound {
+				t.Fatalf("%d cursors, want %d", len(j.cursors), bound)
+			}
+			// ns0 refilled again: ns1 is now the least recently used.
+			refillNow(j, "ns0")
+			first, second := j.cursors["ns0"], j.cursors["ns1"]
+			spill(bound, keys[bound])
+			if len(j.cursors) != bound || j.cursors["ns1"] != nil || j.cursors["ns0"] != first {
+				t.Fatalf("%d cursors, ns0's kept %v, ns1's dropped %v: want %d, ns1's (least recently used) dropped", len(j.cursors), j.cursors["ns0"] == first, j.cursors["ns1"] == nil, bound)
+			}
+			if err := second.f.Close(); err == nil {
+				t.Error("the dropped cursor's descriptor was left open")
+			}
+			// ns1 refills again: a new cursor, the new page queued.
+			spill(1, keys[bound+1])
+			if c := j.cursors["ns1"]; c == nil || c == second || len(j.cursors) != bound {
+				t.Fatalf("ns1's cursor %v (the old one: %v), %d cursors: want a new one, %d cursors", c != nil, c == second, len(j.cursors), bound)
+			}
+			if !pageQueued(t, e, "ns1", keys[1]) {
+				t.Error("ns1's first page no longer queued")
 			}
 		})
 	}
