@@ -59,19 +59,15 @@ var errSourceChanged = errors.New("engine: the local file changed since it was q
 // (uploaded) or was refused by it (queueManifest): a failure that is
 // neither an abandon nor permanent queues it again after
 // manifestRetryWait (bounded by manifestRetries; again reports it). An
-// upload done, or failed permanently, is settled in the journal; one
-// abandoned, or out of retries, stays listed there (the next start, or a
-// refill of the queue, queues it again).
+// upload done, or failed permanently (manifestSettles), was settled in
+// the journal by the caller, in the critical section that removed its
+// entry from t.pending (uploaded); one abandoned, or out of retries,
+// stays listed there (the next start, or a refill of the queue, queues
+// it again).
 func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
 	switch {
-	case err == nil:
-	case errors.Is(err, remote.ErrAbandoned):
+	case manifestSettles(err), errors.Is(err, remote.ErrAbandoned):
 		return false
-	case errors.Is(err, remote.ErrConflict), errors.Is(err, remote.ErrBadName):
-		// Permanent: another manifest holds the name remotely.
-	case errors.Is(err, remote.ErrSourceCorrupt):
-		// Permanent: the local manifest is corrupt (logged by uploaded);
-		// a write of the name queues its new file.
 	case p.attempt >= manifestRetries:
 		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 		return false
@@ -79,13 +75,26 @@ func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
 		t.scheduleManifest(p.ns, p.name, p.attempt+1)
 		return true
 	}
-	t.settle(p.ns, layout.PageKey{}, p.name)
-	return false
 }
 
-// settle records in the journal that an upload is done or can never be
-// done (a page's when manifest is empty).
-func (t *tier) settle(ns string, key layout.PageKey, manifest string) {
+// manifestSettles reports whether a manifest upload that ended with err
+// is settled in the journal: done, or failed permanently (another
+// manifest holds the name remotely: ErrConflict, ErrBadName; the local
+// manifest is corrupt, logged by uploaded: ErrSourceCorrupt, and a
+// write of the name queues its new file).
+func manifestSettles(err error) bool {
+	return err == nil || errors.Is(err, remote.ErrConflict) || errors.Is(err, remote.ErrBadName) || errors.Is(err, remote.ErrSourceCorrupt)
+}
+
+// settleLocked records in the journal that an upload is done or can
+// never be done (a page's when manifest is empty). t.mu held, in the
+// critical section that removed the upload's entry from t.pending or
+// found none: a save of the same object registers its next upload (and
+// adds its queued record) only after it, so the journal never reads a
+// queued record followed by an older upload's settled record (uploaded).
+// Lock order: t.mu, then the journal's mutex (the journal never takes
+// t.mu while holding its own).
+func (t *tier) settleLocked(ns string, key layout.PageKey, manifest string) {
 	if manifest != "" {
 		t.j.add(ns, opManifestSettled, []byte(manifest))
 	} else {
@@ -143,7 +152,14 @@ func (t *tier) requeueManifest(ns, name string, attempt int, journaled bool) {
 	keys, err := t.localPageManifest(ref)
 	if err != nil {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: page manifest not uploaded: its local file changed", "namespace", ns, "name", name, "err", err)
-		t.settle(ns, layout.PageKey{}, name)
+		// Not when an upload of the name is registered or waits for its
+		// retry (a write of the name since): that one settles it.
+		obj, oerr := t.st.ManifestName(ns, name)
+		t.mu.Lock()
+		if oerr != nil || (t.pending[obj] == nil && t.retries[ns+"/"+name] == nil) {
+			t.settleLocked(ns, layout.PageKey{}, name)
+		}
+		t.mu.Unlock()
 		return
 	}
 	t.queueManifest(ref, keys, attempt, journaled)
@@ -219,9 +235,13 @@ func (t *tier) replayJournal(ns string) {
 type requeueResult int
 
 const (
-	requeueTaken   requeueResult = iota // queued, queued already, known stored, or gone (settled)
-	requeueRefused                      // the queue is full: spilled again (the namespace marked)
-	requeueBusy                         // another goroutine is queueing it (its queueing may yet spill it)
+	// requeueTaken: queued, queued already, known stored, gone
+	// (settled), refused by the queue for another reason than being full
+	// (ErrClosed: closing; logged, still listed), or a name PageName
+	// rejects (still listed): the refill reads on.
+	requeueTaken   requeueResult = iota
+	requeueRefused               // the queue is full: spilled again (the namespace marked)
+	requeueBusy                  // another goroutine is queueing it (its queueing may yet spill it)
 )
 
 // requeuePage queues page k of n again from its journal entry (a replay
@@ -244,8 +264,8 @@ func (t *tier) requeuePage(n *store.Namespace, k layout.PageKey) requeueResult {
 			// Spilled earlier (marked pending), and stored since.
 			t.markPendingLocked(ns, k, false)
 		}
+		t.settleLocked(ns, k, "")
 		t.mu.Unlock()
-		t.settle(ns, k, "")
 		return requeueTaken
 	}
 	t.mu.Lock()

@@ -316,8 +316,12 @@ func scanRecords(b []byte, final, tail bool, at int64, fn func(op byte, payload 
 
 // recordPrefix reports whether b, the last bytes of a file, may be the
 // first bytes of a record whose write(2) is still going on: consistent
-// with a record's magic and length so far, and shorter than the record
-// they announce.
+// with a record's magic and length so far, shorter than the record they
+// announce, and followed by no whole record (wholeRecordAfter). Appends
+// to a journal are serialized (each batch one write(2), under the
+// namespace's lock), so a whole record after them means the write that
+// left them has ended: they are a torn record, skipped as a replay skips
+// them, never waited for.
 func recordPrefix(b []byte) bool {
 	if len(b) < len(recordMagic) {
 		return string(b) == recordMagic[:len(b)]
@@ -325,7 +329,28 @@ func recordPrefix(b []byte) bool {
 	if string(b[:len(recordMagic)]) != recordMagic {
 		return false
 	}
-	return len(b) < 6 || len(b) < recordOverhead+int(b[5])
+	if len(b) >= 6 && len(b) >= recordOverhead+int(b[5]) {
+		return false
+	}
+	return !wholeRecordAfter(b)
+}
+
+// wholeRecordAfter reports whether a valid record (decodeRecord) begins
+// in b after its first byte: where the record scan, resyncing at each
+// record magic as a replay does, would read one.
+func wholeRecordAfter(b []byte) bool {
+	for i := 1; i < len(b); {
+		k := bytes.Index(b[i:], []byte(recordMagic))
+		if k < 0 {
+			return false
+		}
+		i += k
+		if _, _, n := decodeRecord(b[i:]); n > 0 {
+			return true
+		}
+		i++
+	}
+	return false
 }
 
 // replayJournalAt replays the first size bytes of a journal read through
@@ -478,9 +503,11 @@ type journal struct {
 	// openMax: maxJournalFiles, when 0 (tests lower it).
 	openMax int
 	// cursors: where each namespace's refills stopped in its journal
-	// (remote_journal_refill.go), at most maxRefillCursors.
+	// (remote_journal_refill.go), at most cursorMax.
 	cursors map[string]*refillCursor
-	refills uint64 // refills of a namespace so far (refillCursor.used)
+	// cursorMax: maxRefillCursors, when 0 (tests lower it).
+	cursorMax int
+	refills   uint64 // refills of a namespace so far (refillCursor.used)
 }
 
 func (j *journal) limit() int64 {

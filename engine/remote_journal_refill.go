@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -40,9 +41,18 @@ const (
 // refillCursor is where a namespace's refills stopped in its journal:
 // every entry before off has been queued (or found queued, known stored,
 // or gone) by a refill of this engine, or settled by a record before
-// off. The file is held open: while it is, its inode cannot be reused
-// by a file a compaction renames over the path, so os.SameFile of the
-// path's lstat and fi says whether the path still names it.
+// off, or skipped by requeueEntries' two rules: an entry that a later
+// entry of the same read settles or queues again (the later one
+// decides), and a page queued here when the cursor was opened, by an
+// entry before opened, and not any more (its upload ended: settled, its
+// settled record possibly beyond off). The file is held open: while it
+// is, its inode cannot be reused by a file a compaction renames over the
+// path, so os.SameFile of the path's lstat and fi says whether the path
+// still names it. So a journal replaced by another process's compaction
+// (the old file unlinked) stays open until this namespace's next refill,
+// the cursor's eviction or Close: at most maxRefillCursors such files,
+// which keep their disk blocks but block nothing (a gc, a namespace's
+// removal, a compaction: Linux unlinks and renames over open files).
 type refillCursor struct {
 	f  vfs.File    // nil: its file was replaced by a compaction of this engine
 	fi os.FileInfo // f's Stat at open
@@ -205,7 +215,7 @@ func (j *journal) cursor(n *store.Namespace) *refillCursor {
 		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
 		return nil
 	}
-	if len(j.cursors) >= maxRefillCursors {
+	if len(j.cursors) >= cmp.Or(j.cursorMax, maxRefillCursors) {
 		j.dropLeastRecentCursor()
 	}
 	if j.cursors == nil {

@@ -2,7 +2,9 @@ package engine
 
 import (
 	"bytes"
+	"cmp"
 	"context"
+	"fmt"
 	"io/fs"
 	"maps"
 	"os"
@@ -366,6 +368,9 @@ func FuzzRefillWalk(f *testing.F) {
 	f.Add(slices.Concat(snap, recs, record(opPageQueued, keys[3][:])[:20]), uint16(500))
 	f.Add(slices.Concat(recs, snap, recs), uint16(3))
 	f.Add(slices.Concat(snap[:len(snap)-1], []byte{0}, recs), uint16(7))
+	// Torn records followed by whole ones (a write(2) that ended short).
+	f.Add(slices.Concat(snap, record(opManifestQueued, []byte(strings.Repeat("m", 60)))[:10], record(opPageQueued, keys[3][:])), uint16(0))
+	f.Add(slices.Concat(recs, record(opPageQueued, keys[3][:])[:5], record(opPageQueued, keys[1][:])), uint16(2))
 	f.Fuzz(func(t *testing.T, b []byte, w uint16) {
 		got, end := walkAll(t, b, int64(w))
 		whole, wholeEnd := walkAll(t, b, int64(len(b))+refillWindowMax)
@@ -389,8 +394,141 @@ func FuzzRefillWalk(f *testing.F) {
 		if !maps.Equal(s.pages, want.pages) || !maps.Equal(s.manifests, want.manifests) {
 			t.Fatalf("the walk lists %d pages and %v, the replay of its %d bytes %d pages and %v", len(s.pages), s.manifests, end, len(want.pages), want.manifests)
 		}
-		if end < int64(len(b)) && !recordPrefix(b[end:]) {
+		if end == int64(len(b)) {
+			return
+		}
+		// Stopped before a tail it takes for a record being appended:
+		// bytes that may begin one, after which no whole record begins
+		// (appends are serialized: one would mean that write ended), so
+		// the replay of the whole file lists what the walk lists.
+		if !recordPrefix(b[end:]) {
 			t.Fatalf("the walk stopped at %d of %d bytes, before bytes that cannot begin a record", end, len(b))
 		}
+		for i := end; i < int64(len(b)); i++ {
+			if _, _, n := decodeRecord(b[i:]); n > 0 {
+				t.Fatalf("the walk stopped at %d of %d bytes, before a whole record at %d", end, len(b), i)
+			}
+		}
+		if full, _, _, _ := decodeJournalFile(b); !maps.Equal(full.pages, want.pages) || !maps.Equal(full.manifests, want.manifests) {
+			t.Fatalf("the walk stopped at %d of %d bytes; the replay of the whole file lists %d pages and %v, of those bytes %d pages and %v", end, len(b), len(full.pages), full.manifests, len(want.pages), want.manifests)
+		}
 	})
+}
+
+// TestRefillPassesATornRecordFollowedByWholeOnes: a journal holding the
+// first bytes of a record whose write(2) ended torn (its process killed
+// mid-write, or a short write on a full disk), then whole records
+// appended after it (appends are serialized: the torn write has ended).
+// The refill skips the torn bytes, as a replay does, and queues the
+// pages of the records after them. Before: it took the torn bytes for a
+// record still being appended (their magic and length byte announce a
+// record longer than the bytes left) and stopped in front of them at
+// every refill; the pages after were never queued (cursor at 56 of 112
+// bytes). Two tears: a manifest record cut after 10 bytes (its length
+// byte read), a page record cut after 5 (the next record's magic read as
+// its length byte).
+func TestRefillPassesATornRecordFollowedByWholeOnes(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		torn []byte
+	}{
+		{"manifest record cut after 10 bytes", record(opManifestQueued, []byte(strings.Repeat("m", 60)))[:10]},
+		{"page record cut after 5 bytes", record(opPageQueued, testKeys(3)[2][:])[:5]},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			keys := testKeys(2)
+			e, j, n, b := refillSetup(t, keys)
+			if err := os.WriteFile(n.UploadsPath(), b[:recordOverhead+32], 0o640); err != nil {
+				t.Fatal(err)
+			}
+			refillNow(j, "ns") // compacts, opens the cursor, queues key 0
+			if !pageQueued(t, e, "ns", keys[0]) {
+				t.Fatal("key 0 not queued by the first refill")
+			}
+			f, err := os.OpenFile(n.UploadsPath(), os.O_WRONLY|os.O_APPEND, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.Write(slices.Concat(tc.torn, record(opPageQueued, keys[1][:]))); err != nil {
+				t.Fatal(err)
+			}
+			f.Close()
+			all, err := os.ReadFile(n.UploadsPath())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if s, _, _, _ := decodeJournalFile(all); !s.pages[keys[1]] {
+				t.Fatal("the replay does not list key 1")
+			}
+			refillNow(j, "ns")
+			if !pageQueued(t, e, "ns", keys[1]) {
+				t.Fatalf("key 1 not queued; cursor at %d of %d bytes", j.cursors["ns"].off, len(all))
+			}
+			if c := j.cursors["ns"]; c.off != int64(len(all)) {
+				t.Errorf("cursor at %d, want the file's end %d", c.off, len(all))
+			}
+		})
+	}
+}
+
+// TestRefillCursorsBounded: the refill keeps at most maxRefillCursors
+// cursors (64; cursorMax in tests), one open descriptor each. The
+// refill of one namespace more closes the cursor used least recently
+// (its descriptor closed; a namespace refilled again since is kept),
+// and a later refill of the namespace it belonged to opens a new one
+// and queues what its journal lists since.
+func TestRefillCursorsBounded(t *testing.T) {
+	for _, cmax := range []int{0, 3} {
+		t.Run(fmt.Sprintf("cursorMax=%d", cmax), func(t *testing.T) {
+			bound := cmp.Or(cmax, maxRefillCursors)
+			e, j := unreachableTierEngine(t, t.TempDir(), 4*bound)
+			j.cursorMax = cmax
+			keys := testKeys(2 * (bound + 1))
+			spill := func(i int, k layout.PageKey) {
+				t.Helper()
+				ns := fmt.Sprintf("ns%d", i)
+				writePageFiles(t, e, ns, []layout.PageKey{k})
+				n, err := e.store.Namespace(ns)
+				if err != nil {
+					t.Fatal(err)
+				}
+				f, err := os.OpenFile(n.UploadsPath(), os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o640)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := f.Write(record(opPageQueued, k[:])); err != nil {
+					t.Fatal(err)
+				}
+				f.Close()
+				refillNow(j, ns)
+				if !pageQueued(t, e, ns, k) {
+					t.Fatalf("page of %s not queued by its refill", ns)
+				}
+			}
+			for i := range bound {
+				spill(i, keys[i])
+			}
+			if len(j.cursors) != bound {
+				t.Fatalf("%d cursors, want %d", len(j.cursors), bound)
+			}
+			// ns0 refilled again: ns1 is now the least recently used.
+			refillNow(j, "ns0")
+			first, second := j.cursors["ns0"], j.cursors["ns1"]
+			spill(bound, keys[bound])
+			if len(j.cursors) != bound || j.cursors["ns1"] != nil || j.cursors["ns0"] != first {
+				t.Fatalf("%d cursors, ns0's kept %v, ns1's dropped %v: want %d, ns1's (least recently used) dropped", len(j.cursors), j.cursors["ns0"] == first, j.cursors["ns1"] == nil, bound)
+			}
+			if err := second.f.Close(); err == nil {
+				t.Error("the dropped cursor's descriptor was left open")
+			}
+			// ns1 refills again: a new cursor, the new page queued.
+			spill(1, keys[bound+1])
+			if c := j.cursors["ns1"]; c == nil || c == second || len(j.cursors) != bound {
+				t.Fatalf("ns1's cursor %v (the old one: %v), %d cursors: want a new one, %d cursors", c != nil, c == second, len(j.cursors), bound)
+			}
+			if !pageQueued(t, e, "ns1", keys[1]) {
+				t.Error("ns1's first page no longer queued")
+			}
+		})
+	}
 }

@@ -163,6 +163,13 @@ type tier struct {
 	closing bool                      // close began: no manifest is scheduled again
 	retries map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
 	retryWG sync.WaitGroup            // their callbacks
+
+	// Test hooks, nil outside tests: afterUnpend runs in uploaded once
+	// the upload's entry has left pending and t.mu is released;
+	// afterGoneLstat runs in enqueueFile after the lstat that found a
+	// replayed page's file gone, before its entry is settled.
+	afterUnpend    func()
+	afterGoneLstat func()
 }
 
 type pendingUpload struct {
@@ -394,8 +401,22 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 		if p.journaled && !p.manifest {
 			// A replayed page whose file is gone (evicted since) or is
 			// not a regular file: it can never be uploaded from here,
-			// so its entry is settled, quietly.
-			t.settle(p.ns, p.key, "")
+			// so its entry is settled, quietly. Under t.mu, after a
+			// second lstat: a save that writes the page after that
+			// lstat registers its upload (and adds its queued record)
+			// after this critical section, so after the settled record;
+			// one that wrote it before is seen (its upload registered,
+			// or the file back), and the entry is left to it.
+			if t.afterGoneLstat != nil {
+				t.afterGoneLstat()
+			}
+			t.mu.Lock()
+			if t.pending[name] == nil {
+				if fi, err := t.e.store.FS().Lstat(path); err != nil || !fi.Mode().IsRegular() {
+					t.settleLocked(p.ns, p.key, "")
+				}
+			}
+			t.mu.Unlock()
 			return nil
 		}
 		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
@@ -431,6 +452,9 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 			// A spilled page is still pending (listed in the journal,
 			// queued from it when the queue drains): it keeps its mark.
 			t.markPendingLocked(p.ns, p.key, false)
+		}
+		if p.manifest && manifestSettles(err) {
+			t.settleLocked(p.ns, layout.PageKey{}, p.name) // see uploaded
 		}
 		t.mu.Unlock()
 		p.err = err
@@ -598,7 +622,27 @@ func (t *tier) uploaded(r remote.UploadResult) {
 		// cache's plain eviction order.
 		t.markPendingLocked(p.ns, p.key, false)
 	}
+	// The settled record is added in the critical section that removed
+	// the entry: a save of the same object registers its next upload
+	// only after it, so that upload's queued record follows it in the
+	// journal. Added later, it could follow the queued record of a save
+	// in between (spilled by a full queue, or failed), and the journal
+	// would list the page or manifest settled while not uploaded. Done,
+	// or never possible (the local file gone or changed: the next save
+	// naming the page queues it again; corrupt: removed; a conflict). An
+	// abandoned upload stays listed, and so does a manifest scheduled
+	// again or out of retries (manifestDone).
+	switch {
+	case p == nil:
+	case p.manifest && manifestSettles(r.Err):
+		t.settleLocked(p.ns, layout.PageKey{}, p.name)
+	case !p.manifest && !errors.Is(r.Err, remote.ErrAbandoned):
+		t.settleLocked(p.ns, p.key, "")
+	}
 	t.mu.Unlock()
+	if t.afterUnpend != nil {
+		t.afterUnpend()
+	}
 	if p != nil {
 		defer func() { p.err = r.Err; close(p.done) }()
 	}
@@ -625,16 +669,8 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)
 	}
-	if p != nil { // remote_journal.go: retries, the journal
-		switch {
-		case p.manifest:
-			t.manifestDone(p, r.Err)
-		case !errors.Is(r.Err, remote.ErrAbandoned):
-			// Done, or never possible (the local file gone or changed:
-			// the next save naming the page queues it again; corrupt:
-			// removed; a conflict). An abandoned page stays listed.
-			t.settle(p.ns, p.key, "")
-		}
+	if p != nil && p.manifest { // remote_journal.go: retries
+		t.manifestDone(p, r.Err)
 	}
 	t.j.drained()
 	if m := t.metrics(); m != nil {

@@ -1,0 +1,164 @@
+package engine
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/remote"
+)
+
+// fillUploadQueue saves pages into ns until the unreachable tier's
+// queue refuses one (its worker holds one upload and retries it for an
+// hour): later uploads spill to the journal.
+func fillUploadQueue(t *testing.T, e *Engine, ns string, queueLen int) {
+	t.Helper()
+	keys := testKeys(1000)[900 : 900+queueLen+2]
+	writePageFiles(t, e, ns, keys)
+	e.tier.saved(ns, keys)
+	e.tier.j.mu.Lock()
+	spilled := e.tier.j.spilled[ns]
+	e.tier.j.mu.Unlock()
+	if !spilled {
+		t.Fatalf("%d pages saved, none spilled: the queue of %d is not full", len(keys), queueLen)
+	}
+}
+
+// TestSettledRecordPrecedesTheNextQueueing: an upload of a page ends
+// (here: failed, its local file changed: errSourceChanged, so the page
+// is still not stored) and, right after its entry left the tier's
+// pending set, a save of the same page registers a new upload, which
+// the full queue refuses: spilled, its queued record the only trace of
+// it. The ended upload's settled record must come before that queued
+// record in the journal, so the journal (replay and refill alike) still
+// lists the page. Before: uploaded added the settled record after
+// releasing the tier's mutex, so the journal read new-queued,
+// old-settled, and listed the page as settled: it stayed local, never
+// uploaded (until a later save named it).
+func TestSettledRecordPrecedesTheNextQueueing(t *testing.T) {
+	const queueLen = 4
+	e, j := unreachableTierEngine(t, t.TempDir(), queueLen)
+	fillUploadQueue(t, e, "ns", queueLen)
+	k := testKeys(1)[0]
+	writePageFiles(t, e, "ns", []layout.PageKey{k})
+	name, err := e.tier.st.PageName("ns", k.String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The first upload of k, queued and in flight (its queued record in
+	// the journal).
+	p := &pendingUpload{ns: "ns", key: k, done: make(chan struct{}), queued: true}
+	e.tier.mu.Lock()
+	e.tier.pending[name] = p
+	e.tier.mu.Unlock()
+	e.tier.journalQueued(p)
+	saves := 0
+	e.tier.afterUnpend = func() {
+		e.tier.afterUnpend = nil
+		saves++
+		e.tier.saved("ns", []layout.PageKey{k})
+	}
+	e.tier.uploaded(remote.UploadResult{Name: name, Err: fmt.Errorf("%w: %s", errSourceChanged, name), Attempts: 1})
+	select {
+	case <-p.done:
+	default:
+		t.Fatal("the first upload's done is not closed")
+	}
+	if saves != 1 || pageQueued(t, e, "ns", k) {
+		t.Fatalf("%d saves in the gap, page queued %v: want one save, spilled (not queued)", saves, pageQueued(t, e, "ns", k))
+	}
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); !s.pages[k] {
+		t.Fatal("the journal does not list the page spilled by the second save: the first upload's settled record came after its queued record")
+	}
+}
+
+// TestSettledManifestPrecedesTheNextQueueing: as
+// TestSettledRecordPrecedesTheNextQueueing for a page manifest: its
+// upload is done, and in the gap the manifest is written again and
+// queued; the full queue refuses it (scheduled again; the journal lists
+// it until then, and at the next start if the engine closes first).
+func TestSettledManifestPrecedesTheNextQueueing(t *testing.T) {
+	const queueLen = 4
+	e, j := unreachableTierEngine(t, t.TempDir(), queueLen)
+	fillUploadQueue(t, e, "ns", queueLen)
+	ref := Ref{Namespace: "ns", Name: "conv-1"}
+	path, err := e.Path(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("a manifest"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	name, err := e.tier.st.ManifestName("ns", ref.Name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &pendingUpload{ns: "ns", manifest: true, name: ref.Name, done: make(chan struct{}), queued: true}
+	e.tier.mu.Lock()
+	e.tier.pending[name] = p
+	e.tier.mu.Unlock()
+	e.tier.journalQueued(p)
+	e.tier.afterUnpend = func() {
+		e.tier.afterUnpend = nil
+		e.tier.queueManifest(ref, nil, 0, false)
+	}
+	e.tier.uploaded(remote.UploadResult{Name: name, Created: true, Attempts: 1})
+	e.tier.mu.Lock()
+	_, retry := e.tier.retries["ns/"+ref.Name]
+	e.tier.mu.Unlock()
+	if !retry {
+		t.Fatal("the second queueing of the manifest, refused by the full queue, is not scheduled again")
+	}
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); !s.manifests[ref.Name] {
+		t.Fatal("the journal does not list the manifest queued again: the first upload's settled record came after its queued record")
+	}
+}
+
+// TestGoneSettleDoesNotFollowASave: a refill (or a replay) reads the
+// entry of a page whose local file is gone (evicted), and would settle
+// it; between its lstat and the settle, a save writes the page again and
+// queues it, and the full queue refuses it (spilled: its queued record
+// the only trace). The settle must not land after that queued record.
+// Before: it did, and the journal listed the page settled.
+func TestGoneSettleDoesNotFollowASave(t *testing.T) {
+	const queueLen = 4
+	e, j := unreachableTierEngine(t, t.TempDir(), queueLen)
+	fillUploadQueue(t, e, "ns", queueLen)
+	k := testKeys(1)[0]
+	n, err := e.store.Namespace("ns")
+	if err != nil {
+		t.Fatal(err)
+	}
+	saves := 0
+	e.tier.afterGoneLstat = func() {
+		e.tier.afterGoneLstat = nil
+		saves++
+		writePageFiles(t, e, "ns", []layout.PageKey{k})
+		e.tier.saved("ns", []layout.PageKey{k})
+	}
+	if got := e.tier.requeuePage(n, k); got != requeueTaken {
+		t.Fatalf("requeuePage = %d, want requeueTaken", got)
+	}
+	if saves != 1 || pageQueued(t, e, "ns", k) {
+		t.Fatalf("%d saves in the gap, page queued %v: want one save, spilled", saves, pageQueued(t, e, "ns", k))
+	}
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); !s.pages[k] {
+		t.Fatal("the journal does not list the page the save spilled: the gone page's settled record came after it")
+	}
+	// Without a save in the gap, a gone page's entry is still settled.
+	k2 := testKeys(2)[1]
+	j.add("ns", opPageQueued, k2[:])
+	e.tier.requeuePage(n, k2)
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); s.pages[k2] {
+		t.Fatal("the entry of a page whose file is gone is not settled")
+	}
+}
