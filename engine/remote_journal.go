@@ -55,26 +55,40 @@ func (t *tier) manifestRetryWait(attempt int) time.Duration {
 // is what uploads it.
 var errSourceChanged = errors.New("engine: the local file changed since it was queued for upload")
 
-// manifestDone is called for every manifest upload that left the queue
-// (uploaded) or was refused by it (queueManifest): a failure that is
-// neither an abandon nor permanent queues it again after
-// manifestRetryWait (bounded by manifestRetries; again reports it). An
-// upload done, or failed permanently (manifestSettles), was settled in
-// the journal by the caller, in the critical section that removed its
-// entry from t.pending (uploaded); one abandoned, or out of retries,
-// stays listed there (the next start, or a refill of the queue, queues
-// it again).
-func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
+// manifestDoneLocked is called for every manifest upload that left the
+// queue (uploaded) or was refused by it (enqueueFile), t.mu held, in the
+// critical section that removed its entry from t.pending: an upload done,
+// or failed permanently (manifestSettles), is settled in the journal
+// (settleLocked); a failure that is neither an abandon nor permanent is
+// registered to be queued again after manifestRetryWait
+// (scheduleManifestLocked; bounded by manifestRetries); one abandoned, or
+// out of retries (givenUp: the caller logs it after releasing t.mu,
+// manifestGivenUp), stays listed there (the next start, or a refill of
+// the queue, queues it again). The retry is registered in the same
+// critical section so that the name is never in neither t.pending nor
+// t.retries while it waits for one: an older retry of the name that
+// finds its local file no longer a page manifest (requeueManifest) would
+// settle it there, and the journal would list it settled while its retry
+// waits (TestManifestNotSettledBeforeItsRetry).
+func (t *tier) manifestDoneLocked(p *pendingUpload, err error) (givenUp bool) {
 	switch {
-	case manifestSettles(err), errors.Is(err, remote.ErrAbandoned):
+	case manifestSettles(err):
+		t.settleLocked(p.ns, layout.PageKey{}, p.name)
+		return false
+	case errors.Is(err, remote.ErrAbandoned):
 		return false
 	case p.attempt >= manifestRetries:
-		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
-		return false
-	default:
-		t.scheduleManifest(p.ns, p.name, p.attempt+1)
 		return true
+	default:
+		t.scheduleManifestLocked(p.ns, p.name, p.attempt+1)
+		return false
 	}
+}
+
+// manifestGivenUp logs a manifest upload out of retries
+// (manifestDoneLocked), t.mu not held.
+func (t *tier) manifestGivenUp(p *pendingUpload, err error) {
+	t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 }
 
 // manifestSettles reports whether a manifest upload that ended with err
@@ -109,17 +123,16 @@ type manifestRetry struct {
 	tm       *time.Timer
 }
 
-// scheduleManifest queues manifest name of ns again after
-// manifestRetryWait(attempt), on a timer owned by the tier (one per
-// manifest name: a name already waiting keeps its timer): close stops the
-// timers not yet fired (queueing their manifests at once) and waits for
-// the callbacks of those that fired. The manifest is queued with the keys
-// its local file names then (requeueManifest), not those it named when
-// it failed: a name rewritten meanwhile is uploaded after its own pages.
-func (t *tier) scheduleManifest(ns, name string, attempt int) {
+// scheduleManifestLocked registers manifest name of ns to be queued
+// again after manifestRetryWait(attempt), on a timer owned by the tier
+// (one per manifest name: a name already waiting keeps its timer); t.mu
+// held (it only starts a timer). close stops the timers not yet fired
+// (queueing their manifests at once) and waits for the callbacks of those
+// that fired. The manifest is queued with the keys its local file names
+// then (requeueManifest), not those it named when it failed: a name
+// rewritten meanwhile is uploaded after its own pages.
+func (t *tier) scheduleManifestLocked(ns, name string, attempt int) {
 	id := ns + "/" + name
-	t.mu.Lock()
-	defer t.mu.Unlock()
 	if t.closing {
 		return // it stays listed in the journal
 	}
@@ -144,9 +157,12 @@ func (t *tier) scheduleManifest(ns, name string, attempt int) {
 }
 
 // requeueManifest queues manifest name of ns again (attempt), with the
-// keys its local file names now; one that is gone or no longer a page
-// manifest is dropped (logged) and settled. journaled: the journal lists
-// it already (a retry, a replay), so no queued record is appended.
+// keys its local file names now. One that is gone or no longer a page
+// manifest is not queued (logged); it is settled only when no upload of
+// the name is registered (t.pending) or waits for its retry (t.retries),
+// checked under t.mu: such an upload (a write of the name since) settles
+// it, or keeps it listed. journaled: the journal lists it already (a
+// retry, a replay), so no queued record is appended.
 func (t *tier) requeueManifest(ns, name string, attempt int, journaled bool) {
 	ref := Ref{Namespace: ns, Name: name}
 	keys, err := t.localPageManifest(ref)
