@@ -147,6 +147,7 @@ func (t *tier) scheduleManifestLocked(ns, name string, attempt int) {
 		mine := t.retries[id] == r // else close took it (and queued it)
 		if mine {
 			delete(t.retries, id)
+			t.requeueStartLocked(id)
 		}
 		t.mu.Unlock()
 		if mine {
@@ -156,29 +157,58 @@ func (t *tier) scheduleManifestLocked(ns, name string, attempt int) {
 	t.retries[id] = r
 }
 
+// requeueStartLocked counts a requeueManifest call for manifest id
+// ("<ns>/<name>"), t.mu held, in the critical section where its caller
+// took the name from t.retries (a retry's timer, stopRetries) or found it
+// not there (requeueListed): from there until the call has registered
+// the name's upload (or decided not to), the name is counted here, so
+// that no other requeueManifest of it settles it in between (one finding
+// the local file gone or no longer a page manifest, while this one read
+// it as a page manifest and is about to queue it; the journal would list
+// it settled while its upload is registered:
+// TestConcurrentRequeueDoesNotSettleAQueueing).
+func (t *tier) requeueStartLocked(id string) {
+	t.requeueing[id]++
+}
+
+// requeueEndLocked ends a call counted by requeueStartLocked; t.mu held.
+func (t *tier) requeueEndLocked(id string) {
+	if t.requeueing[id]--; t.requeueing[id] <= 0 {
+		delete(t.requeueing, id)
+	}
+}
+
 // requeueManifest queues manifest name of ns again (attempt), with the
-// keys its local file names now. One that is gone or no longer a page
-// manifest is not queued (logged); it is settled only when no upload of
-// the name is registered (t.pending) or waits for its retry (t.retries),
-// checked under t.mu: such an upload (a write of the name since) settles
-// it, or keeps it listed. journaled: the journal lists it already (a
-// retry, a replay), so no queued record is appended.
+// keys its local file names now; the caller counted the call
+// (requeueStartLocked), and it ends the count. One that is gone or no
+// longer a page manifest is not queued (logged); it is settled only when
+// no upload of the name is registered (t.pending), waits for its retry
+// (t.retries) or is being queued by another requeueManifest
+// (t.requeueing), checked under t.mu: such an upload (a write of the name
+// since, a retry) settles it, or keeps it listed. journaled: the journal
+// lists it already (a retry, a replay), so no queued record is appended.
 func (t *tier) requeueManifest(ns, name string, attempt int, journaled bool) {
+	id := ns + "/" + name
 	ref := Ref{Namespace: ns, Name: name}
 	keys, err := t.localPageManifest(ref)
 	if err != nil {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: page manifest not uploaded: its local file changed", "namespace", ns, "name", name, "err", err)
-		// Not when an upload of the name is registered or waits for its
-		// retry (a write of the name since): that one settles it.
 		obj, oerr := t.st.ManifestName(ns, name)
 		t.mu.Lock()
-		if oerr != nil || (t.pending[obj] == nil && t.retries[ns+"/"+name] == nil) {
+		t.requeueEndLocked(id)
+		if oerr != nil || (t.pending[obj] == nil && t.retries[id] == nil && t.requeueing[id] == 0) {
 			t.settleLocked(ns, layout.PageKey{}, name)
 		}
 		t.mu.Unlock()
 		return
 	}
+	if t.afterManifestRead != nil {
+		t.afterManifestRead()
+	}
 	t.queueManifest(ref, keys, attempt, journaled)
+	t.mu.Lock()
+	t.requeueEndLocked(id)
+	t.mu.Unlock()
 	t.queueDepth()
 }
 
@@ -192,10 +222,11 @@ func (t *tier) stopRetries() {
 	t.mu.Lock()
 	t.closing = true
 	var now []*manifestRetry
-	for _, r := range t.retries {
+	for id, r := range t.retries {
 		if r.tm.Stop() {
 			t.retryWG.Done() // its callback never runs
 		}
+		t.requeueStartLocked(id)
 		now = append(now, r)
 	}
 	clear(t.retries)
@@ -327,10 +358,15 @@ func (t *tier) isPending(ns string, k layout.PageKey) bool {
 }
 
 // requeueListed queues manifest name of ns again from its journal entry
-// (requeueManifest), unless it is waiting for a retry.
+// (requeueManifest, counted by requeueStartLocked in the critical section
+// that found it not waiting), unless it is waiting for a retry.
 func (t *tier) requeueListed(ns, name string) {
+	id := ns + "/" + name
 	t.mu.Lock()
-	_, waiting := t.retries[ns+"/"+name]
+	_, waiting := t.retries[id]
+	if !waiting {
+		t.requeueStartLocked(id)
+	}
 	t.mu.Unlock()
 	if !waiting {
 		t.requeueManifest(ns, name, 0, true)

@@ -9,6 +9,8 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // fillUploadQueue saves pages into ns until the unreachable tier's
@@ -177,6 +179,16 @@ func writeNotPageManifest(t *testing.T, e *Engine, ns, name string) {
 	}
 }
 
+// olderRetry runs a retry of manifest name of ns whose timer fired:
+// taken from the tier's retries (as the timer's callback does), then
+// queued again with the keys its local file names (requeueManifest).
+func olderRetry(e *Engine, ns, name string) {
+	e.tier.mu.Lock()
+	e.tier.requeueStartLocked(ns + "/" + name)
+	e.tier.mu.Unlock()
+	e.tier.requeueManifest(ns, name, 1, true)
+}
+
 // manifestRetryAndListing reports whether manifest name of ns waits for
 // its retry, and whether the journal (flushed) lists it.
 func manifestRetryAndListing(t *testing.T, e *Engine, j *journal, ns, name string) (retry, listed bool) {
@@ -213,7 +225,7 @@ func TestManifestNotSettledBeforeItsRetry(t *testing.T) {
 	e.tier.afterUnpend = func() {
 		e.tier.afterUnpend = nil
 		retries++
-		e.tier.requeueManifest("ns", m, 1, true)
+		olderRetry(e, "ns", m)
 	}
 	e.tier.uploaded(remote.UploadResult{Name: name, Err: errors.New("503 Slow Down"), Attempts: 3})
 	if retries != 1 {
@@ -238,7 +250,7 @@ func TestRefusedManifestNotSettledBeforeItsRetry(t *testing.T) {
 	e.tier.afterUnpend = func() {
 		e.tier.afterUnpend = nil
 		retries++
-		e.tier.requeueManifest("ns", m, 1, true)
+		olderRetry(e, "ns", m)
 	}
 	e.tier.queueManifest(Ref{Namespace: "ns", Name: m}, nil, 0, false)
 	if retries != 1 {
@@ -246,5 +258,72 @@ func TestRefusedManifestNotSettledBeforeItsRetry(t *testing.T) {
 	}
 	if retry, listed := manifestRetryAndListing(t, e, j, "ns", m); !retry || !listed {
 		t.Fatalf("retry scheduled %v, journal lists manifest %v: want both", retry, listed)
+	}
+}
+
+// TestConcurrentRequeueDoesNotSettleAQueueing: a refill (or a retry)
+// queues manifest M again from its journal entry and reads its local
+// file, a page manifest; before it registers M's upload, M is deleted
+// and a second refill finds it gone, then M is written again (as a save
+// would, whose own queueing then finds M's upload registered and adds
+// no queued record). The second refill must not settle M: the first
+// one's upload, which the journal lists only by M's earlier queued
+// record, is about to be registered. Before: nothing was registered
+// for M in between (neither pending nor waiting for its retry), so the
+// journal read queued, settled while M's upload was registered, and a
+// crash (or an abandoning Close) lost it.
+func TestConcurrentRequeueDoesNotSettleAQueueing(t *testing.T) {
+	const m = "turn-1"
+	// A page manifest, written by an engine without a remote tier.
+	src := newEngine(t, Config{Root: t.TempDir(), Workers: 1})
+	c, _ := cacheOf(kvgen.Tiny, 300, true)
+	req := writeReq(refOf("ns", m), c, layout.Pages, 0)
+	req.Identity, req.Tokens, req.PageTokens = "tiny", prefixTokens(300, 9), 64
+	mustDo(t, src, req)
+	srcPath, err := src.Path(refOf("ns", m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	manifest, err := os.ReadFile(srcPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, j := unreachableTierEngine(t, t.TempDir(), 4)
+	path, err := e.Path(refOf("ns", m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.CopyFile(t, srcPath, path)
+	name, err := e.tier.st.ManifestName("ns", m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j.add("ns", opManifestQueued, []byte(m))
+	second := 0
+	e.tier.afterManifestRead = func() {
+		e.tier.afterManifestRead = nil
+		second++
+		if err := os.Remove(path); err != nil {
+			t.Fatal(err)
+		}
+		e.tier.requeueListed("ns", m)
+		if err := os.WriteFile(path, manifest, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.tier.requeueListed("ns", m)
+	if second != 1 {
+		t.Fatalf("%d second refills ran in the gap, want 1", second)
+	}
+	e.tier.mu.Lock()
+	registered := e.tier.pending[name] != nil || e.tier.retries["ns/"+m] != nil
+	counted := len(e.tier.requeueing)
+	e.tier.mu.Unlock()
+	if !registered || counted != 0 {
+		t.Fatalf("upload registered %v, requeueManifest calls still counted %d: want true, 0", registered, counted)
+	}
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); !s.manifests[m] {
+		t.Fatal("the journal does not list the manifest whose upload the first refill registered: the second refill settled it")
 	}
 }

@@ -163,14 +163,21 @@ type tier struct {
 	closing bool                      // close began: no manifest is scheduled again
 	retries map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
 	retryWG sync.WaitGroup            // their callbacks
+	// requeueing: "<ns>/<name>" -> requeueManifest calls running for the
+	// manifest (counted by requeueStartLocked, where the caller took it
+	// from retries or found it not there).
+	requeueing map[string]int
 
 	// Test hooks, nil outside tests: afterUnpend runs in uploaded, and
 	// in enqueueFile when the queue refused an upload, once the upload's
 	// entry has left pending and t.mu is released;
 	// afterGoneLstat runs in enqueueFile after the lstat that found a
-	// replayed page's file gone, before its entry is settled.
-	afterUnpend    func()
-	afterGoneLstat func()
+	// replayed page's file gone, before its entry is settled;
+	// afterManifestRead runs in requeueManifest once it read a page
+	// manifest, before queueing it.
+	afterUnpend       func()
+	afterGoneLstat    func()
+	afterManifestRead func()
 }
 
 type pendingUpload struct {
@@ -203,7 +210,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
 		known: map[string]map[layout.PageKey]time.Time{}, pending: map[string]*pendingUpload{},
-		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
+		retries: map[string]*manifestRetry{}, requeueing: map[string]int{}, backoffMax: rc.UploadBackoffMax}
 	if t.backoffMax == 0 {
 		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
 	}
