@@ -55,26 +55,40 @@ func (t *tier) manifestRetryWait(attempt int) time.Duration {
 // is what uploads it.
 var errSourceChanged = errors.New("engine: the local file changed since it was queued for upload")
 
-// manifestDone is called for every manifest upload that left the queue
-// (uploaded) or was refused by it (queueManifest): a failure that is
-// neither an abandon nor permanent queues it again after
-// manifestRetryWait (bounded by manifestRetries; again reports it). An
-// upload done, or failed permanently (manifestSettles), was settled in
-// the journal by the caller, in the critical section that removed its
-// entry from t.pending (uploaded); one abandoned, or out of retries,
-// stays listed there (the next start, or a refill of the queue, queues
-// it again).
-func (t *tier) manifestDone(p *pendingUpload, err error) (again bool) {
+// manifestDoneLocked is called for every manifest upload that left the
+// queue (uploaded) or was refused by it (enqueueFile), t.mu held, in the
+// critical section that removed its entry from t.pending: an upload done,
+// or failed permanently (manifestSettles), is settled in the journal
+// (settleLocked); a failure that is neither an abandon nor permanent is
+// registered to be queued again after manifestRetryWait
+// (scheduleManifestLocked; bounded by manifestRetries); one abandoned, or
+// out of retries (givenUp: the caller logs it after releasing t.mu,
+// manifestGivenUp), stays listed there (the next start, or a refill of
+// the queue, queues it again). The retry is registered in the same
+// critical section so that the name is never in neither t.pending nor
+// t.retries while it waits for one: an older retry of the name that
+// finds its local file no longer a page manifest (requeueManifest) would
+// settle it there, and the journal would list it settled while its retry
+// waits (TestManifestNotSettledBeforeItsRetry).
+func (t *tier) manifestDoneLocked(p *pendingUpload, err error) (givenUp bool) {
 	switch {
-	case manifestSettles(err), errors.Is(err, remote.ErrAbandoned):
+	case manifestSettles(err):
+		t.settleLocked(p.ns, layout.PageKey{}, p.name)
+		return false
+	case errors.Is(err, remote.ErrAbandoned):
 		return false
 	case p.attempt >= manifestRetries:
-		t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
-		return false
-	default:
-		t.scheduleManifest(p.ns, p.name, p.attempt+1)
 		return true
+	default:
+		t.scheduleManifestLocked(p.ns, p.name, p.attempt+1)
+		return false
 	}
+}
+
+// manifestGivenUp logs a manifest upload out of retries
+// (manifestDoneLocked), t.mu not held.
+func (t *tier) manifestGivenUp(p *pendingUpload, err error) {
+	t.e.logSafe(slog.LevelError, "kvpersist: page manifest not uploaded; given up until the next start", "namespace", p.ns, "name", p.name, "attempts", p.attempt+1, "err", err)
 }
 
 // manifestSettles reports whether a manifest upload that ended with err
@@ -109,17 +123,16 @@ type manifestRetry struct {
 	tm       *time.Timer
 }
 
-// scheduleManifest queues manifest name of ns again after
-// manifestRetryWait(attempt), on a timer owned by the tier (one per
-// manifest name: a name already waiting keeps its timer): close stops the
-// timers not yet fired (queueing their manifests at once) and waits for
-// the callbacks of those that fired. The manifest is queued with the keys
-// its local file names then (requeueManifest), not those it named when
-// it failed: a name rewritten meanwhile is uploaded after its own pages.
-func (t *tier) scheduleManifest(ns, name string, attempt int) {
+// scheduleManifestLocked registers manifest name of ns to be queued
+// again after manifestRetryWait(attempt), on a timer owned by the tier
+// (one per manifest name: a name already waiting keeps its timer); t.mu
+// held (it only starts a timer). close stops the timers not yet fired
+// (queueing their manifests at once) and waits for the callbacks of those
+// that fired. The manifest is queued with the keys its local file names
+// then (requeueManifest), not those it named when it failed: a name
+// rewritten meanwhile is uploaded after its own pages.
+func (t *tier) scheduleManifestLocked(ns, name string, attempt int) {
 	id := ns + "/" + name
-	t.mu.Lock()
-	defer t.mu.Unlock()
 	if t.closing {
 		return // it stays listed in the journal
 	}
@@ -134,6 +147,7 @@ func (t *tier) scheduleManifest(ns, name string, attempt int) {
 		mine := t.retries[id] == r // else close took it (and queued it)
 		if mine {
 			delete(t.retries, id)
+			t.requeueStartLocked(id)
 		}
 		t.mu.Unlock()
 		if mine {
@@ -143,26 +157,58 @@ func (t *tier) scheduleManifest(ns, name string, attempt int) {
 	t.retries[id] = r
 }
 
+// requeueStartLocked counts a requeueManifest call for manifest id
+// ("<ns>/<name>"), t.mu held, in the critical section where its caller
+// took the name from t.retries (a retry's timer, stopRetries) or found it
+// not there (requeueListed): from there until the call has registered
+// the name's upload (or decided not to), the name is counted here, so
+// that no other requeueManifest of it settles it in between (one finding
+// the local file gone or no longer a page manifest, while this one read
+// it as a page manifest and is about to queue it; the journal would list
+// it settled while its upload is registered:
+// TestConcurrentRequeueDoesNotSettleAQueueing).
+func (t *tier) requeueStartLocked(id string) {
+	t.requeueing[id]++
+}
+
+// requeueEndLocked ends a call counted by requeueStartLocked; t.mu held.
+func (t *tier) requeueEndLocked(id string) {
+	if t.requeueing[id]--; t.requeueing[id] <= 0 {
+		delete(t.requeueing, id)
+	}
+}
+
 // requeueManifest queues manifest name of ns again (attempt), with the
-// keys its local file names now; one that is gone or no longer a page
-// manifest is dropped (logged) and settled. journaled: the journal lists
-// it already (a retry, a replay), so no queued record is appended.
+// keys its local file names now; the caller counted the call
+// (requeueStartLocked), and it ends the count. One that is gone or no
+// longer a page manifest is not queued (logged); it is settled only when
+// no upload of the name is registered (t.pending), waits for its retry
+// (t.retries) or is being queued by another requeueManifest
+// (t.requeueing), checked under t.mu: such an upload (a write of the name
+// since, a retry) settles it, or keeps it listed. journaled: the journal
+// lists it already (a retry, a replay), so no queued record is appended.
 func (t *tier) requeueManifest(ns, name string, attempt int, journaled bool) {
+	id := ns + "/" + name
 	ref := Ref{Namespace: ns, Name: name}
 	keys, err := t.localPageManifest(ref)
 	if err != nil {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: page manifest not uploaded: its local file changed", "namespace", ns, "name", name, "err", err)
-		// Not when an upload of the name is registered or waits for its
-		// retry (a write of the name since): that one settles it.
 		obj, oerr := t.st.ManifestName(ns, name)
 		t.mu.Lock()
-		if oerr != nil || (t.pending[obj] == nil && t.retries[ns+"/"+name] == nil) {
+		t.requeueEndLocked(id)
+		if oerr != nil || (t.pending[obj] == nil && t.retries[id] == nil && t.requeueing[id] == 0) {
 			t.settleLocked(ns, layout.PageKey{}, name)
 		}
 		t.mu.Unlock()
 		return
 	}
+	if t.afterManifestRead != nil {
+		t.afterManifestRead()
+	}
 	t.queueManifest(ref, keys, attempt, journaled)
+	t.mu.Lock()
+	t.requeueEndLocked(id)
+	t.mu.Unlock()
 	t.queueDepth()
 }
 
@@ -176,10 +222,11 @@ func (t *tier) stopRetries() {
 	t.mu.Lock()
 	t.closing = true
 	var now []*manifestRetry
-	for _, r := range t.retries {
+	for id, r := range t.retries {
 		if r.tm.Stop() {
 			t.retryWG.Done() // its callback never runs
 		}
+		t.requeueStartLocked(id)
 		now = append(now, r)
 	}
 	clear(t.retries)
@@ -311,10 +358,15 @@ func (t *tier) isPending(ns string, k layout.PageKey) bool {
 }
 
 // requeueListed queues manifest name of ns again from its journal entry
-// (requeueManifest), unless it is waiting for a retry.
+// (requeueManifest, counted by requeueStartLocked in the critical section
+// that found it not waiting), unless it is waiting for a retry.
 func (t *tier) requeueListed(ns, name string) {
+	id := ns + "/" + name
 	t.mu.Lock()
-	_, waiting := t.retries[ns+"/"+name]
+	_, waiting := t.retries[id]
+	if !waiting {
+		t.requeueStartLocked(id)
+	}
 	t.mu.Unlock()
 	if !waiting {
 		t.requeueManifest(ns, name, 0, true)

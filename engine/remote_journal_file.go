@@ -318,8 +318,11 @@ func scanRecords(b []byte, final, tail bool, at int64, fn func(op byte, payload 
 // first bytes of a record whose write(2) is still going on: consistent
 // with a record's magic and length so far, shorter than the record they
 // announce, and followed by no whole record (wholeRecordAfter). Appends
-// to a journal are serialized (each batch one write(2), under the
-// namespace's lock), so a whole record after them means the write that
+// to a journal are serialized: within a process by the journal's single
+// goroutine; across processes (which hold the namespace's lock shared,
+// so it orders nothing among them) by O_APPEND with each batch one
+// write(2) on a local file system, which holds the file's inode lock for
+// the whole write. So a whole record after them means the write that
 // left them has ended: they are a torn record, skipped as a replay skips
 // them, never waited for.
 func recordPrefix(b []byte) bool {

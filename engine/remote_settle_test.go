@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -8,6 +9,8 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // fillUploadQueue saves pages into ns until the unreachable tier's
@@ -24,6 +27,15 @@ func fillUploadQueue(t *testing.T, e *Engine, ns string, queueLen int) {
 	if !spilled {
 		t.Fatalf("%d pages saved, none spilled: the queue of %d is not full", len(keys), queueLen)
 	}
+}
+
+// registerInFlight registers p as the upload of object name, queued and
+// in flight, and adds its queued record to the journal's batch.
+func registerInFlight(e *Engine, name string, p *pendingUpload) {
+	e.tier.mu.Lock()
+	e.tier.pending[name] = p
+	e.tier.mu.Unlock()
+	e.tier.journalQueued(p)
 }
 
 // TestSettledRecordPrecedesTheNextQueueing: an upload of a page ends
@@ -50,10 +62,7 @@ func TestSettledRecordPrecedesTheNextQueueing(t *testing.T) {
 	// The first upload of k, queued and in flight (its queued record in
 	// the journal).
 	p := &pendingUpload{ns: "ns", key: k, done: make(chan struct{}), queued: true}
-	e.tier.mu.Lock()
-	e.tier.pending[name] = p
-	e.tier.mu.Unlock()
-	e.tier.journalQueued(p)
+	registerInFlight(e, name, p)
 	saves := 0
 	e.tier.afterUnpend = func() {
 		e.tier.afterUnpend = nil
@@ -85,25 +94,13 @@ func TestSettledManifestPrecedesTheNextQueueing(t *testing.T) {
 	e, j := unreachableTierEngine(t, t.TempDir(), queueLen)
 	fillUploadQueue(t, e, "ns", queueLen)
 	ref := Ref{Namespace: "ns", Name: "conv-1"}
-	path, err := e.Path(ref)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.WriteFile(path, []byte("a manifest"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	writeNotPageManifest(t, e, "ns", ref.Name)
 	name, err := e.tier.st.ManifestName("ns", ref.Name)
 	if err != nil {
 		t.Fatal(err)
 	}
 	p := &pendingUpload{ns: "ns", manifest: true, name: ref.Name, done: make(chan struct{}), queued: true}
-	e.tier.mu.Lock()
-	e.tier.pending[name] = p
-	e.tier.mu.Unlock()
-	e.tier.journalQueued(p)
+	registerInFlight(e, name, p)
 	e.tier.afterUnpend = func() {
 		e.tier.afterUnpend = nil
 		e.tier.queueManifest(ref, nil, 0, false)
@@ -160,5 +157,173 @@ func TestGoneSettleDoesNotFollowASave(t *testing.T) {
 	flushJournal(t, j)
 	if s, _ := journalListing(t, e, "ns"); s.pages[k2] {
 		t.Fatal("the entry of a page whose file is gone is not settled")
+	}
+}
+
+// writeNotPageManifest writes, at the local path of manifest name of ns,
+// a file that is not a page manifest (localPageManifest rejects it).
+func writeNotPageManifest(t *testing.T, e *Engine, ns, name string) {
+	t.Helper()
+	path, err := e.Path(Ref{Namespace: ns, Name: name})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, []byte("not a page manifest"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.tier.localPageManifest(Ref{Namespace: ns, Name: name}); err == nil {
+		t.Fatal("the local file is a page manifest")
+	}
+}
+
+// olderRetry runs a retry of manifest name of ns whose timer fired:
+// taken from the tier's retries (as the timer's callback does), then
+// queued again with the keys its local file names (requeueManifest).
+func olderRetry(e *Engine, ns, name string) {
+	e.tier.mu.Lock()
+	e.tier.requeueStartLocked(ns + "/" + name)
+	e.tier.mu.Unlock()
+	e.tier.requeueManifest(ns, name, 1, true)
+}
+
+// manifestRetryAndListing reports whether manifest name of ns waits for
+// its retry, and whether the journal (flushed) lists it.
+func manifestRetryAndListing(t *testing.T, e *Engine, j *journal, ns, name string) (retry, listed bool) {
+	t.Helper()
+	e.tier.mu.Lock()
+	retry = e.tier.retries[ns+"/"+name] != nil
+	e.tier.mu.Unlock()
+	flushJournal(t, j)
+	s, _ := journalListing(t, e, ns)
+	return retry, s.manifests[name]
+}
+
+// TestManifestNotSettledBeforeItsRetry: an upload of manifest M (its
+// queued record in the journal) fails transiently and leaves the tier's
+// pending set; right then an older retry of M reads M's local file while
+// it is not a page manifest, and would settle M unless an upload of M is
+// registered or waits for its retry. The failed upload's retry must be
+// registered in the critical section that removed its pending entry, so
+// the older retry sees it and leaves M listed. Before: uploaded removed
+// the entry, and manifestDone registered the retry later, after the
+// older retry had settled M: the journal read queued, settled, and after
+// a crash (or an abandoning Close) the next start did not upload M.
+func TestManifestNotSettledBeforeItsRetry(t *testing.T) {
+	e, j := unreachableTierEngine(t, t.TempDir(), 4)
+	const m = "conv-1"
+	writeNotPageManifest(t, e, "ns", m)
+	name, err := e.tier.st.ManifestName("ns", m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := &pendingUpload{ns: "ns", manifest: true, name: m, done: make(chan struct{}), queued: true}
+	registerInFlight(e, name, p)
+	retries := 0
+	e.tier.afterUnpend = func() {
+		e.tier.afterUnpend = nil
+		retries++
+		olderRetry(e, "ns", m)
+	}
+	e.tier.uploaded(remote.UploadResult{Name: name, Err: errors.New("503 Slow Down"), Attempts: 3})
+	if retries != 1 {
+		t.Fatalf("%d older retries ran in the gap, want 1", retries)
+	}
+	if retry, listed := manifestRetryAndListing(t, e, j, "ns", m); !retry || !listed {
+		t.Fatalf("retry scheduled %v, journal lists manifest %v: want both", retry, listed)
+	}
+}
+
+// TestRefusedManifestNotSettledBeforeItsRetry: as
+// TestManifestNotSettledBeforeItsRetry when the upload queue refuses the
+// manifest (full): enqueueFile removes its pending entry, and its retry
+// must be registered in that critical section.
+func TestRefusedManifestNotSettledBeforeItsRetry(t *testing.T) {
+	const queueLen = 4
+	e, j := unreachableTierEngine(t, t.TempDir(), queueLen)
+	fillUploadQueue(t, e, "ns", queueLen)
+	const m = "conv-1"
+	writeNotPageManifest(t, e, "ns", m)
+	retries := 0
+	e.tier.afterUnpend = func() {
+		e.tier.afterUnpend = nil
+		retries++
+		olderRetry(e, "ns", m)
+	}
+	e.tier.queueManifest(Ref{Namespace: "ns", Name: m}, nil, 0, false)
+	if retries != 1 {
+		t.Fatalf("%d older retries ran in the gap, want 1", retries)
+	}
+	if retry, listed := manifestRetryAndListing(t, e, j, "ns", m); !retry || !listed {
+		t.Fatalf("retry scheduled %v, journal lists manifest %v: want both", retry, listed)
+	}
+}
+
+// TestConcurrentRequeueDoesNotSettleAQueueing: a refill (or a retry)
+// queues manifest M again from its journal entry and reads its local
+// file, a page manifest; before it registers M's upload, M is deleted
+// and a second refill finds it gone, then M is written again (as a save
+// would, whose own queueing then finds M's upload registered and adds
+// no queued record). The second refill must not settle M: the first
+// one's upload, which the journal lists only by M's earlier queued
+// record, is about to be registered. Before: nothing was registered
+// for M in between (neither pending nor waiting for its retry), so the
+// journal read queued, settled while M's upload was registered, and a
+// crash (or an abandoning Close) lost it.
+func TestConcurrentRequeueDoesNotSettleAQueueing(t *testing.T) {
+	const m = "turn-1"
+	// A page manifest, written by an engine without a remote tier.
+	src := newEngine(t, Config{Root: t.TempDir(), Workers: 1})
+	c, _ := cacheOf(kvgen.Tiny, 300, true)
+	req := writeReq(refOf("ns", m), c, layout.Pages, 0)
+	req.Identity, req.Tokens, req.PageTokens = "tiny", prefixTokens(300, 9), 64
+	mustDo(t, src, req)
+	srcPath, err := src.Path(refOf("ns", m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	manifest, err := os.ReadFile(srcPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e, j := unreachableTierEngine(t, t.TempDir(), 4)
+	path, err := e.Path(refOf("ns", m))
+	if err != nil {
+		t.Fatal(err)
+	}
+	testutil.CopyFile(t, srcPath, path)
+	name, err := e.tier.st.ManifestName("ns", m)
+	if err != nil {
+		t.Fatal(err)
+	}
+	j.add("ns", opManifestQueued, []byte(m))
+	second := 0
+	e.tier.afterManifestRead = func() {
+		e.tier.afterManifestRead = nil
+		second++
+		if err := os.Remove(path); err != nil {
+			t.Fatal(err)
+		}
+		e.tier.requeueListed("ns", m)
+		if err := os.WriteFile(path, manifest, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e.tier.requeueListed("ns", m)
+	if second != 1 {
+		t.Fatalf("%d second refills ran in the gap, want 1", second)
+	}
+	e.tier.mu.Lock()
+	registered := e.tier.pending[name] != nil || e.tier.retries["ns/"+m] != nil
+	counted := len(e.tier.requeueing)
+	e.tier.mu.Unlock()
+	if !registered || counted != 0 {
+		t.Fatalf("upload registered %v, requeueManifest calls still counted %d: want true, 0", registered, counted)
+	}
+	flushJournal(t, j)
+	if s, _ := journalListing(t, e, "ns"); !s.manifests[m] {
+		t.Fatal("the journal does not list the manifest whose upload the first refill registered: the second refill settled it")
 	}
 }

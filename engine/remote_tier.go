@@ -163,13 +163,21 @@ type tier struct {
 	closing bool                      // close began: no manifest is scheduled again
 	retries map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
 	retryWG sync.WaitGroup            // their callbacks
+	// requeueing: "<ns>/<name>" -> requeueManifest calls running for the
+	// manifest (counted by requeueStartLocked, where the caller took it
+	// from retries or found it not there).
+	requeueing map[string]int
 
-	// Test hooks, nil outside tests: afterUnpend runs in uploaded once
-	// the upload's entry has left pending and t.mu is released;
+	// Test hooks, nil outside tests: afterUnpend runs in uploaded, and
+	// in enqueueFile when the queue refused an upload, once the upload's
+	// entry has left pending and t.mu is released;
 	// afterGoneLstat runs in enqueueFile after the lstat that found a
-	// replayed page's file gone, before its entry is settled.
-	afterUnpend    func()
-	afterGoneLstat func()
+	// replayed page's file gone, before its entry is settled;
+	// afterManifestRead runs in requeueManifest once it read a page
+	// manifest, before queueing it.
+	afterUnpend       func()
+	afterGoneLstat    func()
+	afterManifestRead func()
 }
 
 type pendingUpload struct {
@@ -202,7 +210,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
 		known: map[string]map[layout.PageKey]time.Time{}, pending: map[string]*pendingUpload{},
-		retries: map[string]*manifestRetry{}, backoffMax: rc.UploadBackoffMax}
+		retries: map[string]*manifestRetry{}, requeueing: map[string]int{}, backoffMax: rc.UploadBackoffMax}
 	if t.backoffMax == 0 {
 		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
 	}
@@ -391,10 +399,13 @@ func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
 // (p describes it), unless name is queued already (that upload is
 // returned), and appends its queued record to the journal (unless
 // p.journaled). It returns nil when nothing is queued: the file is gone
-// (a replayed page's entry is then settled), or the queue refused it. A page the queue refuses because it is full
-// is spilled: recorded in the journal only, and queued from it when the
-// queue drains (journal.spill); any other refusal is logged and counted
-// as an upload error. See queueUpload for what each attempt checks.
+// (a replayed page's entry is then settled), or the queue refused it. A
+// page the queue refuses because it is full is spilled: recorded in the
+// journal only, and queued from it when the queue drains (journal.spill);
+// any other refusal is logged and counted as an upload error. A manifest
+// refused is scheduled again as after a failed upload, in the critical
+// section that removes its pending entry (manifestDoneLocked). See
+// queueUpload for what each attempt checks.
 func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
 	fi, err := t.e.store.FS().Lstat(path)
 	if err != nil || !fi.Mode().IsRegular() {
@@ -453,10 +464,16 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 			// queued from it when the queue drains): it keeps its mark.
 			t.markPendingLocked(p.ns, p.key, false)
 		}
-		if p.manifest && manifestSettles(err) {
-			t.settleLocked(p.ns, layout.PageKey{}, p.name) // see uploaded
-		}
+		// Settled, or its retry registered, in this critical section
+		// (see uploaded).
+		givenUp := p.manifest && t.manifestDoneLocked(p, err)
 		t.mu.Unlock()
+		if t.afterUnpend != nil {
+			t.afterUnpend()
+		}
+		if givenUp {
+			t.manifestGivenUp(p, err)
+		}
 		p.err = err
 		close(p.done)
 		if spilled {
@@ -478,7 +495,7 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 // queueUpload hands the uploader the upload of path (fi: its lstat) as
 // object name for p (registered in t.pending). The source is re-opened
 // for each attempt. A manifest's must still be the file lstat'd now (same
-// size and mtime; else errSourceChanged, and manifestDone queues the name
+// size and mtime; else errSourceChanged, and manifestDoneLocked queues the name
 // again: a manifest rewritten under its name is not uploaded with the
 // bytes of another version). A page's may be a new file (the page evicted
 // and saved again while its upload waited: same key, so the same page)
@@ -530,9 +547,10 @@ func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
 }
 
 // queueManifest is manifestWritten's queueing; attempt counts the times
-// the manifest was queued again after a failure (manifestDone);
+// the manifest was queued again after a failure (manifestDoneLocked);
 // journaled: the journal lists it already. A manifest the queue refuses
-// (full) is scheduled again as a failure is.
+// (full) is scheduled again as a failure is, by enqueueFile in the
+// critical section that removes its pending entry (manifestDoneLocked).
 func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journaled bool) {
 	pages := t.enqueuePages(ref.Namespace, keys)
 	path, err := t.e.Path(ref)
@@ -544,7 +562,7 @@ func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journa
 		return
 	}
 	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt, journaled: journaled}
-	q := t.enqueueFile(name, path, p, func(ctx context.Context) error {
+	t.enqueueFile(name, path, p, func(ctx context.Context) error {
 		for _, p := range pages {
 			select {
 			case <-p.done:
@@ -557,9 +575,6 @@ func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journa
 		}
 		return t.manifestReady(ctx, ref.Namespace, keys)
 	})
-	if q == nil && p.err != nil { // refused by the queue (full, or closed)
-		_ = t.manifestDone(p, p.err)
-	}
 }
 
 // manifestReady checks that every page keys names is stored (one HEAD
@@ -631,12 +646,17 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	// or never possible (the local file gone or changed: the next save
 	// naming the page queues it again; corrupt: removed; a conflict). An
 	// abandoned upload stays listed, and so does a manifest scheduled
-	// again or out of retries (manifestDone).
+	// again or out of retries (manifestDoneLocked). A manifest's retry
+	// is registered here too, so that the name is always either pending
+	// or waiting for its retry: an older retry finding its local file no
+	// longer a page manifest settles it only when it is neither
+	// (requeueManifest).
+	givenUp := false
 	switch {
 	case p == nil:
-	case p.manifest && manifestSettles(r.Err):
-		t.settleLocked(p.ns, layout.PageKey{}, p.name)
-	case !p.manifest && !errors.Is(r.Err, remote.ErrAbandoned):
+	case p.manifest:
+		givenUp = t.manifestDoneLocked(p, r.Err)
+	case !errors.Is(r.Err, remote.ErrAbandoned):
 		t.settleLocked(p.ns, p.key, "")
 	}
 	t.mu.Unlock()
@@ -669,8 +689,8 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)
 	}
-	if p != nil && p.manifest { // remote_journal.go: retries
-		t.manifestDone(p, r.Err)
+	if givenUp {
+		t.manifestGivenUp(p, r.Err)
 	}
 	t.j.drained()
 	if m := t.metrics(); m != nil {
