@@ -23,6 +23,10 @@
 // BenchmarkRemoteUpload is the exception to the disk rule: it uploads 1 GiB
 // of new pages (32 MiB each) through remote.Uploader to a real SeaweedFS it
 // starts on loopback, beside the client's own PUTs of the same bytes.
+// BenchmarkRemoteFetch fetches a 1 GiB prefix from it into the local tier
+// and views, beside three limits in the same iterations: the client's
+// GETs into memory (x-limit), the same GETs each written durably to its
+// own file (x-getwrite), and that disk write alone (x-write).
 // BenchmarkPrefixRemoteSave runs BenchmarkPrefix's save rows on an engine
 // whose object-store tier is a SeaweedFS it starts: the cost of
 // write-behind (descriptors, uploads-journal records) on a save's ack.

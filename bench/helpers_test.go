@@ -414,17 +414,45 @@ func rawWrite(path string, b []byte) error {
 		f.Close()
 		return err
 	}
-	for {
-		err = unix.Fdatasync(int(f.Fd()))
-		if err != unix.EINTR {
-			break
-		}
-	}
-	if err != nil {
+	if err := fdatasync(f); err != nil {
 		f.Close()
-		return fmt.Errorf("fdatasync %s: %w", path, err)
+		return err
 	}
 	return f.Close()
+}
+
+// fdatasync makes f's data and size durable (retried on EINTR only).
+func fdatasync(f *os.File) error {
+	for {
+		err := unix.Fdatasync(int(f.Fd()))
+		if err == nil {
+			return nil
+		}
+		if err != unix.EINTR {
+			return fmt.Errorf("fdatasync %s: %w", f.Name(), err)
+		}
+	}
+}
+
+// syncDir fsyncs the directory dir (a rename in it becomes durable).
+func syncDir(dir string) error {
+	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("open %s: %w", dir, err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Fsync(fd); err != nil {
+		return fmt.Errorf("fsync %s: %w", dir, err)
+	}
+	return nil
+}
+
+// ignoreNotExist is err, or nil when err says the file does not exist.
+func ignoreNotExist(err error) error {
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
 }
 
 // parallelFor runs fn(i) for i in [0, n) on GOMAXPROCS goroutines, the
@@ -711,6 +739,15 @@ type measured struct {
 	// (steps.serverCPU; zero without one).
 	oursCPU, limitCPU       time.Duration
 	oursSrvCPU, limitSrvCPU time.Duration
+	// extra is what each of steps.extra took, in its order.
+	extra []sideTimes
+}
+
+// sideTimes is one further limit's time and CPU times (as limit's),
+// summed over the iterations.
+type sideTimes struct {
+	name           string
+	d, cpu, srvCPU time.Duration
 }
 
 // steps are the parts of one benchmark iteration. Only ours runs with the
@@ -723,6 +760,19 @@ type steps struct {
 	// the benchmark talks to has used so far; alternate then sums it over
 	// each side's runs (measured.oursSrvCPU, limitSrvCPU).
 	serverCPU func() time.Duration
+	// extra are further limits, each timed apart as limit is (its CPU
+	// too) and run once per iteration between the same prepOurs and
+	// cleanup; measured.extra holds their times, in this order.
+	extra []side
+}
+
+// side is one further limit of steps: prep (untimed, may be nil), run
+// (timed), then after (untimed, may be nil: e.g. removing what run wrote,
+// so that the sides after it find the machine as it found it). name
+// names its metrics and its profiles (startSideProfile).
+type side struct {
+	name             string
+	prep, run, after func(i int)
 }
 
 // sideProfiles numbers the side profiles of this process, so that the runs
@@ -773,9 +823,9 @@ func (s steps) cpuNow() cpuMark {
 
 // alternate runs one untimed warm-up iteration of s (index -1; only the
 // first time a benchmark runs in the process), then b.N
-// iterations, ours and limit in alternating order (ours first on even
-// iterations) so that drift on a noisy machine hits both, sampling the heap
-// while ours runs.
+// iterations, ours and limit (and steps.extra) in rotating order (ours
+// first on even iterations when there are no extras) so that drift on a
+// noisy machine hits every side, sampling the heap while ours runs.
 func alternate(b *testing.B, s steps) measured {
 	var m measured
 	runOurs := func(i int) {
@@ -800,19 +850,42 @@ func alternate(b *testing.B, s steps) measured {
 		m.allocBytes += a1 - a0
 		m.peakHeap = max(m.peakHeap, hs.stop())
 	}
-	runLimit := func(i int) {
-		if s.prepLimit != nil {
-			s.prepLimit(i)
+	timeSide := func(name string, prep, run func(int), i int) sideTimes {
+		if prep != nil {
+			prep(i)
 		}
 		c0 := s.cpuNow()
 		t0 := time.Now()
-		stopProf := startSideProfile(b, "limit", i)
-		s.limit(i)
+		stopProf := startSideProfile(b, name, i)
+		run(i)
 		stopProf()
-		m.limit += time.Since(t0)
+		d := time.Since(t0)
 		c1 := s.cpuNow()
-		m.limitCPU += c1.self - c0.self
-		m.limitSrvCPU += c1.srv - c0.srv
+		return sideTimes{d: d, cpu: c1.self - c0.self, srvCPU: c1.srv - c0.srv}
+	}
+	runLimit := func(i int) {
+		t := timeSide("limit", s.prepLimit, s.limit, i)
+		m.limit += t.d
+		m.limitCPU += t.cpu
+		m.limitSrvCPU += t.srvCPU
+	}
+	// The sides in their order: ours, limit, then the extra limits; an
+	// iteration runs them rotated by its index, so that each side runs
+	// first as often as the others (with ours and limit alone: ours first
+	// on even iterations, the limit on odd ones).
+	m.extra = make([]sideTimes, len(s.extra))
+	runs := []func(int){runOurs, runLimit}
+	for k, x := range s.extra {
+		m.extra[k].name = x.name
+		runs = append(runs, func(i int) {
+			t := timeSide(x.name, x.prep, x.run, i)
+			m.extra[k].d += t.d
+			m.extra[k].cpu += t.cpu
+			m.extra[k].srvCPU += t.srvCPU
+			if x.after != nil {
+				x.after(i)
+			}
+		})
 	}
 	// One untimed iteration first (index -1), once per benchmark and
 	// process: on a VM, page-cache pages the guest has never used cost a
@@ -824,12 +897,8 @@ func alternate(b *testing.B, s steps) measured {
 		warmUp(s)
 	}
 	for i := 0; i < b.N; i++ {
-		if i%2 == 0 {
-			runOurs(i)
-			runLimit(i)
-		} else {
-			runLimit(i)
-			runOurs(i)
+		for k := range runs {
+			runs[(i+k)%len(runs)](i)
 		}
 		if s.cleanup != nil {
 			s.cleanup(i)
@@ -853,6 +922,15 @@ func warmUp(s steps) {
 		s.prepLimit(-1)
 	}
 	s.limit(-1)
+	for _, x := range s.extra {
+		if x.prep != nil {
+			x.prep(-1)
+		}
+		x.run(-1)
+		if x.after != nil {
+			x.after(-1)
+		}
+	}
 	if s.cleanup != nil {
 		s.cleanup(-1)
 	}
@@ -885,6 +963,29 @@ func (m measured) reportCPU(b *testing.B, bytes int64) {
 	if m.oursSrvCPU > 0 || m.limitSrvCPU > 0 {
 		b.ReportMetric(m.oursSrvCPU.Seconds()/gib, "srv-cpu-s/GiB")
 		b.ReportMetric(m.limitSrvCPU.Seconds()/gib, "limit-srv-cpu-s/GiB")
+	}
+}
+
+// reportExtra publishes, for each of steps.extra, its throughput in GB/s
+// for bytes per iteration ("<name>-GB/s"), ours against it ("x-<name>":
+// its time / our time, as x-limit) and its CPU seconds per GiB
+// ("<name>-cpu-s/GiB"; "<name>-srv-cpu-s/GiB" with steps.serverCPU).
+func (m measured) reportExtra(b *testing.B, bytes int64) {
+	if bytes <= 0 || m.n == 0 {
+		return
+	}
+	gib := float64(bytes) * float64(m.n) / (1 << 30)
+	for _, x := range m.extra {
+		if x.d > 0 {
+			b.ReportMetric(float64(bytes)*float64(m.n)/x.d.Seconds()/1e9, x.name+"-GB/s")
+			if m.ours > 0 {
+				b.ReportMetric(float64(x.d)/float64(m.ours), "x-"+x.name)
+			}
+		}
+		b.ReportMetric(x.cpu.Seconds()/gib, x.name+"-cpu-s/GiB")
+		if x.srvCPU > 0 {
+			b.ReportMetric(x.srvCPU.Seconds()/gib, x.name+"-srv-cpu-s/GiB")
+		}
 	}
 }
 

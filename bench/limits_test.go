@@ -6,10 +6,13 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
 	"io/fs"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine"
@@ -290,6 +293,83 @@ func TestWriteModes(t *testing.T) {
 		}
 		if !bytes.Equal(all, data) {
 			t.Fatalf("direct=%v: block files differ", direct)
+		}
+	}
+}
+
+// TestFetchWriteLimits: getWriteAll and writeAll (BenchmarkRemoteFetch's
+// local-write limits) leave exactly each object's bytes in its own file
+// and no temp file; a body shorter or longer than its size fails and
+// leaves neither its file nor its temp file.
+func TestFetchWriteLimits(t *testing.T) {
+	rnd := func(seed byte, n int) []byte {
+		b := make([]byte, n)
+		_, _ = rand.NewChaCha8([32]byte{seed}).Read(b) // never fails
+		return b
+	}
+	objs := [][]byte{rnd(1, 3<<20+17), rnd(2, 300<<10), {}, rnd(3, writePieceBytes)}
+	sizes := make([]int64, len(objs))
+	for i, o := range objs {
+		sizes[i] = int64(len(o))
+	}
+	bodies := func(data [][]byte) func(i int) (io.ReadCloser, error) {
+		return func(i int) (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data[i])), nil }
+	}
+	// check: dir holds exactly the files of objs named by keep, with their bytes.
+	check := func(dir string, keep []int) {
+		t.Helper()
+		ents, err := os.ReadDir(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var got, want []string
+		for _, e := range ents {
+			got = append(got, e.Name())
+		}
+		for _, i := range keep {
+			want = append(want, fetchFileName(i))
+			b, err := os.ReadFile(filepath.Join(dir, fetchFileName(i)))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(b, objs[i]) {
+				t.Errorf("%s: %d bytes differ from the object's %d", fetchFileName(i), len(b), len(objs[i]))
+			}
+		}
+		if !slices.Equal(got, want) {
+			t.Errorf("%s holds %q, want %q", dir, got, want)
+		}
+	}
+	all := []int{0, 1, 2, 3}
+	dir := t.TempDir()
+	if err := getWriteAll(bodies(objs), dir, sizes); err != nil {
+		t.Fatal(err)
+	}
+	check(dir, all)
+	dir = t.TempDir()
+	if err := writeAll(dir, objs); err != nil {
+		t.Fatal(err)
+	}
+	check(dir, all)
+
+	for _, tc := range []struct {
+		name string
+		body []byte
+	}{{"short", objs[1][:len(objs[1])-1]}, {"long", append(slices.Clone(objs[1]), 0)}} {
+		dir := t.TempDir()
+		data := slices.Clone(objs)
+		data[1] = tc.body
+		err := getWriteAll(bodies(data), dir, sizes)
+		if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("%d bytes, want %d", len(tc.body), len(objs[1]))) {
+			t.Fatalf("%s body: err %v, want one naming its size", tc.name, err)
+		}
+		// The other objects may or may not have been written (the first
+		// error stops the workers that see it); object 1 is absent.
+		if _, err := os.Lstat(filepath.Join(dir, fetchFileName(1))); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s body: its file exists (%v)", tc.name, err)
+		}
+		if _, err := os.Lstat(filepath.Join(dir, fetchFileName(1)+".tmp")); !errors.Is(err, fs.ErrNotExist) {
+			t.Errorf("%s body: its temp file was left (%v)", tc.name, err)
 		}
 	}
 }
