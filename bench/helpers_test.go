@@ -748,6 +748,7 @@ type measured struct {
 type sideTimes struct {
 	name           string
 	d, cpu, srvCPU time.Duration
+	noServer       bool // side.noServer
 }
 
 // steps are the parts of one benchmark iteration. Only ours runs with the
@@ -755,7 +756,11 @@ type sideTimes struct {
 type steps struct {
 	prepOurs, prepLimit func(i int) // before ours / limit
 	ours, limit         func(i int)
-	cleanup             func(i int) // after both
+	// afterOurs, when set, runs right after ours (untimed), e.g. to remove
+	// what ours wrote, so that the sides after it find the disk and page
+	// cache as ours found them.
+	afterOurs func(i int)
+	cleanup   func(i int) // after every side
 	// serverCPU, when set, returns the CPU time (user + system) a server
 	// the benchmark talks to has used so far; alternate then sums it over
 	// each side's runs (measured.oursSrvCPU, limitSrvCPU).
@@ -773,6 +778,9 @@ type steps struct {
 type side struct {
 	name             string
 	prep, run, after func(i int)
+	// noServer: run never talks to the server, so its server CPU (the
+	// idle server's) is not reported.
+	noServer bool
 }
 
 // sideProfiles numbers the side profiles of this process, so that the runs
@@ -849,6 +857,9 @@ func alternate(b *testing.B, s steps) measured {
 		m.objects += o1 - o0
 		m.allocBytes += a1 - a0
 		m.peakHeap = max(m.peakHeap, hs.stop())
+		if s.afterOurs != nil {
+			s.afterOurs(i)
+		}
 	}
 	timeSide := func(name string, prep, run func(int), i int) sideTimes {
 		if prep != nil {
@@ -870,13 +881,16 @@ func alternate(b *testing.B, s steps) measured {
 		m.limitSrvCPU += t.srvCPU
 	}
 	// The sides in their order: ours, limit, then the extra limits; an
-	// iteration runs them rotated by its index, so that each side runs
-	// first as often as the others (with ours and limit alone: ours first
-	// on even iterations, the limit on odd ones).
+	// iteration runs them rotated by how many iterations of this benchmark
+	// the process ran before it (rotations: also across -test.count runs,
+	// so that -benchtime 1x -count N rotates too), so that each side runs
+	// first as often as the others over len(sides) iterations (with ours
+	// and limit alone: ours first on even iterations, the limit on odd
+	// ones).
 	m.extra = make([]sideTimes, len(s.extra))
 	runs := []func(int){runOurs, runLimit}
 	for k, x := range s.extra {
-		m.extra[k].name = x.name
+		m.extra[k].name, m.extra[k].noServer = x.name, x.noServer
 		runs = append(runs, func(i int) {
 			t := timeSide(x.name, x.prep, x.run, i)
 			m.extra[k].d += t.d
@@ -896,9 +910,11 @@ func alternate(b *testing.B, s steps) measured {
 	if _, done := warmed.LoadOrStore(b.Name(), true); !done {
 		warmUp(s)
 	}
+	ctr, _ := rotations.LoadOrStore(b.Name(), new(atomic.Int64))
 	for i := 0; i < b.N; i++ {
+		r := int(ctr.(*atomic.Int64).Add(1) - 1)
 		for k := range runs {
-			runs[(i+k)%len(runs)](i)
+			runs[(r+k)%len(runs)](i)
 		}
 		if s.cleanup != nil {
 			s.cleanup(i)
@@ -912,12 +928,19 @@ func alternate(b *testing.B, s steps) measured {
 // warmed holds the names of the benchmarks whose warm-up iteration ran.
 var warmed sync.Map
 
+// rotations holds, per benchmark name, the iterations alternate has run
+// of it in this process (*atomic.Int64): the rotation of the next one.
+var rotations sync.Map
+
 // warmUp runs one untimed iteration of s, numbered -1.
 func warmUp(s steps) {
 	if s.prepOurs != nil {
 		s.prepOurs(-1)
 	}
 	s.ours(-1)
+	if s.afterOurs != nil {
+		s.afterOurs(-1)
+	}
 	if s.prepLimit != nil {
 		s.prepLimit(-1)
 	}
@@ -983,7 +1006,7 @@ func (m measured) reportExtra(b *testing.B, bytes int64) {
 			}
 		}
 		b.ReportMetric(x.cpu.Seconds()/gib, x.name+"-cpu-s/GiB")
-		if x.srvCPU > 0 {
+		if x.srvCPU > 0 && !x.noServer {
 			b.ReportMetric(x.srvCPU.Seconds()/gib, x.name+"-srv-cpu-s/GiB")
 		}
 	}

@@ -26,12 +26,12 @@ import (
 // start again, once.
 
 const (
-	// refillWindowMax bounds the bytes a refill reads at once (its
+	// refillWindowMaxBytes bounds the bytes a refill reads at once (its
 	// memory); the first window of a refill is sized to the queue's room
-	// (refillWindowPerUpload bytes per upload it can take), and doubles
+	// (refillWindowPerUploadBytes bytes per upload it can take), and doubles
 	// while a window is read whole without the queue refusing a page.
-	refillWindowMax       = 1 << 20
-	refillWindowPerUpload = 2 * (recordOverhead + 32)
+	refillWindowMaxBytes       = 1 << 20
+	refillWindowPerUploadBytes = 2 * (recordOverhead + 32)
 	// maxRefillCursors bounds the cursors kept (one open descriptor
 	// each): before another is opened, the one used least recently is
 	// closed (its next refill reads its journal from the start).
@@ -106,7 +106,7 @@ func (j *journal) refillNamespace(ns string) (again bool) {
 		return false
 	}
 	room := int64(max(0, j.t.up.QueueLen()-j.t.up.Stats().Queued))
-	window := min(max(room*refillWindowPerUpload, 2*maxRecordBytes), refillWindowMax)
+	window := min(max(room*refillWindowPerUploadBytes, 2*maxRecordBytes), refillWindowMaxBytes)
 	ignored, problem, err := c.walk(st.Size(), window, func(entries []refillEntry) (int64, bool) {
 		stopAt, stopped, b := j.t.requeueEntries(n, c, entries)
 		again = b
@@ -127,7 +127,7 @@ func (j *journal) refillNamespace(ns string) (again bool) {
 }
 
 // walk reads c's file from c.off to size in windows (the first of window
-// bytes, each next twice the last, at most refillWindowMax) and hands
+// bytes, each next twice the last, at most refillWindowMaxBytes) and hands
 // each window's entries (scan) to fn, in file order, until fn stops
 // (c.off is then the offset it returned) or the file ends (c.off is its
 // end, or the start of a last record that may still be being appended).
@@ -159,7 +159,7 @@ func (c *refillCursor) walk(size, window int64, fn func([]refillEntry) (stopAt i
 		if final || end == 0 {
 			break
 		}
-		window = min(2*window, refillWindowMax)
+		window = min(2*window, refillWindowMaxBytes)
 	}
 	return ignored, problem, nil
 }

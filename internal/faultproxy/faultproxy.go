@@ -17,8 +17,12 @@
 //
 // It is test-only: product code never imports it (cmd/kvpersist's
 // dependency test checks the binary does not link it). Every goroutine it
-// starts (the accept loop, one per client connection) is owned by the
-// Proxy and joined by Close.
+// starts (the accept loop, one per client connection, and one per request
+// held by a Delay, watching for its client to go away, joined by that
+// connection's goroutine) is owned by the Proxy and joined by Close.
+// The watch polls for POLLRDHUP, so a client that only shuts down its
+// write side after sending a request (Go's client never does) is taken
+// for gone: its delayed request is dropped and counted by Abandoned.
 package faultproxy
 
 import (
