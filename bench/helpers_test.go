@@ -766,8 +766,9 @@ type steps struct {
 	// each side's runs (measured.oursSrvCPU, limitSrvCPU).
 	serverCPU func() time.Duration
 	// extra are further limits, each timed apart as limit is (its CPU
-	// too) and run once per iteration between the same prepOurs and
-	// cleanup; measured.extra holds their times, in this order.
+	// too) and run once per iteration, in the iteration's rotation with
+	// ours and limit, before cleanup; measured.extra holds their times,
+	// in this order.
 	extra []side
 }
 
@@ -832,7 +833,8 @@ func (s steps) cpuNow() cpuMark {
 // alternate runs one untimed warm-up iteration of s (index -1; only the
 // first time a benchmark runs in the process), then b.N
 // iterations, ours and limit (and steps.extra) in rotating order (ours
-// first on even iterations when there are no extras) so that drift on a
+// first on every other iteration, counted across the process's runs of
+// the benchmark, when there are no extras) so that drift on a
 // noisy machine hits every side, sampling the heap while ours runs.
 func alternate(b *testing.B, s steps) measured {
 	var m measured
@@ -884,9 +886,8 @@ func alternate(b *testing.B, s steps) measured {
 	// iteration runs them rotated by how many iterations of this benchmark
 	// the process ran before it (rotations: also across -test.count runs,
 	// so that -benchtime 1x -count N rotates too), so that each side runs
-	// first as often as the others over len(sides) iterations (with ours
-	// and limit alone: ours first on even iterations, the limit on odd
-	// ones).
+	// first as often as the others over len(sides) consecutive iterations
+	// (with ours and limit alone: ours first on every other one).
 	m.extra = make([]sideTimes, len(s.extra))
 	runs := []func(int){runOurs, runLimit}
 	for k, x := range s.extra {

@@ -149,10 +149,23 @@ func BenchmarkRemoteFetch(b *testing.B) {
 	var root string
 	// The local-write limits (getwrite, write): each writes into a fresh
 	// directory and removes it after its run (untimed), so the sides after
-	// it find the disk and page cache as it found them; cleanup removes
-	// what a failed run left.
+	// it find the disk and page cache as it found them. What a failed run
+	// (b.Fatal) left, engine B and the directories, goes at b's cleanup.
+	dirs := map[string]string{}
+	b.Cleanup(func() {
+		if e != nil {
+			closeEngine(b, e)
+		}
+		if root != "" {
+			removeAll(b, root)
+		}
+		for _, d := range dirs {
+			removeAll(b, d)
+		}
+	})
 	getBody := func(i int) (io.ReadCloser, error) {
-		// getAll's bound: a stalled server fails the run, never hangs it.
+		// Each GET is bounded to 10 minutes, as getAll's whole run: a
+		// stalled server fails the run, never hangs it.
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 		o, err := st.Client().GetObject(ctx, st.Bucket(), names[i], minio.GetObjectOptions{})
 		if err != nil {
@@ -161,22 +174,23 @@ func BenchmarkRemoteFetch(b *testing.B) {
 		}
 		return cancelOnClose{o, cancel}, nil
 	}
-	dirs := map[string]string{}
-	intoDir := func(name string, write func(dir string) error) side {
-		return side{name: name,
+	intoDir := func(name string, noServer bool, write func(dir string) error) side {
+		return side{name: name, noServer: noServer,
 			prep: func(i int) { dirs[name] = mkdir(b, fmt.Sprintf("fetch-%s-%d", name, i)) },
 			run: func(int) {
 				if err := write(dirs[name]); err != nil {
 					b.Fatal(err)
 				}
 			},
-			after: func(int) { removeAll(b, dirs[name]) }}
+			after: func(int) {
+				removeAll(b, dirs[name])
+				delete(dirs, name)
+			}}
 	}
 	extra := []side{
-		intoDir("getwrite", func(dir string) error { return getWriteAll(getBody, dir, sizes) }),
-		intoDir("write", func(dir string) error { return writeAll(dir, limBufs) }),
+		intoDir("getwrite", false, func(dir string) error { return getWriteAll(getBody, dir, sizes) }),
+		intoDir("write", true, func(dir string) error { return writeAll(dir, limBufs) }),
 	}
-	extra[1].noServer = true
 	var oursReqs, limitReqs reqCounts
 	b.SetBytes(objBytes)
 	b.ReportAllocs()
@@ -208,17 +222,6 @@ func BenchmarkRemoteFetch(b *testing.B) {
 			closeEngine(b, e)
 			removeAll(b, root)
 			e, root = nil, ""
-		},
-		cleanup: func(int) { // what a failed run left
-			if e != nil {
-				closeEngine(b, e)
-			}
-			if root != "" {
-				removeAll(b, root)
-			}
-			for _, d := range dirs {
-				removeAll(b, d)
-			}
 		},
 		extra: extra,
 		serverCPU: func() time.Duration {
