@@ -434,27 +434,6 @@ func fdatasync(f *os.File) error {
 	}
 }
 
-// syncDir fsyncs the directory dir (a rename in it becomes durable).
-func syncDir(dir string) error {
-	fd, err := unix.Open(dir, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
-	if err != nil {
-		return fmt.Errorf("open %s: %w", dir, err)
-	}
-	defer unix.Close(fd)
-	if err := unix.Fsync(fd); err != nil {
-		return fmt.Errorf("fsync %s: %w", dir, err)
-	}
-	return nil
-}
-
-// ignoreNotExist is err, or nil when err says the file does not exist.
-func ignoreNotExist(err error) error {
-	if errors.Is(err, os.ErrNotExist) {
-		return nil
-	}
-	return err
-}
-
 // parallelFor runs fn(i) for i in [0, n) on GOMAXPROCS goroutines, the
 // limits' way of using every core, and returns the first error.
 func parallelFor(n int, fn func(i int) error) error {

@@ -20,6 +20,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/seaweedfs"
 )
@@ -362,9 +363,15 @@ func publishFile(dir, name string, fill func(f *os.File) error) error {
 		err = os.Rename(tmp, filepath.Join(dir, name))
 	}
 	if err != nil {
-		return errors.Join(fmt.Errorf("publish %s: %w", name, err), ignoreNotExist(os.Remove(tmp)))
+		if rerr := os.Remove(tmp); rerr != nil && !vfs.IsNotExist(rerr) {
+			err = errors.Join(err, rerr)
+		}
+		return fmt.Errorf("publish %s: %w", name, err)
 	}
-	return syncDir(dir)
+	if err := vfs.Default.SyncDir(dir); err != nil {
+		return fmt.Errorf("publish %s: fsync %s: %w", name, dir, err)
+	}
+	return nil
 }
 
 // countingRT is an http.RoundTripper (the default minio transport, as
