@@ -31,6 +31,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -180,7 +181,7 @@ type Engine struct {
 	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
 	// tierOnce closes the tier once (Close may be called concurrently).
 	tierOnce sync.Once
-	pc       *pageCache // the bounded page cache: accounting, eviction, checkpoints (cache.go)
+	pc       *pagecache.Cache // the bounded page cache: accounting, eviction, checkpoints
 	pcOnce   sync.Once
 }
 
@@ -234,9 +235,8 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
 		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
 	}
-	policy, err := newCachePolicy(cfg)
-	if err != nil {
-		return nil, err
+	if err := cacheLimits(cfg).Check(); err != nil {
+		return nil, configError(err)
 	}
 	if cfg.FS == nil {
 		cfg.FS = vfs.Default
@@ -274,13 +274,17 @@ func New(cfg Config) (*Engine, error) {
 	}
 	// The page cache's accounting, from the page files on disk; its
 	// background goroutine runs until Close.
-	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
-		return nil, err
+	var sink pagecache.Sink
+	if cfg.Metrics != nil {
+		sink = cfg.Metrics
+	}
+	if e.pc, err = pagecache.Open(pagecache.Options{Limits: cacheLimits(cfg), Store: st, Index: pages, Logger: cfg.Logger, Sink: sink}); err != nil {
+		return nil, configError(err)
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
-		_ = e.pc.close()
+		_ = e.pc.Close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
 	e.pool = pool
@@ -316,11 +320,10 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Remote != nil {
 		if e.tier, err = newTier(e, cfg.Remote); err != nil {
 			e.pool.Release()
-			_ = e.pc.close()
+			_ = e.pc.Close()
 			return nil, err
 		}
-		forget := e.tier.forget
-		e.pc.onRemoved.Store(&forget)
+		e.pc.SetOnRemoved(e.tier.forget)
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
@@ -662,7 +665,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	// No job runs any more: stop the page cache's background goroutine and
 	// write its recency checkpoints.
 	e.pcOnce.Do(func() {
-		if cerr := e.pc.close(); cerr != nil {
+		if cerr := e.pc.Close(); cerr != nil {
 			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
 		}
 	})

@@ -6,10 +6,10 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
+	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -107,7 +107,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if plan, err = jobs.PlanPrefixSave(r); err != nil {
 			return true, err
 		}
-		err = e.pc.admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
+		err = e.pc.Admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
 			var serr error
 			res.Prefix, res.Metrics, serr = jobs.SavePlannedPrefix(ctx, cfg, plan) // keyed once
 			return serr
@@ -133,15 +133,15 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		// read-through and the load (nil for a bad identity or page
 		// size: the load reports it).
 		keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens)
-		var pins *loadPins
+		var pins *pagecache.LoadPins
 		if kerr == nil {
-			pins = e.pc.pinChain(r.Namespace, keys)
+			pins = e.pc.PinChain(r.Namespace, keys)
 			defer func() {
 				var loaded []layout.PageKey
 				if res.Prefix != nil {
 					loaded = res.Prefix.Keys
 				}
-				pins.done(loaded, err == nil)
+				pins.Done(loaded, err == nil)
 			}()
 		}
 		var verified func(layout.PageKey) bool
@@ -153,7 +153,7 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			if kerr == nil {
 				sc, _ = jobs.NewPrefixScatter(cfg, r, keys)
 			}
-			var held []evict.Key
+			var held []layout.PageKey
 			var fetched map[layout.PageKey]bool
 			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys, sc)
 			if len(fetched) > 0 {
@@ -161,10 +161,10 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 				verified = func(k layout.PageKey) bool { return fetched[k] }
 			}
 			if pins != nil {
-				pins.hold(held)
-				pins.extend()
+				pins.Hold(held)
+				pins.Extend()
 			} else {
-				_ = e.pc.pol.UnpinAll(r.Namespace, held)
+				e.pc.Unpin(r.Namespace, held...)
 			}
 		}
 		res.Prefix, res.Metrics, err = jobs.LoadPrefixScattered(ctx, cfg, r, keys, verified, sc)
@@ -265,7 +265,7 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	}
 	e.pages.RemoveIfGone(ns, key, gone)
 	if gone() {
-		e.pc.removedBehind(ns, key)
+		e.pc.RemovedBehind(ns, key)
 		if e.tier != nil {
 			e.tier.forget(ns, key)
 		}
@@ -300,7 +300,7 @@ func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uin
 	}
 	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
 	if n > 0 {
-		e.pc.touchLookup(namespace, last)
+		e.pc.TouchLookup(namespace, last)
 	}
 	if m != nil {
 		m.Job(labels.KindLookup, labels.OutcomeOf(err), time.Since(start), true)
@@ -323,7 +323,7 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	if w.Layout != layout.Pages {
 		err := write()
 		if err == nil {
-			e.pc.setManifest(w.Namespace, w.Name, nil)
+			e.pc.SetManifest(w.Namespace, w.Name, nil)
 		}
 		return err
 	}
@@ -331,10 +331,10 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	if perr != nil {
 		return write() // the write refuses the request, naming the problem
 	}
-	err := e.pc.admit(ctx, w.Namespace, plan.Keys, plan.Parents, plan.FileBytes, write)
+	err := e.pc.Admit(ctx, w.Namespace, plan.Keys, plan.Parents, plan.FileBytes, write)
 	if err == nil {
 		e.pages.Add(w.Namespace, plan.Keys...)
-		e.pc.setManifest(w.Namespace, w.Name, evictKeys(plan.Keys))
+		e.pc.SetManifest(w.Namespace, w.Name, plan.Keys)
 		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
 			e.tier.manifestWritten(w.Ref, plan.Keys)
 		}
@@ -352,6 +352,6 @@ func (e *Engine) resyncAfterCollect(names []string) {
 		}
 	}
 	for _, ns := range names {
-		e.pc.resync(ns)
+		e.pc.Resync(ns)
 	}
 }

@@ -14,7 +14,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
@@ -326,7 +325,7 @@ func (t *tier) dropOneKnownLocked() {
 }
 
 // forget drops page k of ns from the known set: its local file was
-// evicted or found gone (pageCache.unindex, forgetIfGone). A later save
+// evicted or found gone (pagecache.Cache.SetOnRemoved, forgetIfGone). A later save
 // writes the page again and queues it; its upload HEADs the object first
 // (StatFirst) and sends nothing when it is stored.
 func (t *tier) forget(ns string, k layout.PageKey) {
@@ -611,7 +610,7 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 }
 
 // markPendingLocked marks page k of ns pending in the page cache's
-// eviction policy (evict.Cache.SetPending: evicted only after every
+// eviction policy (pagecache.Cache.SetPending: evicted only after every
 // evictable page that is not), or unmarks it. A page is marked while its
 // upload is queued, in flight or spilled to the journal (a full queue),
 // from enqueueFile until the upload settles (uploaded, found stored,
@@ -623,7 +622,7 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 // entries in t.pending are, so a settle never unmarks a later queueing's
 // mark. See ARCHITECTURE.md, "A pending upload is evicted last".
 func (t *tier) markPendingLocked(ns string, k layout.PageKey, pending bool) {
-	t.e.pc.pol.SetPending(ns, evict.Key(k), pending)
+	t.e.pc.SetPending(ns, k, pending)
 }
 
 // uploaded is the uploader's OnDone: it marks a stored page known and
@@ -789,7 +788,7 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // each with ranged GETs in flight), verified against the key chain the
 // prompt implies and their tensor hashes, and published to the local tier;
 // the load then finds them locally. Each fetched page enters the bounded
-// page cache as a save's pages do (pageCache.admitHeld): its object's size
+// page cache as a save's pages do (pagecache.Cache.AdmitHeld): its object's size
 // (from the HEAD of remoteCandidates) is reserved against the capacity,
 // the quotas and the headroom, victims are evicted first, and the page is
 // committed with its st_blocks and pinned. The pages' reservations are
@@ -820,7 +819,7 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 // in the RemoteReport, never an error of the load). Nothing local is
 // changed except new, verified page files (and the victims evicted for
 // them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey, sc *jobs.PrefixScatter) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
+func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey, sc *jobs.PrefixScatter) (rep *RemoteReport, held []layout.PageKey, fetched map[layout.PageKey]bool) {
 	rep = &RemoteReport{}
 	if p == 0 {
 		p = layout.DefaultPageTokens
@@ -954,7 +953,7 @@ func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, toke
 						markVerified()
 					}
 				}
-				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
+				h, err := t.e.pc.AdmitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
 					// The GET token is taken before the next page may
 					// reserve, so pages take tokens in chain order.
 					select {
@@ -1088,7 +1087,7 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 }
 
 // fetchPage is the write of one fetched page's admission (it runs inside
-// pageCache.admitHeld, room reserved): under namespace n's shared lock it
+// pagecache.Cache.AdmitHeld, room reserved): under namespace n's shared lock it
 // fetches object o, the page want.Key, into a temp file beside its local
 // path, verifies it and publishes it (publishFetched); it adds it to the
 // index. fetched is called once the object's bytes are all in the temp
@@ -1255,7 +1254,7 @@ func (w *kickWriter) stop() {
 // fdatasync of the verified temp file, rename onto the page's path, fsync
 // of its fan-out directory (under the store's sync policy), as a save
 // publishes its pages. It runs inside the page's admission
-// (pageCache.admitHeld), whose reservation covers the file.
+// (pagecache.Cache.AdmitHeld), whose reservation covers the file.
 func (t *tier) publishFetched(sf *layout.Staged) error {
 	return sf.Commit(t.e.store.PublishOptions(true, 0))
 }

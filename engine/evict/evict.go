@@ -1,9 +1,10 @@
 // Package evict is the eviction policy of kvpersist's page cache: a pure,
-// in-memory data structure (no file access, no goroutines, no clock; only
-// ReadCheckpoint reads, from a reader the caller opened) that tracks the
-// cache's pages and decides which to evict, so that the cache stays within a
-// capacity in bytes, each namespace within its optional quota, and the file
-// system above a headroom of free bytes.
+// in-memory data structure (no file access, no goroutines, no clock) that
+// tracks the cache's pages and decides which to evict, so that the cache
+// stays within a capacity in bytes, each namespace within its optional
+// quota, and the file system above a headroom of free bytes. The page
+// cache's I/O (engine/pagecache) drives it; the recency checkpoint's file
+// format is engine/recency.
 //
 // # What it tracks
 //
