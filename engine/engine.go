@@ -73,7 +73,9 @@ type Config struct {
 	NoSync bool
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
-	// means jobs.DefaultTempGrace (10 minutes).
+	// means jobs.DefaultTempGrace (10 minutes). The page cache removes temp
+	// page files older than TempGrace at New and in the background, and
+	// counts the younger ones within the capacity (pagecache.Options).
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
@@ -128,7 +130,9 @@ type Config struct {
 	// those victims count as freed but wait for their namespace's
 	// exclusive lock, which loads of that namespace may keep busy. Pages
 	// found on disk beyond the capacity at New (or written by another
-	// process) are evicted in the background (ReasonShrink). A save that
+	// process) are evicted in the background (ReasonShrink). Temp page
+	// files a killed writer left are removed once older than TempGrace and
+	// counted in D's accounting until then (Usage().TempBytes). A save that
 	// cannot make room (every page that could go is pinned, shared by a
 	// stored descendant, or protected by a quota) fails with ErrNoSpace,
 	// writes nothing and leaves every stored page intact. Pins (of loads, of saves' reused
@@ -278,7 +282,7 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Metrics != nil {
 		sink = cfg.Metrics
 	}
-	if e.pc, err = pagecache.Open(pagecache.Options{Limits: cacheLimits(cfg), Store: st, Index: pages, Logger: cfg.Logger, Sink: sink}); err != nil {
+	if e.pc, err = pagecache.Open(pagecache.Options{Limits: cacheLimits(cfg), Store: st, Index: pages, Logger: cfg.Logger, Sink: sink, TempGrace: cfg.TempGrace}); err != nil {
 		return nil, configError(err)
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),

@@ -25,6 +25,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -122,6 +123,10 @@ type Options struct {
 	Index  Index        // required
 	Logger *slog.Logger // nil: slog.Default()
 	Sink   Sink         // nil: nothing recorded
+	// TempGrace: temp page files (pages/xx/.<key>.tmp-*) older than this
+	// are removed by the cache's sweeps, as collect removes them; 0 means
+	// store.DefaultTempGrace, a negative value no grace.
+	TempGrace time.Duration
 }
 
 // Cache is the bounded page cache of one store root: the policy and the
@@ -134,12 +139,14 @@ type Cache struct {
 	index    Index
 	log      *slog.Logger
 	metrics  Sink
-	headroom int64 // Limits.HeadroomBytes
-	capacity int64 // Limits.CapacityBytes
-	blkBytes int64 // the file system's block size: page files' lengths are rounded up to it
+	headroom int64         // Limits.HeadroomBytes
+	capacity int64         // Limits.CapacityBytes
+	blkBytes int64         // the file system's block size: page files' lengths are rounded up to it
+	grace    time.Duration // Options.TempGrace as store.Grace reads it
 
 	touches chan touch
 	kick    chan struct{}
+	sweep   chan struct{} // kicks a sweep of the temp page files (sweepTemps)
 	stop    chan struct{}
 	done    chan struct{}
 	bgCtx   context.Context // cancelled by Close: background unlinks stop waiting for locks
@@ -195,7 +202,8 @@ func Open(o Options) (*Cache, error) {
 	pc := &Cache{
 		pol: pol, st: st, fs: st.FS(), index: o.Index, log: o.Logger, metrics: o.Sink,
 		headroom: o.HeadroomBytes, capacity: o.CapacityBytes, blkBytes: 4096,
-		touches: make(chan touch, touchQueue), kick: make(chan struct{}, 1),
+		grace:   store.Grace(o.TempGrace),
+		touches: make(chan touch, touchQueue), kick: make(chan struct{}, 1), sweep: make(chan struct{}, 1),
 		stop: make(chan struct{}), done: make(chan struct{}),
 		quotas: map[string]int64{}, dirty: map[string]struct{}{},
 		manifests: map[string]map[string]*manifestPins{}, named: map[string]map[evict.Key]int{},
@@ -211,6 +219,9 @@ func Open(o Options) (*Cache, error) {
 		return nil, err
 	}
 	pc.bgCtx, pc.bgStop = context.WithCancel(context.Background())
+	// Temp page files a crashed process left: removed or counted before
+	// the first save reserves.
+	pc.sweepTemps(pc.bgCtx, true)
 	go pc.run()
 	pc.kickShrink() // the disk may hold more than the limits
 	return pc, nil
@@ -446,15 +457,22 @@ func (pc *Cache) markDirty(ns string) {
 
 // run is the background goroutine: it applies the lookups' touches,
 // shrinks the cache when kicked (after the rebuild, a quota change, pages
-// added outside a reservation), and writes the checkpoints of changed
-// namespaces every checkpointEvery. It never takes a lock a load waits on
+// added outside a reservation), writes the checkpoints of changed
+// namespaces every checkpointEvery, and sweeps the temp page files
+// (sweepTemps) every sweepEvery and after a Resync. It never takes a lock a load waits on
 // for longer than its unlinks.
 func (pc *Cache) run() {
 	defer close(pc.done)
 	tick := time.NewTicker(checkpointEvery)
 	defer tick.Stop()
+	sweepTick := time.NewTicker(sweepEvery(pc.grace))
+	defer sweepTick.Stop()
 	for {
 		select {
+		case <-sweepTick.C:
+			pc.sweepTemps(pc.bgCtx, false)
+		case <-pc.sweep:
+			pc.sweepTemps(pc.bgCtx, false)
 		case <-pc.stop:
 			pc.drainTouches()
 			return
@@ -1342,4 +1360,123 @@ func (pc *Cache) Resync(ns string) {
 		pc.markDirty(ns)
 		pc.kickShrink()
 	}
+	select { // a collect removed temp files: count them again
+	case pc.sweep <- struct{}{}:
+	default:
+	}
+}
+
+// sweepEvery is how often the background goroutine sweeps the temp page
+// files: half the grace, so an orphan goes within 1.5 graces of its last
+// write, between a second (a readdir of every fan-out directory costs
+// 2 µs an entry) and a minute.
+func sweepEvery(grace time.Duration) time.Duration {
+	return min(max(grace/2, time.Second), time.Minute)
+}
+
+// sweepLockWait bounds how long a sweep waits for a namespace's exclusive
+// lock (held by collect, or waited for behind loads and saves): the
+// background goroutine also applies touches and evicts.
+const sweepLockWait = 200 * time.Millisecond
+
+// sweepTemps removes and counts the temp page files of every namespace
+// (sweepNamespaceTemps). atOpen: no save of this cache is in flight yet.
+func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
+	names, _, err := pc.st.Namespaces(false)
+	if err != nil {
+		return
+	}
+	for _, ns := range names {
+		if ctx.Err() != nil {
+			return
+		}
+		pc.sweepNamespaceTemps(ctx, ns, atOpen)
+	}
+}
+
+// sweepNamespaceTemps deals with the temp page files of namespace ns
+// (pages/xx/.<key>.tmp-*: a save or a read-through that died before its
+// rename). Every writer of a temp page file holds the namespace's shared
+// lock from before it creates the file until it is renamed or removed, so
+// under the exclusive lock every temp file found has no writer left: one
+// older than the grace is removed (as collect removes it), the others are
+// counted in the policy's Used (evict.Cache.SetTempBytes) until a later
+// sweep removes them, so that the capacity bounds page and temp files
+// together. When the lock is not granted within sweepLockWait: at Open
+// every temp file is counted (some may be another process's writes in
+// flight, counted twice until the next sweep: more eviction, never less);
+// later, the count is left as it was until the next sweep (the cache's own
+// writes in flight are covered by their reservations).
+func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool) {
+	n, err := pc.st.Namespace(ns)
+	if err != nil {
+		return
+	}
+	l, err := n.ListPages()
+	if err != nil || len(l.Temps) == 0 {
+		if err == nil {
+			pc.setTempBytes(ns, 0)
+		}
+		return
+	}
+	lctx, cancel := context.WithTimeout(ctx, sweepLockWait)
+	unlock, err := n.Lock(lctx, true)
+	cancel()
+	if err != nil {
+		if atOpen {
+			var all int64
+			for _, t := range l.Temps {
+				if fi, err := pc.fs.Lstat(t.Path); err == nil {
+					all += allocated(fi)
+				}
+			}
+			pc.setTempBytes(ns, all)
+		}
+		return
+	}
+	defer unlock()
+	now := time.Now()
+	var left int64
+	removed := 0
+	for _, t := range l.Temps {
+		fi, err := pc.fs.Lstat(t.Path)
+		if err != nil || !fi.Mode().IsRegular() {
+			continue // renamed into place or removed since the listing
+		}
+		if now.Sub(fi.ModTime()) >= pc.grace {
+			rerr := pc.fs.Remove(t.Path)
+			if rerr == nil || vfs.IsNotExist(rerr) {
+				removed++
+				continue
+			}
+			pc.log.Warn("kvpersist: page cache: temp page file not removed", "path", t.Path, "err", rerr)
+		}
+		left += allocated(fi)
+	}
+	pc.setTempBytes(ns, left)
+	if removed > 0 {
+		pc.log.Info("kvpersist: page cache: removed temp page files left by a write that did not finish", "namespace", ns, "files", removed)
+	}
+}
+
+// setTempBytes sets namespace ns's temp bytes in the policy and shrinks
+// the cache when they grew.
+func (pc *Cache) setTempBytes(ns string, bytes int64) {
+	before := pc.pol.Usage().TempBytes
+	if err := pc.pol.SetTempBytes(ns, min(bytes, evict.MaxBytes)); err != nil {
+		pc.log.Warn("kvpersist: page cache: temp bytes not accounted", "namespace", ns, "err", err)
+		return
+	}
+	if pc.pol.Usage().TempBytes > before {
+		pc.kickShrink()
+	}
+}
+
+// allocated is a file's allocated bytes (st_blocks × 512), or its length
+// rounded up to 4 KiB where the file system reports no blocks.
+func allocated(fi os.FileInfo) int64 {
+	if a, ok := vfs.AllocatedBytes(fi); ok {
+		return a
+	}
+	return (fi.Size() + 4095) &^ 4095
 }

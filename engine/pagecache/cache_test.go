@@ -1,9 +1,12 @@
 package pagecache_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -46,6 +49,12 @@ type rig struct {
 
 func newRig(t *testing.T, root string, lim pagecache.Limits, sink pagecache.Sink) *rig {
 	t.Helper()
+	return openRig(t, root, pagecache.Options{Limits: lim, Sink: sink})
+}
+
+// openRig is newRig with o (its Store, Index and Logger set here).
+func openRig(t *testing.T, root string, o pagecache.Options) *rig {
+	t.Helper()
 	st, err := store.Create(root, store.Options{NoSync: true})
 	if err != nil {
 		t.Fatal(err)
@@ -54,7 +63,8 @@ func newRig(t *testing.T, root string, lim pagecache.Limits, sink pagecache.Sink
 	if err != nil {
 		t.Fatal(err)
 	}
-	pc, err := pagecache.Open(pagecache.Options{Limits: lim, Store: st, Index: index, Logger: discard, Sink: sink})
+	o.Store, o.Index, o.Logger = st, index, discard
+	pc, err := pagecache.Open(o)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -287,5 +297,68 @@ func TestCheckpointAcrossRestart(t *testing.T) {
 	if _, ok := r2.pc.Tracked("p", c2[1]); ok {
 		t.Fatal("conversation 2's leaf survived the shrink")
 	}
+	r2.checkDisk(t)
+}
+
+// writeTemp leaves a temp page file of b bytes in namespace ns's fan-out
+// directory of key k, as a save killed before its rename does, last
+// modified at mtime.
+func (r *rig) writeTemp(t *testing.T, ns string, k layout.PageKey, b int, mtime time.Time) string {
+	t.Helper()
+	n, _ := r.st.Namespace(ns)
+	page := n.PagePath(k)
+	path := filepath.Join(filepath.Dir(page), "."+filepath.Base(page)+".tmp-0123456789abcdef")
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, bytes.Repeat([]byte{7}, b), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chtimes(path, mtime, mtime); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// TestTempPageFilesSweptAndCounted: temp page files left by a killed
+// writer are removed at Open when older than the grace; the younger ones
+// count in Usage (TempBytes, inside UsedBytes), so a save into a full
+// cache evicts pages to make room for them and pages and temp files
+// together stay within the capacity; the background sweep removes them
+// once they are older than the grace, and Usage drops them.
+func TestTempPageFilesSweptAndCounted(t *testing.T) {
+	probe := newRig(t, t.TempDir(), pagecache.Limits{}, nil)
+	probe.mustSave(t, "m", convTokens(pTokens, 99))
+	pb := probe.pc.Usage().UsedBytes
+
+	root := t.TempDir()
+	r := newRig(t, root, pagecache.Limits{}, nil)
+	keys := r.mustSave(t, "p", convTokens(4*pTokens, 1))
+	if err := r.pc.Close(); err != nil {
+		t.Fatal(err)
+	}
+	old := r.writeTemp(t, "p", keys[0], int(pb), time.Now().Add(-time.Hour))
+	young := r.writeTemp(t, "p", keys[1], 2*int(pb), time.Now())
+
+	const grace = 1500 * time.Millisecond
+	r2 := openRig(t, root, pagecache.Options{Limits: pagecache.Limits{CapacityBytes: 6 * pb}, TempGrace: grace})
+	pc := r2.pc
+	if _, err := os.Lstat(old); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the temp file older than the grace is still there after Open: %v", err)
+	}
+	_, tb, _, temps := testutil.PageTree(t, root)
+	if u := pc.Usage(); temps != 1 || u.TempBytes != tb || u.UsedBytes != 4*pb+tb {
+		t.Fatalf("usage %+v; the disk: 4 pages of %d bytes and %d temp files of %d bytes", u, pb, temps, tb)
+	}
+	// 4 pages + the young temp file (at least 2 pages' worth) + 2 new
+	// pages: above 6, so the save evicts.
+	r2.mustSave(t, "p", convTokens(2*pTokens, 2))
+	if pages, tbytes, _, _ := testutil.PageTree(t, root); pages+tbytes > 6*pb {
+		t.Fatalf("page files %d bytes and temp files %d bytes, above the capacity %d", pages, tbytes, 6*pb)
+	}
+	waitFor(t, "the background sweep", func() bool {
+		_, err := os.Lstat(young)
+		return errors.Is(err, os.ErrNotExist) && pc.Usage().TempBytes == 0
+	})
 	r2.checkDisk(t)
 }
