@@ -5,6 +5,7 @@ package kvpersist_test
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -87,6 +88,49 @@ func TestDocLinks(t *testing.T) {
 			path := filepath.Join(filepath.Dir(f), target)
 			if _, err := os.Stat(path); err != nil && !pendingDocs[filepath.ToSlash(path)] {
 				t.Errorf("%s links to %s, which does not exist", f, m[1])
+			}
+		}
+	}
+}
+
+// TestShellBlocksParse: the set-up commands the docs give (```sh blocks;
+// transcripts, "$ " blocks, are run by cmd/kvpersist's TestDocSamples)
+// are valid bash, every `go run ./DIR` names a command of this module,
+// and every `make TARGET` a target of the Makefile.
+func TestShellBlocksParse(t *testing.T) {
+	makefile, err := os.ReadFile("Makefile")
+	if err != nil {
+		t.Fatal(err)
+	}
+	goRun := regexp.MustCompile(`go run (\./[^\s)]+)`)
+	makeTarget := regexp.MustCompile(`(?:^|\s)make ([a-z][a-z-]*)`)
+	for _, f := range docFiles(t) {
+		text, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rest := string(text)
+		for {
+			var block string
+			var ok bool
+			if _, rest, ok = strings.Cut(rest, "```sh\n"); !ok {
+				break
+			}
+			block, rest, _ = strings.Cut(rest, "```\n")
+			cmd := exec.Command("bash", "-n")
+			cmd.Stdin = strings.NewReader(block)
+			if out, err := cmd.CombinedOutput(); err != nil {
+				t.Errorf("%s: a ```sh block is not valid bash: %v\n%s\n%s", f, err, out, block)
+			}
+			for _, m := range goRun.FindAllStringSubmatch(block, -1) {
+				if fi, err := os.Stat(filepath.Join(m[1], "main.go")); err != nil || !fi.Mode().IsRegular() {
+					t.Errorf("%s: `go run %s`: no command there", f, m[1])
+				}
+			}
+			for _, m := range makeTarget.FindAllStringSubmatch(block, -1) {
+				if !regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(m[1]) + `:`).Match(makefile) {
+					t.Errorf("%s: `make %s`: no such target in the Makefile", f, m[1])
+				}
 			}
 		}
 	}
