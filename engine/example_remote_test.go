@@ -3,6 +3,7 @@ package engine_test
 import (
 	"context"
 	"log"
+	"time"
 
 	"github.com/kvpersist/kvpersist/engine"
 )
@@ -14,7 +15,6 @@ import (
 // AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY. This is the README's
 // object-store example; it is compiled, not run (it needs the server).
 func Example_remoteTier() {
-	ctx := context.Background()
 	root := "/nvme/kv"
 
 	// README:begin (README.md, "Object-store tier", shows the lines up to README:end)
@@ -30,6 +30,8 @@ func Example_remoteTier() {
 		log.Fatal(err)
 	}
 	defer func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
 		if err := e.Close(ctx); err != nil { // waits for pending uploads until ctx ends
 			log.Print(err) // errors.Is(err, engine.ErrUploadsAbandoned): they stay journaled
 		}
