@@ -293,7 +293,7 @@ func getRestoreStore(b *testing.B, w *workload, lay layout.Layout) restoreStore 
 //     then xxh3.Hash of each, on every core (one pass of each: what a
 //     verified read cannot avoid); target >= 0.85;
 //   - blocks: against open + pread of every block file into the same
-//     buffers then SHA-256 of each, on every core (x-limit: the issue's
+//     buffers then SHA-256 of each, on every core (x-limit: the original
 //     limit); target >= 0.85. The restore verifies the blocks of the
 //     formatVersion 8 manifests it saves by their xxh3-64, so it is also
 //     measured against the same opens and preads then xxh3.Hash of each
@@ -411,7 +411,7 @@ func benchRestoreBlocks(b *testing.B, w *workload) {
 		},
 	})
 	// m.limit timed both limits: x-limit is against pread + SHA-256 alone,
-	// the limit.
+	// the original limit.
 	m.limit -= xxTime
 	m.report(b, int64(w.logical))
 	b.ReportMetric(float64(m.objects)/float64(m.n)/float64(len(offs)), "allocs/block")

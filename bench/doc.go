@@ -1,5 +1,5 @@
-// Package bench is kvpersist's benchmark suite against the machine's limits
-// (issue 4). It has no API: everything is in its _test.go files.
+// Package bench is kvpersist's benchmark suite against the machine's
+// limits. It has no API: everything is in its _test.go files.
 //
 // Every benchmark runs one engine operation on Llama-3.1-8B geometry
 // (32 layers, 8 KV heads, head_dim 128, bf16, capacity-padded views as

@@ -25,7 +25,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// The prefix cache's rows (issue 12): saves and loads of token pages at
+// The prefix cache's rows: saves and loads of token pages at
 // Llama-3.1-8B geometry, 8,192 tokens, P = 256; the index's lookup and
 // rebuild.
 
@@ -72,8 +72,8 @@ func savePrefixReq(c *kvgen.Cache, toks []uint32) *engine.SavePrefixRequest {
 //   - load-cold-verified: the same load with the page files evicted from
 //     the page cache before each iteration (as BenchmarkRestoreCold),
 //     against O_DIRECT reads of the same page tensor extents at the best
-//     of queue depths 1, 4, 16 and 32 (no target of its own: issue 14's
-//     cold rows ask >= 0.8 of a single file, >= 0.7 of blocks).
+//     of queue depths 1, 4, 16 and 32 (target >= 0.8, as a cold
+//     single-file restore's).
 func BenchmarkPrefix(b *testing.B) {
 	w := getWorkload(b, benchModel, prefixTokens)
 	local := func(root string) *engine.Engine { return newEngine(b, root, false) }

@@ -231,7 +231,7 @@ Then, for the whole store: the allocated bytes of every page file against
 evicts first), and with --headroom the file system's available bytes
 (statvfs f_bavail x f_frsize) against it. Without Prometheus, this is the
 operator's view of the page cache; a running engine exports the same
-figures as metrics (kvpersist_cache_used_bytes, ...; see the README).
+figures as metrics (kvpersist_cache_used_bytes, ...; see docs/operating.md).
 Temp files under pages/ (saves in progress, or left by a crash until gc
 removes them) are counted apart and not in ALLOCATED. A recency checkpoint
 that does not decode is ignored, as the engine ignores it, and reported.

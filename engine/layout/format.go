@@ -1,8 +1,8 @@
 // Package layout owns kvpersist's on-disk formats: the single-file snapshot,
 // the block manifest with its content-addressed blocks, the files written by
 // the original Bun worker (read only), path rules, and the atomic durable
-// publish every writer uses. ARCHITECTURE.md ("On-disk format") is the
-// specification; this package is its reference implementation.
+// publish every writer uses. docs/format/ is the specification; this
+// package is its reference implementation.
 package layout
 
 import (
@@ -65,7 +65,7 @@ const (
 	// FormatBlocksXXH3 is the block manifest kvpersist writes: FormatBlocks
 	// with each block's XXH3-64 (seed 0) beside its SHA-256 name
 	// (BlockRef.XXH3), which a verified restore checks instead of SHA-256
-	// (ARCHITECTURE.md, "Block manifest"). A new version rather than an
+	// (docs/format/block-manifest.md). A new version rather than an
 	// optional key: it says every block carries an xxh3, so a block
 	// without one is malformed rather than checked by SHA-256 instead.
 	// An older build (one reading formatVersion 4 to 7) refuses such a

@@ -7,7 +7,7 @@
 //
 // Every method of a nil *Recorder does nothing, so the engine can call it
 // unconditionally. The metric names and labels are listed in
-// ARCHITECTURE.md ("Metrics") and on the Recorder's Describe.
+// docs/operating.md ("Metrics") and on the Recorder's Describe.
 package metrics
 
 import (

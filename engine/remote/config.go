@@ -8,7 +8,7 @@
 // uploads them in the background (Uploader) and collects unreferenced ones
 // (Collect). What a page file holds is the engine's business.
 //
-// Bucket layout (mirrors the local store, see ARCHITECTURE.md):
+// Bucket layout (mirrors the local store, see docs/format/bucket-layout.md):
 //
 //	<prefix>/<ns>/pages/<k[0:2]>/<k>   a page; k = 64 lowercase hex digits
 //	<prefix>/<ns>/<name>               a manifest (a named snapshot)
@@ -105,8 +105,7 @@ type Config struct {
 	// page: engine.RemoteTier.FetchPages). Every GET carries a Range
 	// header and If-Match, also when one range is the whole object; on
 	// SeaweedFS neither costs the server measurably more CPU per byte than
-	// a plain GET, nor do 8 MiB ranges (ARCHITECTURE.md, "Where the CPU
-	// goes"). Fetch holds at most Concurrency copy buffers of
+	// a plain GET, nor do 8 MiB ranges. Fetch holds at most Concurrency copy buffers of
 	// CopyBufferBytes, whatever this is.
 	FetchChunkBytes int64
 	// MaxObjectBytes: larger objects are refused by Fetch (ErrTooLarge)

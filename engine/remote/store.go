@@ -235,7 +235,7 @@ func (s *Store) Put(ctx context.Context, name string, r io.ReaderAt, size int64)
 // machine) that replaces its metadata, conditional on its ETag still being
 // etag ("" = any). An uploader that found a page present with an mtime
 // close to remote GC's grace refreshes it before naming it in a manifest
-// (see ARCHITECTURE.md, "Remote garbage collection"). Returns the new
+// (docs/format/bucket-layout.md, "Grace, not locks"). Returns the new
 // state; a missing object is ErrNotFound, another ETag is a 412 error.
 func (s *Store) Refresh(ctx context.Context, name, etag string) (Object, error) {
 	src := minio.CopySrcOptions{Bucket: s.cfg.Bucket, Object: name, MatchETag: etag}

@@ -5,7 +5,7 @@
 // them lists a namespace, classifies an entry or builds a block path by
 // itself.
 //
-// The layout it owns (see ARCHITECTURE.md, "Store layout"):
+// The layout it owns (docs/format/store-layout.md):
 //
 //	<root>/                       the operator's directory; may be (or sit below) a symlink
 //	  <namespace>/                a real directory, layout.ValidName

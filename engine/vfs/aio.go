@@ -338,8 +338,8 @@ func (a *AsyncReader) read(s *asyncSlot, fd int, p []byte, off int64) (res int64
 }
 
 // Close waits for every ReadAt in progress to return, stops the reaper
-// goroutine and destroys the AIO context (io_destroy: about 30 ms on the
-// project's VM, two RCU grace periods). ReadAt after Close reads with
+// goroutine and destroys the AIO context (io_destroy waits for two RCU
+// grace periods, which is why the engine keeps one context). ReadAt after Close reads with
 // preads. Close is idempotent; a nil AsyncReader's Close does nothing.
 func (a *AsyncReader) Close() error {
 	if a == nil {

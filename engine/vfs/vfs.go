@@ -539,8 +539,10 @@ func (f osFile) Cached(off, n int64) (bool, error) {
 // renamed, linked, chmodded or chowned gets another FileID, because each of
 // these changes the inode or sets its ctime. The exception is an inode
 // number freed and reused, for a file of the same size, within one tick of
-// the file system's timestamp clock (see ARCHITECTURE.md, "Known-durable
-// pages", for why the prefix cache can live with it). The zero FileID
+// the file system's timestamp clock: that needs an unlink, a new file of
+// the same size at the same name and its rename, all within one tick and
+// before the new writer's own directory fsync, and the prefix cache lives
+// with it (a directory fsync per reused page per save would cost more). The zero FileID
 // means unknown and equals no file's.
 type FileID struct {
 	Dev, Ino uint64

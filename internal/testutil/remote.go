@@ -49,7 +49,7 @@ func PageManifests(tb TB, root, ns string) map[string][]string {
 }
 
 // UploadNamespace copies namespace ns of the local store at root to s as
-// the engine's write-behind lays it out (ARCHITECTURE.md, "Remote tier"):
+// the engine's write-behind lays it out (docs/format/bucket-layout.md):
 // every page file (pages first), then every page manifest, each object's
 // bytes exactly the local file's, create-only. It returns object name ->
 // bytes uploaded. Other snapshot files are not uploaded.

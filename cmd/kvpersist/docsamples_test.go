@@ -11,14 +11,18 @@ import (
 	"testing"
 )
 
-// readmePath is the README whose "Operating a store" section
-// TestREADMESamples checks (and, with KVPERSIST_UPDATE_README=1,
-// regenerates: scripts/readme-samples.sh).
-const readmePath = "../../README.md"
+// sampleDocs are the documents whose transcripts TestDocSamples checks
+// (and, with KVPERSIST_UPDATE_DOCS=1, regenerates:
+// scripts/doc-samples.sh): a section ("## title") of a file, or the whole
+// file when section is empty. Each runs on a fresh store of its own.
+var sampleDocs = []struct{ path, section string }{
+	{"../../README.md", "Command line"},
+	{"../../docs/operating.md", ""},
+}
 
 // Output that varies from run to run, replaced by fixed text before the
 // comparison: the elapsed time gc and the demo print, and the modification
-// time ls prints. The README says so.
+// time ls prints. docs/operating.md says so.
 var (
 	sampleElapsed  = regexp.MustCompile(` in [0-9.]+(ns|µs|ms|s)$`)
 	sampleModified = regexp.MustCompile(`\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}`)
@@ -29,33 +33,48 @@ const (
 	sampleModifiedText = "2026-12-01 12:00:00"
 )
 
-// TestREADMESamples runs every transcript of the README's "Operating a
-// store" section (a ``` block whose first line starts with "$ ") on a fresh
-// store, in order, with the kvpersist binary built from this tree on PATH,
-// and checks that each command's output (stdout and stderr) is what the
-// README shows. /tmp/kvstore in a command is a temp directory; it is
-// printed back as /tmp/kvstore. "$ echo $?" sees the previous command's
-// exit status. Between a command that printed something and the next, a
-// transcript has one blank line.
-func TestREADMESamples(t *testing.T) {
-	readme, err := os.ReadFile(readmePath)
+// TestDocSamples runs every transcript of each sample document (a ```
+// block whose first line starts with "$ ") on a fresh store, in order,
+// with the kvpersist binary built from this tree on PATH, and checks that
+// each command's output (stdout and stderr) is what the document shows.
+// /tmp/kvstore in a command is a temp directory; it is printed back as
+// /tmp/kvstore. testdata/ is the repository's testdata directory. "$ echo
+// $?" sees the previous command's exit status. Between a command that
+// printed something and the next, a transcript has one blank line.
+func TestDocSamples(t *testing.T) {
+	bin := buildCLI(t)
+	testdata, err := filepath.Abs("../../testdata")
 	if err != nil {
 		t.Fatal(err)
 	}
-	text := string(readme)
-	const heading = "\n## Operating a store\n"
-	start := strings.Index(text, heading)
-	if start < 0 {
-		t.Fatalf("README has no %q section", strings.TrimSpace(heading))
+	for _, doc := range sampleDocs {
+		t.Run(filepath.Base(doc.path), func(t *testing.T) {
+			checkDocSamples(t, bin, testdata, doc.path, doc.section)
+		})
 	}
-	end := strings.Index(text[start+len(heading):], "\n## ")
-	if end < 0 {
-		end = len(text)
-	} else {
-		end += start + len(heading)
+}
+
+func checkDocSamples(t *testing.T, bin, testdata, path, section string) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
 	}
-	bin := buildCLI(t)
+	text := string(raw)
+	start, end := 0, len(text)
+	if section != "" {
+		heading := "\n## " + section + "\n"
+		start = strings.Index(text, heading)
+		if start < 0 {
+			t.Fatalf("%s has no %q section", path, strings.TrimSpace(heading))
+		}
+		if e := strings.Index(text[start+len(heading):], "\n## "); e >= 0 {
+			end = e + start + len(heading)
+		}
+	}
 	work := t.TempDir()
+	if err := os.Symlink(testdata, filepath.Join(work, "testdata")); err != nil {
+		t.Fatal(err)
+	}
 	root := filepath.Join(work, "kvstore")
 	env := append(os.Environ(), "PATH="+filepath.Dir(bin)+string(os.PathListSeparator)+os.Getenv("PATH"), "TZ=UTC")
 	status, transcripts := 0, 0
@@ -112,17 +131,17 @@ func TestREADMESamples(t *testing.T) {
 		i++
 	}
 	if transcripts == 0 {
-		t.Fatal("the section has no transcript")
+		t.Fatalf("%s has no transcript", path)
 	}
 	want := text[start:end]
 	if got.String() == want {
 		return
 	}
-	if os.Getenv("KVPERSIST_UPDATE_README") != "" {
-		if err := os.WriteFile(readmePath, []byte(text[:start]+got.String()+text[end:]), 0o644); err != nil {
+	if os.Getenv("KVPERSIST_UPDATE_DOCS") != "" {
+		if err := os.WriteFile(path, []byte(text[:start]+got.String()+text[end:]), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		t.Logf("README.md regenerated (%d transcripts)", transcripts)
+		t.Logf("%s regenerated (%d transcripts)", path, transcripts)
 		return
 	}
 	g, w := strings.Split(got.String(), "\n"), strings.Split(want, "\n")
@@ -135,8 +154,8 @@ func TestREADMESamples(t *testing.T) {
 			wl = w[k]
 		}
 		if gl != wl {
-			t.Fatalf("README.md's %q section is stale (run scripts/readme-samples.sh); first difference at its line %d:\nREADME:  %q\nprinted: %q",
-				strings.TrimSpace(heading), k+1, wl, gl)
+			t.Fatalf("%s is stale (run scripts/doc-samples.sh); first difference at line %d of the checked part:\ndoc:     %q\nprinted: %q",
+				path, k+1, wl, gl)
 		}
 	}
 }
