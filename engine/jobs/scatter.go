@@ -4,6 +4,7 @@ import (
 	"context"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -35,13 +36,13 @@ type PrefixScatter struct {
 	dests []TensorSpec
 	p     int
 
-	done    int         // pages [0, done) are in the destinations
-	ended   bool        // no later page may be scattered
-	stop    error       // the read of page done failed: the prefix ends there (Stop)
-	fatal   error       // ctx's error or ErrPanic during a read: the load's error
-	logical int64       // tensor bytes of pages [0, done)
-	last    int64       // tensor bytes of page done-1
-	read    ExtentStats // what the scatter read
+	done    int          // pages [0, done) are in the destinations
+	ended   bool         // no later page may be scattered
+	stop    error        // the read of page done failed: the prefix ends there (Stop)
+	fatal   error        // ctx's error or ErrPanic during a read: the load's error
+	logical int64        // tensor bytes of pages [0, done)
+	last    int64        // tensor bytes of page done-1
+	read    readio.Stats // what the scatter read
 }
 
 // NewPrefixScatter checks req as LoadPrefix's step 1 does (keys as for
@@ -104,7 +105,7 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	if checkPage(snap, s.keys[i], s.req, lo, min(n, lo+s.p)) != nil {
 		return false
 	}
-	src, err := AdoptSource(s.cfg, f)
+	src, err := adoptSource(s.cfg, f)
 	if err != nil {
 		return false
 	}
@@ -114,8 +115,8 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	if err != nil {
 		return false
 	}
-	errs, st, err := readExtents(ctx, s.cfg, exts, extentProgress(exts, s.req.Progress))
-	s.read.add(st)
+	errs, st, err := readio.Read(ctx, s.cfg.reads(), exts, readio.Progress(exts, s.req.Progress))
+	s.read.Add(st)
 	if err != nil {
 		s.fatal = err
 		return false

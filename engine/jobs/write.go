@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/scratch"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
 )
@@ -520,7 +521,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 	}
 	c := newCommitter(ctx, w.st, w.spec.Path, total)
 	err := parallelWith(ctx, w.cfg, total,
-		func() *blockState { return &blockState{scratch: *getScratch(maxBlock)} },
+		func() *blockState { return &blockState{scratch: *scratch.Get(maxBlock)} },
 		func(g int, st *blockState) error {
 			if c.failed() {
 				return errSyncerFailed
@@ -540,7 +541,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 			return err
 		},
 		func(st *blockState, _ bool) error {
-			putScratch(&st.scratch)
+			scratch.Put(&st.scratch)
 			return nil
 		})
 	syncErr := c.stop(err != nil) // on error the syncers discard what is still queued
@@ -667,8 +668,8 @@ var errSyncerFailed = errors.New("jobs: a block fsync failed")
 func (w *blockWriter) packed(ctx context.Context, s *blockSlot, name string) error {
 	v := s.view
 	if !v.IsContiguous() && v.Bytes() > 0 {
-		buf := getScratch(v.Bytes())
-		defer putScratch(buf)
+		buf := scratch.Get(v.Bytes())
+		defer scratch.Put(buf)
 		out, _, err := v.Gather(*buf)
 		if err != nil {
 			return fmt.Errorf("jobs: %s %s: %w", w.spec.Path, name, err)
