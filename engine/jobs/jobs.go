@@ -10,7 +10,7 @@
 // even when the pool is full. The exceptions wait on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
 // fsync waiters), and a Read tops the pool's helpers up with goroutines of
-// its own to keep Config.ReadDepth requests in flight (ReadExtents); both
+// its own to keep Config.ReadDepth requests in flight (readio.Read); both
 // are joined before the job returns. The engine (package engine) schedules
 // them; tools and tests may call them directly, with the same request types
 // (WriteRequest, ReadRequest, ...; request.go), naming snapshots by Ref
@@ -81,6 +81,11 @@ type Config struct {
 	// again (see DurablePages); nil: every reused page's directory is
 	// fsynced.
 	Durable DurablePages
+	// Admission, when non-nil, is told the pages of a page save
+	// (SavePrefix, a Write in the Pages layout) before any of their files
+	// is created, so that room is made for them (see Admission); nil:
+	// none.
+	Admission Admission
 }
 
 // DurablePages remembers, per namespace (by name) and page key, the

@@ -56,26 +56,32 @@ func checkPagesSpec(spec *writeSpec, slots []slotIn) error {
 	return nil
 }
 
-// writePages writes a named snapshot in the Pages layout (the namespace
-// created and locked by Write): the cache tensors are saved as token pages
-// (savePages: pages already stored are reused, shared with the prefix
-// cache), then, once every page is durable, the page manifest is published
-// like a single file whose data region holds only the attachments.
-func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, m *Metrics) error {
-	p := pageTokens(spec.PageTokens)
+// planPagesWrite lays out the pages of a Pages write (its cache tensors,
+// in slot order, are the pages' tensors; checked by checkPagesSpec).
+func planPagesWrite(ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn) (*pageSave, error) {
 	nc := cacheSlots(h)
-	keys, _, err := layout.PageChain(spec.Identity, p, spec.Tokens)
-	if err != nil {
-		return fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
-	}
 	tensors := make([]TensorSpec, nc)
 	for i, s := range slots[:nc] {
 		tensors[i] = TensorSpec{DType: s.t.DType, View: s.view}
+	}
+	return planPageSave(ns, spec.Identity, pageTokens(spec.PageTokens), spec.Tokens, tensors)
+}
+
+// writePages writes a named snapshot in the Pages layout (the namespace
+// created and locked by Write, the pages laid out and admitted:
+// planPagesWrite): the cache tensors are saved as token pages
+// (savePages: pages already stored are reused, shared with the prefix
+// cache), then, once every page is durable, the page manifest is published
+// like a single file whose data region holds only the attachments.
+func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *writeSpec, h *layout.Header, slots []slotIn, ps *pageSave, m *Metrics) error {
+	p, keys := ps.p, ps.keys
+	nc := cacheSlots(h)
+	for _, s := range slots[:nc] {
 		m.LogicalBytes += s.out.Bytes
 	}
 	res := &PrefixResult{Keys: keys}
 	var pm Metrics
-	if err := savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &pm, nil); err != nil {
+	if err := savePages(ctx, cfg, ns, ps, res, &pm, nil); err != nil {
 		return err
 	}
 	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}

@@ -40,8 +40,9 @@ type PrefixResult struct {
 	// the end of the tokens: a page that failed verification or is not
 	// what its file name says (ErrCorrupt: another key, identity, page
 	// size or token ids, or tensors unlike the pages before it), did not
-	// decode, or could not be opened or read. The pages before it are
-	// loaded and counted in Tokens. nil otherwise.
+	// decode, or could not be opened or read, or that the load's page
+	// source had but could not make local (jobs.SourcePage.Err). The
+	// pages before it are loaded and counted in Tokens. nil otherwise.
 	Stop error
 }
 

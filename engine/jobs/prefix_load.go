@@ -11,7 +11,6 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/readio"
-	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -20,13 +19,17 @@ type foundPage struct {
 	src  *readio.Source
 	snap *layout.Snapshot
 	lo   int // first token of the page in the prompt
+	// handed: the page's file was handed over by a PageSource (src reads
+	// it, not its path); verified: its bytes were verified by the source
+	// (its tensors are not hashed again).
+	handed, verified bool
 }
 
 // openPage opens the page file at path and decodes it: an open error is
 // returned as is (vfs.IsNotExist for a missing page); a file that does not
 // decode, or is not a page, wraps ErrCorrupt. The page is returned as a
-// Source for ReadExtents (O_DIRECT when its file system allows and it is
-// not in the page cache; see OpenSource), which the caller closes.
+// Source for readio.Read (O_DIRECT when its file system allows and it is
+// not in the page cache; see readio.OpenSource), which the caller closes.
 func openPage(cfg *Config, path string) (*readio.Source, *layout.Snapshot, error) {
 	f, err := cfg.fs().Open(path)
 	if err != nil {
@@ -66,11 +69,17 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 // prompt's last, partial page was stored as a leaf with exactly the
 // prompt's remaining tokens).
 //
-// Order of work: (1) the request is checked: namespace, identity, page
+// The pages come from src (nil: the local page files alone; see
+// PageSource): the engine's remote tier hands over pages it fetches while
+// the load reads the ones before them.
+//
+// Order of work: (1) the request is checked, once: namespace (resolved
+// once, a real directory or absent), identity, page
 // size, at least one token, every destination's dtype, itemsize, rank,
 // validity, no overlapping elements within a destination or between two
 // of them (gather.CheckDisjoint), and room for len(Tokens) tokens on axis
-// -2; (2) the page files of the prefix are opened in chain order until one
+// -2; the page keys are computed and handed to src (Start); (2) the page
+// files of the prefix are opened in chain order until one
 // is missing (a miss, never an error: PrefixResult.Missing) or fails to
 // open or decode (the prefix ends there: PrefixResult.Stop); each opened
 // page is checked against the request: its key, identity, page size and
@@ -79,13 +88,19 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 // ErrMismatch naming the tensor and what differs, for the first page; for
 // a later one, whose tensors then disagree with the pages before it, Stop
 // wraps ErrCorrupt); (3) only then are the destinations written, by
-// ReadExtents: every tensor of every page found is one extent into the
+// readio.Read: every tensor of every page found is one extent into the
 // destination's token range, read with cfg.ReadDepth requests in flight
 // across pages (O_DIRECT where the file system allows and the page is not
 // in the page cache), straight into each contiguous run of the view (one
 // preadv per request) when runs are at least MinRunBytes, else through
 // staging and a scatter; with Verify each tensor is hashed (xxh3-64) as it
-// streams in.
+// streams in, except those of a page src verified itself. Steps 2 and 3
+// run on the pages src holds ready, under the namespace's shared lock,
+// then again on the next pages once src hands them over (a page fetched
+// from the remote tier is read as soon as it is published, while the
+// pages after it are still being fetched); a batch after the first that
+// cannot take the lock or check the directories ends the prefix there
+// (Stop) instead of failing the load.
 //
 // What a destination holds afterwards, in its elements on axis -2 (every
 // other byte of the caller's buffers is never written):
@@ -100,218 +115,196 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 //     undefined, the rest untouched.
 //
 // Files are opened without following symlinks; the load holds the
-// namespace's lock shared (when the lock file exists). Destinations are
-// not touched after LoadPrefix returns.
-func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*PrefixResult, Metrics, error) {
-	return LoadPrefixVerified(ctx, cfg, req, nil)
-}
-
-// LoadPrefixVerified is LoadPrefix for a caller that has just verified
-// some pages' bytes itself: with req.Verify, a page whose key verified
-// reports true is read without hashing its tensors again (its header, key,
-// parent, identity, page size, token ids, dtypes and shapes are still
-// checked as for any page). The engine's remote tier passes the pages its
-// read-through fetched in the same job: each was verified (every tensor's
-// xxh3-64, the key chain) from the temp file it then renamed into place.
-// verified nil is LoadPrefix.
-func LoadPrefixVerified(ctx context.Context, cfg *Config, req *LoadPrefixRequest, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
-	return LoadPrefixChain(ctx, cfg, req, nil, verified)
-}
-
-// LoadPrefixChain is LoadPrefixVerified given the prompt's page keys,
-// keys = layout.PageChain(req.Identity, P, req.Tokens), which a caller that
-// has already computed them (the engine: for its pins and its remote
-// tier's read-through) passes so that the chain is hashed once per load;
-// nil computes them. Keys of another length than the prompt's pages are
-// ErrInvalidRequest; keys of the right length but not the prompt's chain
-// are the caller's bug: a page stored under such a key is not loaded
-// unless its header names the prompt's token ids (checkPage), but the
-// prefix then reported may be shorter than the stored one.
-func LoadPrefixChain(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool) (*PrefixResult, Metrics, error) {
-	return LoadPrefixScattered(ctx, cfg, req, keys, verified, nil)
-}
-
-// loadCheck is a prefix load's request after step 1: its namespace, page
-// size in tokens, page keys and destinations (itemsizes resolved).
-type loadCheck struct {
-	ns    *store.Namespace
-	p     int
-	keys  []layout.PageKey
-	dests []TensorSpec
+// namespace's lock shared (when the lock file exists) while it opens and
+// reads pages, never while it waits for src. Destinations are not touched
+// after LoadPrefix returns; every File src handed over is closed.
+func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest, src PageSource) (*PrefixResult, Metrics, error) {
+	start := time.Now()
+	ch, dests, err := checkLoad(cfg, req)
+	if err != nil {
+		return nil, Metrics{}, err
+	}
+	if src != nil {
+		src.Start(ctx, ch)
+	}
+	l := &prefixLoad{cfg: cfg, req: req, ch: ch, dests: dests, src: src, res: &PrefixResult{}}
+	defer l.closeHanded()
+	err = l.run(ctx)
+	l.m.Elapsed = time.Since(start)
+	if err != nil {
+		return nil, l.m, err
+	}
+	return l.res, l.m, nil
 }
 
 // checkLoad is step 1 of a prefix load (see LoadPrefix): the request is
-// checked, and keys computed when nil (else their count checked). Errors:
-// ErrInvalidRequest, ErrDestination, or the namespace's.
-func checkLoad(cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey) (*loadCheck, error) {
+// checked, its namespace resolved and checked, its keys computed; it
+// returns the chain and the destinations (itemsizes resolved). Errors:
+// ErrInvalidRequest, ErrDestination, or the namespace's (layout.ErrBadName,
+// store.ErrNamespace).
+func checkLoad(cfg *Config, req *LoadPrefixRequest) (*PageChain, []TensorSpec, error) {
 	if req == nil {
-		return nil, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
+		return nil, nil, fmt.Errorf("%w: nil *LoadPrefixRequest", ErrInvalidRequest)
 	}
 	ns, err := cfg.namespace(req.Namespace)
+	if err == nil {
+		err = ns.Check()
+	}
 	if err != nil {
-		return nil, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
+		return nil, nil, fmt.Errorf("jobs: load prefix %s: %w", req.Namespace, err)
 	}
 	p := pageTokens(req.PageTokens)
 	n := len(req.Tokens)
 	if n == 0 {
-		return nil, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
+		return nil, nil, fmt.Errorf("%w: load prefix %s: no tokens", ErrInvalidRequest, ns.Dir())
 	}
-	if keys == nil {
-		keys, _, err = layout.PageChain(req.Identity, p, req.Tokens)
-	} else if err = layout.CheckIdentity(req.Identity); err == nil {
-		err = layout.CheckPageTokens(p)
-	}
+	keys, _, err := layout.PageChain(req.Identity, p, req.Tokens)
 	if err != nil {
-		return nil, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
-	}
-	if want := (n + p - 1) / p; len(keys) != want {
-		return nil, fmt.Errorf("%w: load prefix %s: %d page keys given for %d pages of tokens", ErrInvalidRequest, ns.Dir(), len(keys), want)
+		return nil, nil, fmt.Errorf("%w: load prefix %s: %w", ErrInvalidRequest, ns.Dir(), err)
 	}
 	if err := checkPrefixTensors(req.Dest, n, ErrDestination, "destination", true); err != nil {
-		return nil, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
+		return nil, nil, fmt.Errorf("load prefix %s: %w", ns.Dir(), err)
 	}
-	return &loadCheck{ns: ns, p: p, keys: keys, dests: resolveTensors(req.Dest)}, nil
+	ch := &PageChain{NS: ns, Identity: req.Identity, PageTokens: p, Tokens: req.Tokens, Keys: keys}
+	return ch, resolveTensors(req.Dest), nil
 }
 
-// LoadPrefixScattered is LoadPrefixChain after sc (from NewPrefixScatter
-// for the same req and keys; nil: none) scattered the first sc.Pages()
-// pages of the prefix into the destinations: those pages are not opened
-// or read again (they count as loaded: PrefixResult.Keys and Tokens
-// include them, Metrics their bytes), and the load goes on from the page
-// after them exactly as LoadPrefix would (a page there whose tensors
-// differ from the destinations is corrupt, as any page after the first).
-// When the scatter's read of a page failed (its tokens may hold partial
-// data), the load reads nothing: the prefix is the pages before it and
-// Stop says why, as when a load's own read fails; when it ended with
-// ctx's error or ErrPanic, that is the load's error. So every outcome
-// leaves the destinations as LoadPrefix documents. A failure of the
-// namespace's lock or directory checks after pages were scattered ends
-// the prefix after them (Stop) instead of failing the load (ctx's error
-// still fails it). sc must not be used after this call.
-func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixRequest, keys []layout.PageKey, verified func(layout.PageKey) bool, sc *PrefixScatter) (*PrefixResult, Metrics, error) {
-	start := time.Now()
-	var m Metrics
-	lc, err := checkLoad(cfg, req, keys)
-	if err != nil {
-		return nil, m, err
+// prefixLoad is one LoadPrefix after its checks: the pages loaded so far
+// and what it reports.
+type prefixLoad struct {
+	cfg   *Config
+	req   *LoadPrefixRequest
+	ch    *PageChain
+	dests []TensorSpec
+	src   PageSource
+	res   *PrefixResult
+	m     Metrics
+	next  int              // the next page to ask for
+	ended bool             // the prefix ended (res says why, or the chain's end)
+	dirs  bool             // the namespace's directories were checked
+	fans  map[string]error // fan-out directories checked
+	// handed: Files src handed over, closed when the load returns (a
+	// Source adopted from one does not close it).
+	handed []vfs.File
+}
+
+func (l *prefixLoad) closeHanded() {
+	for _, f := range l.handed {
+		f.Close()
 	}
-	ns, p, keys, dests := lc.ns, lc.p, lc.keys, lc.dests
-	n := len(req.Tokens)
-	res := &PrefixResult{}
-	first := 0 // the first page to open: those before it were scattered
-	if sc != nil && (sc.req != req || len(sc.keys) != len(keys)) {
-		return nil, m, fmt.Errorf("%w: load prefix %s: the scatter was made for another request", ErrInvalidRequest, ns.Dir())
+}
+
+// page asks src for page l.next (wait: see PageSource.Page); without a
+// source every page is local and ready.
+func (l *prefixLoad) page(ctx context.Context, wait bool) (SourcePage, bool) {
+	if l.src == nil {
+		return SourcePage{}, true
 	}
-	if sc != nil {
-		if sc.fatal != nil {
-			return nil, m, sc.fatal
+	pg, ready := l.src.Page(ctx, l.next, wait)
+	if pg.File != nil {
+		l.handed = append(l.handed, pg.File)
+	}
+	return pg, ready
+}
+
+// run loads the prefix batch by batch: it waits (holding no lock) for the
+// next page, then, under the namespace's shared lock, opens and checks it
+// and every later page src holds ready, and reads them all at once.
+func (l *prefixLoad) run(ctx context.Context) error {
+	for !l.ended && l.next < len(l.ch.Keys) {
+		pg, _ := l.page(ctx, true)
+		if err := ctx.Err(); err != nil {
+			return err
 		}
-		first = sc.done
-		res.Keys = append(res.Keys, keys[:first]...)
-		res.Tokens = min(n, first*p)
-		m.LogicalBytes = sc.logical
-		m.addReads(sc.read)
-		if sc.stop != nil || first == len(keys) {
-			res.Stop = sc.stop
-			m.Elapsed = time.Since(start)
-			return res, m, nil
+		if err := l.batch(ctx, pg); err != nil {
+			return err
 		}
 	}
-	// scattered turns an error of the lock or directory checks into the
-	// end of the prefix when pages were scattered (their tokens hold the
-	// stored KV: the load succeeds with them); ctx's error stays an error.
-	scattered := func(err error) (*PrefixResult, Metrics, error) {
-		if first == 0 || ctx.Err() != nil {
-			return nil, m, err
+	return nil
+}
+
+// batch opens, checks and reads the pages from l.next on (the first is
+// pg) under the namespace's shared lock, asking src for more as long as it
+// holds them ready.
+func (l *prefixLoad) batch(ctx context.Context, pg SourcePage) error {
+	ns, fsys := l.ch.NS, l.cfg.fs()
+	// fail ends the prefix before this batch when pages were loaded
+	// (their tokens hold the stored KV), else fails the load; ctx's error
+	// always fails it.
+	fail := func(err error) error {
+		if len(l.res.Keys) == 0 || ctx.Err() != nil {
+			return err
 		}
-		res.Stop = err
-		m.Elapsed = time.Since(start)
-		return res, m, nil
+		l.res.Stop, l.ended = err, true
+		return nil
 	}
-	fsys := cfg.fs()
 	unlock, _, err := ns.LockIfExists(ctx, false)
 	if err != nil {
-		return scattered(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
+		return fail(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
 	}
 	defer unlock()
-	for _, d := range []string{ns.Dir(), ns.PagesDir()} {
-		if err := checkDir(fsys, d); err != nil {
-			return scattered(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
+	if !l.dirs {
+		for _, d := range []string{ns.Dir(), ns.PagesDir()} {
+			if err := checkDir(fsys, d); err != nil {
+				return fail(fmt.Errorf("jobs: load prefix %s: %w", ns.Dir(), err))
+			}
 		}
+		l.dirs, l.fans = true, map[string]error{}
 	}
-	// Step 2: open and check every page of the prefix.
 	var found []foundPage
 	defer func() {
 		for _, fp := range found {
 			fp.src.Close()
 		}
 	}()
-	checked := map[string]error{}
-	for i := first; i < len(keys); i++ {
-		key := keys[i]
+	for {
+		i := l.next
 		if err := ctx.Err(); err != nil {
-			return nil, m, err
+			return err
 		}
-		path := ns.PagePath(key)
-		dir := filepath.Dir(path)
-		derr, ok := checked[dir]
-		if !ok {
-			derr = checkDir(fsys, dir)
-			checked[dir] = derr
-		}
-		if derr != nil {
-			return scattered(fmt.Errorf("jobs: load prefix: %w", derr))
-		}
-		src, snap, err := openPage(cfg, path)
+		fp, err := l.open(i, pg)
 		if err != nil {
-			if vfs.IsNotExist(err) {
-				k := key
-				res.Missing = &k
-			} else if errors.Is(err, ErrCorrupt) {
-				res.Stop = err
-			} else {
-				res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
+			l.ended = true
+			if i == 0 && errors.Is(err, ErrMismatch) {
+				return err // the request's: nothing written
 			}
-			break
-		}
-		lo := i * p
-		if err := checkPage(snap, key, req, lo, min(n, lo+p)); err != nil {
-			src.Close()
-			// A page that is not what its file name says (key, identity,
-			// P, token ids) is corrupt, and so is one whose tensors
-			// disagree with the pages before it (which matched the
-			// destinations): the prefix ends there. Only the first page's
-			// tensors meet the destinations alone, so a mismatch there is
-			// the request's (ErrMismatch), and nothing is written.
-			if !errors.Is(err, ErrCorrupt) {
-				if i == 0 {
-					return nil, m, err
+			if errors.Is(err, errFanout) {
+				if err := fail(err); err != nil {
+					return err
 				}
-				err = fmt.Errorf("%w: %w", ErrCorrupt, err)
 			}
-			res.Stop = err
 			break
 		}
-		found = append(found, foundPage{src: src, snap: snap, lo: lo})
+		found = append(found, fp)
+		l.next++
+		if l.next == len(l.ch.Keys) {
+			l.ended = true
+			break
+		}
+		var ready bool
+		if pg, ready = l.page(ctx, false); !ready {
+			break
+		}
 	}
-	// Step 3: read every tensor of every page found into its destination:
-	// one extent each, in page order, all in one group (a failure skips
-	// what follows it: those pages are past the prefix's end anyway).
-	nt := len(dests)
+	// Read every tensor of every page found into its destination: one
+	// extent each, in page order, all in one group (a failure skips what
+	// follows it: those pages are past the prefix's end anyway).
+	nt := len(l.dests)
 	if len(found) > maxHeldBlocks {
 		for _, fp := range found {
-			fp.src.MakeLazy(int64(nt))
+			if !fp.handed {
+				fp.src.MakeLazy(int64(nt))
+			}
 		}
 	}
-	exts, err := loadExtents(found, dests, req.Verify, verified)
+	exts, err := loadExtents(found, l.dests, l.req.Verify)
 	if err != nil {
-		return nil, m, err
+		return err
 	}
-	errs, st, err := readio.Read(ctx, cfg.reads(), exts, readio.Progress(exts, req.Progress))
-	m.addReads(st)
-	m.Elapsed = time.Since(start)
+	errs, st, err := readio.Read(ctx, l.cfg.reads(), exts, readio.Progress(exts, l.req.Progress))
+	l.m.addReads(st)
 	if err != nil {
-		return nil, m, err
+		return err
 	}
 	loaded := len(found)
 	for k, e := range errs {
@@ -321,16 +314,104 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 		// The first error in extent order is the first failed page's: an
 		// extent is skipped only after an earlier one failed.
 		loaded = k / nt
-		res.Stop = pageReadError(found[loaded].snap.Path, k%nt, e)
-		res.Missing = nil
+		l.res.Stop = pageReadError(found[loaded].snap.Path, k%nt, e)
+		l.res.Missing = nil
+		l.ended = true
 		break
 	}
 	for _, fp := range found[:loaded] {
-		res.Keys = append(res.Keys, fp.snap.Page.Key)
-		res.Tokens = fp.lo + len(fp.snap.Page.Tokens)
-		m.LogicalBytes += pageTensorBytes(fp.snap)
+		l.res.Keys = append(l.res.Keys, fp.snap.Page.Key)
+		l.res.Tokens = fp.lo + len(fp.snap.Page.Tokens)
+		l.m.LogicalBytes += pageTensorBytes(fp.snap)
 	}
-	return res, m, nil
+	return nil
+}
+
+// errFanout: a fan-out directory of pages/ is not a real directory; the
+// prefix ends before its pages (or the load fails, at its first batch).
+var errFanout = errors.New("page directory refused")
+
+// open opens and checks page i (handed over as pg, or its local file):
+// an error ends the prefix there, and is recorded in l.res unless it is
+// the request's (ErrMismatch at page 0: the load fails) or errFanout.
+func (l *prefixLoad) open(i int, pg SourcePage) (foundPage, error) {
+	ns, key := l.ch.NS, l.ch.Keys[i]
+	path := ns.PagePath(key)
+	var fp foundPage
+	var err error
+	if pg.Err != nil {
+		l.res.Stop = fmt.Errorf("page %s: %w", key, pg.Err)
+		return fp, l.res.Stop
+	}
+	if pg.File != nil {
+		fp, err = l.openHanded(path, pg)
+	} else {
+		dir := filepath.Dir(path)
+		derr, ok := l.fans[dir]
+		if !ok {
+			derr = checkDir(l.cfg.fs(), dir)
+			l.fans[dir] = derr
+		}
+		if derr != nil {
+			return fp, fmt.Errorf("%w: jobs: load prefix: %w", errFanout, derr)
+		}
+		fp.src, fp.snap, err = openPage(l.cfg, path)
+	}
+	if err != nil {
+		switch {
+		case vfs.IsNotExist(err):
+			k := key
+			l.res.Missing = &k
+		case errors.Is(err, ErrCorrupt):
+			l.res.Stop = err
+		default:
+			l.res.Stop = fmt.Errorf("jobs: load prefix: open page %s: %w", path, err)
+		}
+		return fp, err
+	}
+	lo := i * l.ch.PageTokens
+	fp.lo = lo
+	if err := checkPage(fp.snap, key, l.req, lo, min(len(l.req.Tokens), lo+l.ch.PageTokens)); err != nil {
+		fp.src.Close()
+		// A page that is not what its file name says (key, identity,
+		// P, token ids) is corrupt, and so is one whose tensors
+		// disagree with the pages before it (which matched the
+		// destinations): the prefix ends there. Only the first page's
+		// tensors meet the destinations alone, so a mismatch there is
+		// the request's (ErrMismatch), and nothing is written.
+		if !errors.Is(err, ErrCorrupt) {
+			if i == 0 {
+				return fp, err
+			}
+			err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+		}
+		l.res.Stop = err
+		return fp, err
+	}
+	return fp, nil
+}
+
+// openHanded makes a page src handed over ready to read: its header
+// (pg.Head, or decoded from pg.File: a file that does not decode or is
+// not a page wraps ErrCorrupt) and a Source of pg.File (read buffered or
+// O_DIRECT as any page; pg.File stays open until the load returns).
+func (l *prefixLoad) openHanded(path string, pg SourcePage) (foundPage, error) {
+	fp := foundPage{snap: pg.Head, handed: true, verified: pg.Verified}
+	if fp.snap == nil {
+		var err error
+		if fp.snap, err = layout.Decode(pg.File, path); err != nil {
+			return fp, fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
+		}
+	}
+	if fp.snap.Page == nil {
+		return fp, fmt.Errorf("%w: page %s: %w: not a page file (formatVersion %d)", ErrCorrupt, path, layout.ErrInvalidHeader, fp.snap.Header.FormatVersion)
+	}
+	src, err := adoptSource(l.cfg, pg.File)
+	if err != nil {
+		return fp, err
+	}
+	fp.src = src
+	return fp, nil
 }
 
 // pageReadError is the Stop of a load (or a scatter) whose read of tensor
@@ -355,9 +436,9 @@ func pageTensorBytes(snap *layout.Snapshot) int64 {
 
 // loadExtents is one extent per tensor of every page found, in page then
 // tensor order, each into its destination's view of the page's token range
-// (axis -2), all of group 0; with verify, hashed unless verified says the
-// page's key was verified already (nil: none was).
-func loadExtents(found []foundPage, dests []TensorSpec, verify bool, verified func(layout.PageKey) bool) ([]readio.Extent, error) {
+// (axis -2), all of group 0; with verify, hashed unless the page's source
+// verified it already (foundPage.verified).
+func loadExtents(found []foundPage, dests []TensorSpec, verify bool) ([]readio.Extent, error) {
 	nt := len(dests)
 	exts := make([]readio.Extent, 0, len(found)*nt)
 	views := make([]gather.View, len(found)*nt)
@@ -368,7 +449,7 @@ func loadExtents(found []foundPage, dests []TensorSpec, verify bool, verified fu
 	shapes := make([]int, len(found)*rank) // every view's shape, back to back
 	for pi := range found {
 		fp := &found[pi]
-		pv := verify && (verified == nil || !verified(fp.snap.Page.Key))
+		pv := verify && !fp.verified
 		for ti, t := range fp.snap.Header.Caches[0].Tensors {
 			d := dests[ti].View
 			k := pi*nt + ti

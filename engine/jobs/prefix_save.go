@@ -45,47 +45,33 @@ import (
 // operation and path.
 func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*PrefixResult, Metrics, error) {
 	start := time.Now()
+	var m Metrics
 	if req == nil {
-		return nil, Metrics{}, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
+		return nil, m, fmt.Errorf("%w: nil *SavePrefixRequest", ErrInvalidRequest)
 	}
 	ns, err := cfg.namespace(req.Namespace)
 	if err != nil {
-		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
+		return nil, m, fmt.Errorf("jobs: save prefix: %w", err)
 	}
-	pl, err := PlanPrefixSave(req)
+	if len(req.Tokens) == 0 {
+		return nil, m, fmt.Errorf("%w: save prefix %s: no tokens", ErrInvalidRequest, req.Namespace)
+	}
+	if err := checkPrefixTensors(req.Tensors, len(req.Tokens), ErrInvalidRequest, "tensor", false); err != nil {
+		return nil, m, fmt.Errorf("save prefix %s: %w", req.Namespace, err)
+	}
+	ps, err := planPageSave(ns, req.Identity, pageTokens(req.PageTokens), req.Tokens, resolveTensors(req.Tensors))
 	if err != nil {
-		return nil, Metrics{}, err
+		return nil, m, fmt.Errorf("save prefix %s: %w", req.Namespace, err)
 	}
-	return savePlanned(ctx, cfg, ns, pl, start)
-}
-
-// SavePlannedPrefix is SavePrefix of the request pl was planned for
-// (PlanPrefixSave), without keying and checking it again: the engine plans
-// a save to reserve room for its new pages, then runs it with this. The
-// request must not have changed since it was planned. Errors as
-// SavePrefix's (the checks PlanPrefixSave made are not repeated); a nil pl
-// is ErrInvalidRequest.
-func SavePlannedPrefix(ctx context.Context, cfg *Config, pl *PagePlan) (*PrefixResult, Metrics, error) {
-	start := time.Now()
-	if pl == nil || pl.req == nil {
-		return nil, Metrics{}, fmt.Errorf("%w: nil or empty *PagePlan", ErrInvalidRequest)
-	}
-	ns, err := cfg.namespace(pl.req.Namespace)
-	if err != nil {
-		return nil, Metrics{}, fmt.Errorf("jobs: save prefix: %w", err)
-	}
-	return savePlanned(ctx, cfg, ns, pl, start)
-}
-
-// savePlanned runs a checked, keyed save into ns.
-func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *PagePlan, start time.Time) (*PrefixResult, Metrics, error) {
-	var m Metrics
-	req, keys, tensors, n := pl.req, pl.Keys, pl.tensors, len(pl.req.Tokens)
-	// The namespace directory (never a symlink), durably (the root synced
-	// in any case, as for Write), then its lock, shared: collect may not
-	// sweep meanwhile.
+	// The namespace directory (never a symlink); room for the new pages
+	// (cfg.Admission); the directory, durably (the root synced in any
+	// case, as for Write); then its lock, shared: collect may not sweep
+	// meanwhile.
 	if err := ns.Check(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
+	}
+	if err := ps.admit(ctx, cfg, ns); err != nil {
+		return nil, m, err
 	}
 	if err := ns.Create(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
@@ -95,13 +81,80 @@ func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *Page
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
 	defer unlock()
-	res := &PrefixResult{Keys: keys, Tokens: n}
-	err = savePages(ctx, cfg, ns, req.Identity, pl.PageTokens, req.Tokens, tensors, keys, res, &m, req.Progress)
+	res := &PrefixResult{Keys: ps.keys, Tokens: len(req.Tokens)}
+	err = savePages(ctx, cfg, ns, ps, res, &m, req.Progress)
 	m.Elapsed = time.Since(start)
 	return res, m, err
 }
 
-// savePages stores the pages keys (PageChain of tokens) of tensors in
+// Admission lets the caller account a page save's new pages before any
+// of their files is created (Config.Admission): the engine's bounded page
+// cache reserves room for them, evicting victims first.
+type Admission interface {
+	// Admit is called once by a page save (SavePrefix, a Write in the
+	// Pages layout) after the request was checked and every page file
+	// laid out, before the save creates or locks the namespace: ns is the
+	// save's namespace, keys its pages in chain order, parents[i] page i's
+	// parent key (parents[0] the chain's root key, which is no page),
+	// fileBytes[i] the length in bytes of page i's file as the save
+	// writes it (prefix, header, alignment and tensor data). It returns
+	// once room is made for the pages not stored yet; its error fails the
+	// save before anything is written. The caller settles what it
+	// reserved once the save has returned.
+	Admit(ctx context.Context, ns *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error
+}
+
+// pageSave is a page save laid out before the disk is touched: the pages'
+// keys and parents in chain order and each page's file (planPage).
+type pageSave struct {
+	identity      string
+	p             int
+	tokens        []uint32
+	keys, parents []layout.PageKey
+	pages         []*plannedPage
+}
+
+// planPageSave keys the pages of tokens (identity, p tokens per page) and
+// lays out each page file of tensors (checked by the caller, itemsizes
+// resolved) in ns. Errors: ErrInvalidRequest (identity, page size, a view
+// that cannot be sliced).
+func planPageSave(ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec) (*pageSave, error) {
+	keys, _, err := layout.PageChain(identity, p, tokens)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	ps := &pageSave{identity: identity, p: p, tokens: tokens, keys: keys,
+		parents: make([]layout.PageKey, len(keys)), pages: make([]*plannedPage, len(keys))}
+	ps.parents[0] = layout.PageRoot(identity, p)
+	copy(ps.parents[1:], keys)
+	for i, key := range keys {
+		lo, hi := i*p, min(len(tokens), (i+1)*p)
+		page := &layout.Page{Key: key, Parent: ps.parents[i], Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
+		// Each page its own shapes: its sliced views keep them.
+		shapes := make([][]int, len(tensors))
+		for t, ts := range tensors {
+			shapes[t] = make([]int, len(ts.View.Shape))
+		}
+		if ps.pages[i], err = planPage(tensors, shapes, page, lo, ns.PagePath(key)); err != nil {
+			return nil, err
+		}
+	}
+	return ps, nil
+}
+
+// admit asks cfg.Admission (when set) for room for the save's pages.
+func (ps *pageSave) admit(ctx context.Context, cfg *Config, ns *store.Namespace) error {
+	if cfg.Admission == nil {
+		return nil
+	}
+	sizes := make([]int64, len(ps.pages))
+	for i, pl := range ps.pages {
+		sizes[i] = pl.size
+	}
+	return cfg.Admission.Admit(ctx, ns, ps.keys, ps.parents, sizes)
+}
+
+// savePages stores the pages of ps in
 // ns's pages/ (paths and directories from engine/store), the namespace
 // already created and locked: stored pages are reused (storedPage), new
 // ones written and committed by the fsync waiters, which meanwhile fsync
@@ -114,9 +167,9 @@ func savePlanned(ctx context.Context, cfg *Config, ns *store.Namespace, pl *Page
 // mark it matched). It fills res's counts and m's
 // write metrics, and tells progress (when non-nil), on this goroutine,
 // each page's tensor bytes once the page is reused or published.
-func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec, keys []layout.PageKey, res *PrefixResult, m *Metrics, progress func(int64)) error {
+func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSave, res *PrefixResult, m *Metrics, progress func(int64)) error {
 	st := ns.Store()
-	n := len(tokens)
+	keys := ps.keys
 	pagesDir := ns.PagesDir()
 	if err := ns.CreatePagesDir(); err != nil {
 		return fmt.Errorf("jobs: save pages %s: %w", ns.Dir(), err)
@@ -141,11 +194,7 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	// reused ones found after their early fsync was handed.
 	newDirs := map[string]bool{}
 	early := map[string]bool{} // fan-out directories of reused pages: fsynced by the committer
-	shapes := make([][]int, len(tensors))
-	for i, t := range tensors {
-		shapes[i] = make([]int, len(t.View.Shape))
-	}
-	var hdr []byte // scratch for storedPage
+	var hdr []byte             // scratch for storedPage
 	// ids[i]: the FileID of page i's file from an lstat made before its
 	// directory's fsync (reused pages: storedPage's; new pages: after the
 	// commits), or the mark it matched; the zero FileID when unknown.
@@ -155,7 +204,6 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 	if !st.Durable() {
 		marks = nil // nothing is fsynced: nothing is known durable
 	}
-	parent := layout.PageRoot(identity, p)
 	for i, key := range keys {
 		tell()
 		if c.failed() {
@@ -164,10 +212,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 		if err = ctx.Err(); err != nil {
 			break
 		}
-		lo, hi := i*p, min(n, (i+1)*p)
-		page := &layout.Page{Key: key, Parent: parent, Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
-		parent = key
-		path := ns.PagePath(key)
+		pl := ps.pages[i]
+		path := pl.ws.Path
 		dir := filepath.Dir(path)
 		if !made[dir] {
 			if err = ns.CreateFanout(dir); err != nil { // synced below
@@ -175,10 +221,6 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 				break
 			}
 			made[dir] = true
-		}
-		var pl *plannedPage
-		if pl, err = planPage(tensors, shapes, page, lo, path); err != nil {
-			break
 		}
 		m.LogicalBytes += pl.size - pl.dataStart
 		var reuse, exists bool

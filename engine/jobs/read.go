@@ -113,7 +113,7 @@ func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
 // the destinations (CheckDest) and, for a manifest, checks every block it
 // names (Lstat: a regular file of the manifest's size; see openBlocks), all
 // before any byte of a destination is written; it never writes past a destination's length. The data is read
-// by ReadExtents: cfg.ReadDepth requests in flight, O_DIRECT where the file
+// by readio.Read: cfg.ReadDepth requests in flight, O_DIRECT where the file
 // system supports it and the file is not in the page cache. A name that is
 // not one valid path element is layout.ErrBadName.
 //

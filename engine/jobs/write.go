@@ -174,15 +174,24 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	if err != nil {
 		return nil, m, err
 	}
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	var pages *pageSave
 	if spec.Layout == layout.Pages {
 		if err = checkPagesSpec(spec, slots); err != nil {
+			return nil, m, err
+		}
+		// Laid out, and room made for the new pages (cfg.Admission),
+		// before any file is created.
+		if pages, err = planPagesWrite(ns, spec, h, slots); err != nil {
+			return nil, m, fmt.Errorf("%s: %w", spec.Path, err)
+		}
+		if err = pages.admit(ctx, cfg, ns); err != nil {
 			return nil, m, err
 		}
 	}
 	// The namespace directory, durably, and the root synced in any case:
 	// the namespace's entry must be durable before a snapshot in it is
 	// acked, even if the write that created it died before syncing.
-	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
 	if err = ns.Create(); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
@@ -194,7 +203,7 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	if spec.Layout == layout.Single {
 		err = writeSingle(ctx, cfg, ns, spec, h, slots, &m)
 	} else if spec.Layout == layout.Pages {
-		err = writePages(ctx, cfg, ns, spec, h, slots, &m)
+		err = writePages(ctx, cfg, ns, spec, h, slots, pages, &m)
 	} else {
 		err = writeBlocks(ctx, cfg, ns, spec, h, slots, bb, &m)
 	}
