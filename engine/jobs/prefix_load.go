@@ -92,7 +92,7 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 // destination's token range, read with cfg.ReadDepth requests in flight
 // across pages (O_DIRECT where the file system allows and the page is not
 // in the page cache), straight into each contiguous run of the view (one
-// preadv per request) when runs are at least MinRunBytes, else through
+// preadv per request) when runs are at least readio.MinRunBytes, else through
 // staging and a scatter; with Verify each tensor is hashed (xxh3-64) as it
 // streams in, except those of a page src verified itself. Steps 2 and 3
 // run on the pages src holds ready, under the namespace's shared lock,

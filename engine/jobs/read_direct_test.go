@@ -18,13 +18,6 @@ import (
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
-// evictFiles drops every file under root from the page cache, so the next
-// read is cold (testutil.EvictTree).
-func evictFiles(t *testing.T, root string) {
-	t.Helper()
-	testutil.EvictTree(t, root)
-}
-
 // restoreBoth writes a tiny cache in both layouts under dir, evicts the
 // files from the page cache, and returns the two paths and the expected
 // slot bytes.
@@ -34,7 +27,7 @@ func restoreBoth(t *testing.T, dir string) (single, blocks string, want [][]byte
 	single, blocks = filepath.Join(dir, "ns", "single"), filepath.Join(dir, "ns", "manifest")
 	mustWrite(t, noSync(), cacheSpec(t, c, single, layout.Single, 0))
 	mustWrite(t, noSync(), cacheSpec(t, c, blocks, layout.Blocks, jobs.MinBlockBytes))
-	evictFiles(t, dir)
+	testutil.EvictTree(t, dir)
 	return single, blocks, expectedAll(c)
 }
 
@@ -49,7 +42,7 @@ func TestReadFallsBackWhenDirectRefused(t *testing.T) {
 	ffs.Inject(testutil.Fault{Op: testutil.OpOpenDirect, Err: syscall.EINVAL})
 	cfg := &jobs.Config{FS: ffs, ReadDepth: 4}
 	for round := range 2 {
-		evictFiles(t, dir) // cold: O_DIRECT would be worth asking for
+		testutil.EvictTree(t, dir) // cold: O_DIRECT would be worth asking for
 		for _, p := range []string{single, blocks} {
 			got, _, m, err := readBack(t, cfg, p, true)
 			if err != nil {
@@ -210,7 +203,7 @@ func TestReadAsyncBothLayoutsAndPages(t *testing.T) {
 	ns := filepath.Join(dir, "pages-ns")
 	c := newConv(seqTokens(700, 3), pTensors, pHeads, pDim, 1024)
 	savePrefix(t, noSync(), ns, c, 700, 256)
-	evictFiles(t, ns)
+	testutil.EvictTree(t, ns)
 	bufs, dest := c.dests(1024)
 	cfg := inRoot(&jobs.Config{Async: a}, ns)
 	res, m, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixRequest{
@@ -241,7 +234,7 @@ func TestReadAsyncSetupFailureFallsBack(t *testing.T) {
 			return nil, os.NewSyscallError("io_setup", e)
 		})
 		for round := range 2 {
-			evictFiles(t, dir)
+			testutil.EvictTree(t, dir)
 			for _, p := range []string{single, blocks} {
 				got, _, m, err := readBack(t, &jobs.Config{Async: a, Logger: logger}, p, true)
 				if err != nil {

@@ -38,7 +38,7 @@ func TestReadAsync(t *testing.T) {
 	rng := rand.New(rand.NewPCG(41, 42))
 	path, data := randomFile(t, rng, dir, "f", 6*readio.ReadChunkBytes+777)
 	for _, depth := range []int{1, 16} {
-		evictFiles(t, dir)
+		testutil.EvictTree(t, dir)
 		cfg := &readio.Config{ReadDepth: depth, Async: testutil.AsyncReads(t)}
 		src, err := readio.OpenSource(cfg, path)
 		if err != nil {
@@ -145,7 +145,7 @@ func TestReadAsyncShortAndCorrupt(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	evictFiles(t, path)
+	testutil.EvictTree(t, path)
 	src2, err := readio.OpenSource(cfg, path)
 	if err != nil {
 		t.Fatal(err)
@@ -178,7 +178,7 @@ func TestReadAsyncCancelLeavesNothingInFlight(t *testing.T) {
 	cfg := &readio.Config{ReadDepth: 32, Async: a}
 	const rounds = 4 // the last one panics
 	for round := range rounds {
-		evictFiles(t, path)
+		testutil.EvictTree(t, path)
 		src, err := readio.OpenSource(cfg, path)
 		if err != nil {
 			t.Fatal(err)
@@ -288,7 +288,7 @@ func TestReadAsyncConcurrentFirstReads(t *testing.T) {
 	if err := a.Close(); err != nil {
 		t.Fatal(err)
 	}
-	evictFiles(t, path)
+	testutil.EvictTree(t, path)
 	st, err := read(0)
 	if err != nil {
 		t.Fatalf("after Close: %v", err)

@@ -16,13 +16,6 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// evictFiles drops every file under root from the page cache, so the next
-// read is cold (testutil.EvictTree).
-func evictFiles(t *testing.T, root string) {
-	t.Helper()
-	testutil.EvictTree(t, root)
-}
-
 // randomFile writes n random bytes to dir/name, evicts it from the page
 // cache and returns them.
 func randomFile(t *testing.T, rng *rand.Rand, dir, name string, n int) (string, []byte) {
@@ -35,7 +28,7 @@ func randomFile(t *testing.T, rng *rand.Rand, dir, name string, n int) (string, 
 	if err := os.WriteFile(p, b, 0o640); err != nil {
 		t.Fatal(err)
 	}
-	evictFiles(t, p)
+	testutil.EvictTree(t, p)
 	return p, b
 }
 

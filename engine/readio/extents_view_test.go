@@ -103,7 +103,7 @@ func TestReadIntoViews(t *testing.T) {
 		noDirect bool
 		depth    int
 	}{{false, 1}, {false, 16}, {true, 4}} {
-		evictFiles(t, dir)
+		testutil.EvictTree(t, dir)
 		cfg := &readio.Config{ReadDepth: tc.depth, NoDirect: tc.noDirect}
 		src, err := readio.OpenSource(cfg, path)
 		if err != nil {
