@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
@@ -739,73 +738,55 @@ func (pc *pageCache) rescanStale() bool {
 // scan leaves the mtime as it was).
 const manifestMtimeSlack = 100 * time.Millisecond
 
-// admit is the one way pages enter the page cache through this engine: a
-// prefix save, the pages of a layout.Pages write, and (issue 15) pages
-// fetched from the remote tier all go through it, so that every page file
-// created is covered by a reservation. keys and parents are the pages in
-// chain order (parents[i] is page i's parent key); fileBytes(i) is an upper
-// bound of page i's file length in bytes; write does the I/O that
-// publishes pages of keys (it takes the namespace's shared lock itself).
+// reserve is the one way pages enter the page cache through this engine:
+// a prefix save and the pages of a layout.Pages write (through their
+// jobs.Admission, pageAdmission) and pages fetched from the remote tier
+// (admitHeld) all go through it, so that every page file created is
+// covered by a reservation. keys and parents are the pages of namespace n
+// in chain order (parents[i] is page i's parent key); fileBytes(i) is an
+// upper bound of page i's file length in bytes. The caller then does the
+// I/O that publishes pages of keys (taking the namespace's shared lock
+// itself) and settles the admission.
 //
 // In order: (1) the keys already tracked are pinned (they are reused, cost
-// nothing, and cannot be evicted while write runs); a key that is a victim
-// whose unlink is pending is waited for (waitVictim, until ctx ends) and
-// then written again, never reused; (2) the allocated bytes
+// nothing, and cannot be evicted while the write runs); a key that is a
+// victim whose unlink is pending is waited for (waitVictim, until ctx ends)
+// and then written again, never reused; (2) the allocated bytes
 // of the others (each length rounded up to the file system's block size)
 // are reserved, after a statvfs of the root when a headroom is set (when
 // no room can be made, the page manifests of namespaces whose directory
 // changed are listed again, once: rescanStale, and the reservation is
 // tried again); when no room can be made the error is an
 // *evict.NoSpaceError (ErrNoSpace),
-// Config.Metrics.Refused is told, write is not called and nothing changes;
-// (3) the reservation's victims are unlinked (unlink: under their
-// namespace's exclusive lock), and write waits for it; (4) write runs;
-// (5) on every path (error, cancel, panic) each page of keys that is not
-// tracked and whose file exists is committed with its st_blocks, the rest
-// of the reservation is released and the pins dropped; on success every
-// page of keys is touched.
-func (pc *pageCache) admit(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) error {
-	_, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, false)
-	return err
-}
-
-// admitHeld is admit for pages that a load reads next (pages fetched from
-// the remote tier): the pins are handed to the caller instead of dropped.
-// Every page of keys tracked when admit starts keeps the pin of step (1),
-// and every page committed in step (5) is committed pinned
+// Config.Metrics.Refused is told, and nothing changes; (3) the
+// reservation's victims are unlinked (unlink: under their namespace's
+// exclusive lock), and reserve waits for it. Then the caller writes, and
+// (4) settle, on every path (error, cancel, panic), commits each page of
+// keys that is not tracked and whose file exists with its st_blocks,
+// releases the rest of the reservation and drops the pins; on success
+// every page of keys is touched. On an error of reserve the admission
+// returned holds the pins taken so far: release them (release).
+//
+// With hold (pages that a load reads next: pages fetched from the remote
+// tier) the pins are handed to the caller instead of dropped: every page
+// of keys tracked when reserve starts keeps the pin of step (1), and every
+// page committed in step (4) is committed pinned
 // (evict.Reservation.CommitPinned: no reservation can choose it between
 // its commit and its pin), so no page of keys can be evicted between its
-// publish and the load's reading it. held are the keys pinned for the
-// caller, who unpins them (pc.pol.UnpinAll(ns, held)) when the load ends;
-// they are held on every path, error included.
-func (pc *pageCache) admitHeld(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []evict.Key, err error) {
-	return pc.admitPages(ctx, ns, keys, parents, fileBytes, write, true)
-}
-
-// admitPages is admit; with hold, admitHeld.
-func (pc *pageCache) admitPages(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold bool) (held []evict.Key, err error) {
-	n, err := pc.st.Namespace(ns)
-	if err != nil {
-		return nil, err
-	}
+// publish and the load's reading it. settle and release return the keys
+// pinned for the caller, who unpins them (pc.pol.UnpinAll(ns, held)) when
+// the load ends; they are held on every path, error included.
+func (pc *pageCache) reserve(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), hold bool) (*admission, error) {
+	ns := n.Name()
 	ek := evictKeys(keys)
-	pinned := make([]bool, len(ek))
-	var pins []evict.Key
-	defer func() {
-		if hold {
-			held = append(held, pins...)
-			return
-		}
-		if uerr := pc.pol.UnpinAll(ns, pins); uerr != nil {
-			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
-		}
-	}()
+	a := &admission{pc: pc, n: n, keys: keys, parents: parents, ek: ek, pinned: make([]bool, len(ek)), hold: hold}
+	pinned := a.pinned
 	for i := 0; i < len(ek); {
 		k := pc.pol.PinPrefix(ns, ek[i:])
 		for j := i; j < i+k; j++ {
 			pinned[j] = true
 		}
-		pins = append(pins, ek[i:i+k]...)
+		a.pins = append(a.pins, ek[i:i+k]...)
 		i += k
 		if i == len(ek) {
 			break
@@ -818,7 +799,7 @@ func (pc *pageCache) admitPages(ctx context.Context, ns string, keys, parents []
 		// pin it).
 		if pc.pol.Evicting(ns, ek[i]) {
 			if err := pc.waitVictim(ctx, ns, ek[i]); err != nil {
-				return nil, fmt.Errorf("engine: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
+				return a, fmt.Errorf("engine: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
 			}
 			continue
 		}
@@ -831,99 +812,143 @@ func (pc *pageCache) admitPages(ctx context.Context, ns string, keys, parents []
 		}
 		b, err := fileBytes(i)
 		if err != nil {
-			return nil, err
+			return a, err
 		}
 		want += (b + pc.blkBytes - 1) / pc.blkBytes * pc.blkBytes
 	}
-	var r *evict.Reservation
-	if want > 0 {
-		avail := int64(-1)
-		if pc.headroom > 0 {
-			if fst, serr := pc.fs.Statfs(pc.st.Root()); serr == nil {
-				avail = fst.AvailBytes
-			} else {
-				pc.log.Warn("kvpersist: page cache: statvfs failed; headroom not checked for this save", "root", pc.st.Root(), "err", serr)
-			}
-		}
-		// A victim that another process's page manifest names is kept
-		// (unlink finds the manifest under the lock and pins its pages):
-		// then the room was not made, and the reservation is tried again
-		// with those pages pinned.
-		rescanned := false
-		for attempt := 0; ; attempt++ {
-			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
-			if err != nil {
-				var nse *evict.NoSpaceError
-				// Pages pinned for a page manifest another process has
-				// deleted since: scan again, once, and retry.
-				if errors.As(err, &nse) && !rescanned {
-					rescanned = true
-					if pc.rescanStale() {
-						continue
-					}
-				}
-				if errors.As(err, &nse) && pc.metrics != nil {
-					pc.metrics.Refused(nse.Limit)
-				}
-				return nil, fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
-			}
-			kept, uerr := pc.unlink(ctx, r.Victims)
-			if uerr != nil {
-				r.Release()
-				return nil, fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, uerr)
-			}
-			if kept == 0 {
-				break
-			}
-			r.Release()
-			if attempt == maxReserveAttempts-1 {
-				return nil, fmt.Errorf("engine: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, ErrNoSpace, maxReserveAttempts)
-			}
-		}
-		defer r.Release()
+	if want == 0 {
+		return a, nil
 	}
-	defer func() {
-		// Every path: what is on disk now is accounted (a failed save
-		// leaves the pages it renamed).
-		now := time.Now().UnixNano()
-		for i, k := range ek {
-			if pinned[i] {
-				continue
-			}
-			if _, ok := pc.pol.Lookup(ns, k); ok {
-				// Committed by a save beside this one.
-				if hold && pc.pol.Pin(ns, k) {
-					held = append(held, k)
-				}
-				continue
-			}
-			pf, serr := n.StatPage(n.PagePath(keys[i]))
-			if serr != nil {
-				continue
-			}
-			p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
-			switch {
-			case r != nil && hold:
-				if serr = r.CommitPinned(p); serr == nil {
-					held = append(held, k)
-				}
-			case r != nil:
-				serr = r.Commit(p)
-			default:
-				if serr = pc.pol.Add(p); serr == nil && hold && pc.pol.Pin(ns, k) {
-					held = append(held, k)
+	avail := int64(-1)
+	if pc.headroom > 0 {
+		if fst, serr := pc.fs.Statfs(pc.st.Root()); serr == nil {
+			avail = fst.AvailBytes
+		} else {
+			pc.log.Warn("kvpersist: page cache: statvfs failed; headroom not checked for this save", "root", pc.st.Root(), "err", serr)
+		}
+	}
+	// A victim that another process's page manifest names is kept
+	// (unlink finds the manifest under the lock and pins its pages):
+	// then the room was not made, and the reservation is tried again
+	// with those pages pinned.
+	rescanned := false
+	for attempt := 0; ; attempt++ {
+		r, err := pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+		if err != nil {
+			var nse *evict.NoSpaceError
+			// Pages pinned for a page manifest another process has
+			// deleted since: scan again, once, and retry.
+			if errors.As(err, &nse) && !rescanned {
+				rescanned = true
+				if pc.rescanStale() {
+					continue
 				}
 			}
-			if serr != nil && !errors.Is(serr, evict.ErrExists) {
-				pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", keys[i].String(), "err", serr)
+			if errors.As(err, &nse) && pc.metrics != nil {
+				pc.metrics.Refused(nse.Limit)
+			}
+			return a, fmt.Errorf("engine: page cache of namespace %s: %w", ns, err)
+		}
+		kept, uerr := pc.unlink(ctx, r.Victims)
+		if uerr != nil {
+			r.Release()
+			return a, fmt.Errorf("engine: making room in the page cache of namespace %s: %w", ns, uerr)
+		}
+		if kept == 0 {
+			a.r = r
+			return a, nil
+		}
+		r.Release()
+		if attempt == maxReserveAttempts-1 {
+			return a, fmt.Errorf("engine: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, ErrNoSpace, maxReserveAttempts)
+		}
+	}
+}
+
+// admission is one reservation of reserve, until its settle.
+type admission struct {
+	pc            *pageCache
+	n             *store.Namespace
+	keys, parents []layout.PageKey
+	ek            []evict.Key
+	pinned        []bool      // ek[i] was tracked and pinned by reserve
+	pins          []evict.Key // the pins reserve took
+	r             *evict.Reservation
+	hold          bool
+}
+
+// release drops the pins of an admission whose reserve failed (with
+// hold, hands them to the caller: the keys returned).
+func (a *admission) release() []evict.Key {
+	if a.hold {
+		return a.pins
+	}
+	if err := a.pc.pol.UnpinAll(a.n.Name(), a.pins); err != nil {
+		a.pc.log.Warn("kvpersist: page cache: unpin", "err", err)
+	}
+	return nil
+}
+
+// settle is step (4) of reserve, once the write returned with err: what
+// is on disk now is accounted (a failed save leaves the pages it
+// renamed), the rest of the reservation released, the pins dropped (with
+// hold, returned with the commits' pins).
+func (a *admission) settle(err error) (held []evict.Key) {
+	pc, n, ns := a.pc, a.n, a.n.Name()
+	r, hold := a.r, a.hold
+	now := time.Now().UnixNano()
+	for i, k := range a.ek {
+		if a.pinned[i] {
+			continue
+		}
+		if _, ok := pc.pol.Lookup(ns, k); ok {
+			// Committed by a save beside this one.
+			if hold && pc.pol.Pin(ns, k) {
+				held = append(held, k)
+			}
+			continue
+		}
+		pf, serr := n.StatPage(n.PagePath(a.keys[i]))
+		if serr != nil {
+			continue
+		}
+		p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(a.parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
+		switch {
+		case r != nil && hold:
+			if serr = r.CommitPinned(p); serr == nil {
+				held = append(held, k)
+			}
+		case r != nil:
+			serr = r.Commit(p)
+		default:
+			if serr = pc.pol.Add(p); serr == nil && hold && pc.pol.Pin(ns, k) {
+				held = append(held, k)
 			}
 		}
-		if err == nil {
-			pc.pol.TouchAll(ns, ek, now)
+		if serr != nil && !errors.Is(serr, evict.ErrExists) {
+			pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", a.keys[i].String(), "err", serr)
 		}
-		pc.markDirty(ns)
-		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
-	}()
+	}
+	if err == nil {
+		pc.pol.TouchAll(ns, a.ek, now)
+	}
+	pc.markDirty(ns)
+	pc.kickShrink() // a page longer than estimated, or one added outside a reservation
+	if r != nil {
+		r.Release()
+	}
+	return append(held, a.release()...)
+}
+
+// admitHeld reserves (with hold) room for pages that a load reads next,
+// runs write, which publishes them, and settles: held are the keys
+// pinned for the caller (see reserve).
+func (pc *pageCache) admitHeld(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []evict.Key, err error) {
+	a, err := pc.reserve(ctx, n, keys, parents, fileBytes, true)
+	if err != nil {
+		return a.release(), err
+	}
+	defer func() { held = a.settle(err) }()
 	return nil, write()
 }
 
@@ -1184,14 +1209,4 @@ func (pc *pageCache) resync(ns string) {
 		pc.markDirty(ns)
 		pc.kickShrink()
 	}
-}
-
-// planPagesWrite is the page plan of a layout.Pages write (its cache
-// tensors, in slot order, are the pages' tensors), for admit.
-func planPagesWrite(w *jobs.WriteRequest) (*jobs.PagePlan, error) {
-	var ts []jobs.TensorSpec
-	for _, e := range w.Caches {
-		ts = append(ts, e.Tensors...)
-	}
-	return jobs.PlanPrefixSave(&jobs.SavePrefixRequest{Namespace: w.Namespace, Identity: w.Identity, Tokens: w.Tokens, Tensors: ts, PageTokens: w.PageTokens})
 }

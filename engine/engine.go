@@ -32,6 +32,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
@@ -84,14 +85,14 @@ type Config struct {
 	// Prometheus registry. nil: none.
 	Metrics MetricsSink
 	// ReadDepth is how many read requests one restore keeps in flight;
-	// default jobs.DefaultReadDepth (see jobs.ReadExtents). NoDirect turns
+	// default readio.DefaultReadDepth (see readio.Read). NoDirect turns
 	// O_DIRECT reads off (by default they are used where the file system
 	// supports them, with a buffered fallback).
 	ReadDepth int
 	NoDirect  bool
 	// NoAsyncReads turns the asynchronous O_DIRECT reads off: the engine
 	// then waits for the disk in preads, each holding a Go scheduler P
-	// while it blocks (see jobs.AsyncReads). By default the first cold
+	// while it blocks (see readio.AsyncReads). By default the first cold
 	// read sets up one Linux AIO context, shared by every read until
 	// Close; if that fails (no AIO, seccomp, aio-max-nr), preads are used,
 	// logged once.
@@ -231,8 +232,8 @@ func New(cfg Config) (*Engine, error) {
 	if err := jobs.CheckBlockBytes(cfg.BlockBytes); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
-	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
-		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
+	if cfg.ReadDepth < 0 || cfg.ReadDepth > readio.MaxReadDepth {
+		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, readio.MaxReadDepth)
 	}
 	policy, err := newCachePolicy(cfg)
 	if err != nil {
@@ -693,9 +694,9 @@ func (e *Engine) Do(ctx context.Context, req Request) Result {
 
 // newAsyncReads is the engine's asynchronous O_DIRECT reads (nil: preads),
 // closed by Close once no job runs.
-func newAsyncReads(cfg Config) *jobs.AsyncReads {
+func newAsyncReads(cfg Config) *readio.AsyncReads {
 	if cfg.NoDirect || cfg.NoAsyncReads {
 		return nil
 	}
-	return jobs.NewAsyncReads(cfg.Logger)
+	return readio.NewAsyncReads(cfg.Logger)
 }

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
@@ -198,7 +199,7 @@ func TestNewConfig(t *testing.T) {
 		{Root: t.TempDir(), Mailbox: -1},
 		{Root: t.TempDir(), BlockBytes: 1000},
 		{Root: t.TempDir(), ReadDepth: -1},
-		{Root: t.TempDir(), ReadDepth: jobs.MaxReadDepth + 1},
+		{Root: t.TempDir(), ReadDepth: readio.MaxReadDepth + 1},
 	} {
 		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
 			if e != nil {

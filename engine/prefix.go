@@ -6,10 +6,10 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -52,8 +52,10 @@ var (
 // beside writes and reads (two saves of one page write the same bytes; the
 // later rename wins). A load has a read's priority.
 
-// preparePrefix validates a prefix request's namespace on the submitting
-// goroutine and scopes the job to it. ok is false for other requests.
+// preparePrefix validates a prefix request's namespace name on the
+// submitting goroutine (ErrPath) and scopes the job to it. ok is false for
+// other requests. The namespace is resolved, once, by the job
+// (jobs.SavePrefix, jobs.LoadPrefix).
 func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
 	var ns string
 	switch r := req.(type) {
@@ -70,48 +72,29 @@ func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
 	default:
 		return false, nil
 	}
-	if _, err := e.nsDir(ns); err != nil {
-		return true, err
+	if err := layout.ValidName("namespace", ns); err != nil {
+		return true, fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	j.ref = Ref{Namespace: ns}
 	j.ns = []string{ns}
 	return true, nil
 }
 
-// nsDir resolves a namespace's directory: ErrPath for an invalid name or a
-// namespace directory that is a symlink or not a directory.
-func (e *Engine) nsDir(ns string) (string, error) {
-	n, err := e.store.Namespace(ns)
-	if err != nil {
-		return "", fmt.Errorf("%w: %w", ErrPath, err)
-	}
-	if err := n.Check(); err != nil {
-		return "", fmt.Errorf("%w: %w", ErrPath, err)
-	}
-	return n.Dir(), nil
-}
-
-// executePrefix runs a prefix job and keeps the index current: a save's
-// keys are added once durable; a load adds the pages it found and removes
-// the first one it found missing (removed behind the index's back) if it
-// is still absent (pageindex.Index.RemoveIfGone).
+// executePrefix runs a prefix job, one call into jobs each, and keeps the
+// index current: a save's keys are added once durable; a load adds the
+// pages it found and removes the first one it found missing (removed
+// behind the index's back) if it is still absent
+// (pageindex.Index.RemoveIfGone). A namespace directory that is a symlink
+// or not a directory is ErrPath, as at Submit for other jobs.
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
-		if _, err = e.nsDir(r.Namespace); err != nil {
-			return true, err
-		}
-		// Checked and keyed first, so that the page cache can reserve
-		// room for the new pages before any file is created (admit).
-		var plan *jobs.PagePlan
-		if plan, err = jobs.PlanPrefixSave(r); err != nil {
-			return true, err
-		}
-		err = e.pc.admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
-			var serr error
-			res.Prefix, res.Metrics, serr = jobs.SavePlannedPrefix(ctx, cfg, plan) // keyed once
-			return serr
-		})
+		// The page cache reserves room for the new pages before the save
+		// creates any file (jobs.Admission: the one call back).
+		adm := &pageAdmission{pc: e.pc}
+		cfg.Admission = adm
+		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
+		adm.settle(err)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
@@ -119,59 +102,23 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 			}
 		}
 	case *LoadPrefixRequest:
-		// ErrPath for a namespace that is not a real directory, as for
-		// saves (LoadPrefix itself would say ErrInvalidRequest).
-		if _, err = e.nsDir(r.Namespace); err != nil {
-			return true, err
+		// The load's page source pins the prompt's stored pages for the
+		// load's duration (a bad request pins nothing: the load reports
+		// it) and, with the remote tier, fetches the remote pages after
+		// the local prefix, handing each to the load once published
+		// (remote_fetch.go); finish releases the pins and joins the
+		// fetch.
+		src := e.newLoadSource()
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r, src)
+		var loaded []layout.PageKey
+		if res.Prefix != nil {
+			loaded = res.Prefix.Keys
 		}
-		// The pages of the prompt that are stored are pinned for the
-		// load's duration (a bad request pins nothing: the load reports it).
-		// Pages the read-through fetches are pinned at their commit, and
-		// the chain's pins are extended over them before the load reads;
-		// all are released when the load ends.
-		// The prompt's page keys, hashed once for the pins, the
-		// read-through and the load (nil for a bad identity or page
-		// size: the load reports it).
-		keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens)
-		var pins *loadPins
-		if kerr == nil {
-			pins = e.pc.pinChain(r.Namespace, keys)
-			defer func() {
-				var loaded []layout.PageKey
-				if res.Prefix != nil {
-					loaded = res.Prefix.Keys
-				}
-				pins.done(loaded, err == nil)
-			}()
-		}
-		var verified func(layout.PageKey) bool
-		var sc *jobs.PrefixScatter
-		if e.tier != nil { // read-through: remote pages into the local tier first
-			// The fetched pages that begin the chain are scattered into
-			// the destinations as they are published (a request that
-			// fails the load's checks scatters nothing: the load says why).
-			if kerr == nil {
-				sc, _ = jobs.NewPrefixScatter(cfg, r, keys)
-			}
-			var held []evict.Key
-			var fetched map[layout.PageKey]bool
-			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys, sc)
-			if len(fetched) > 0 {
-				// Verified by the fetch a moment ago: not hashed again.
-				verified = func(k layout.PageKey) bool { return fetched[k] }
-			}
-			if pins != nil {
-				pins.hold(held)
-				pins.extend()
-			} else {
-				_ = e.pc.pol.UnpinAll(r.Namespace, held)
-			}
-		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefixScattered(ctx, cfg, r, keys, verified, sc)
+		res.Remote = src.finish(loaded, err == nil)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
-				e.dropCorruptPage(ctx, cfg, r, keys, res.Prefix.Tokens)
+				e.dropCorruptPage(ctx, cfg, r, src.ch.Keys, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
 				e.forgetIfGone(r.Namespace, *k)
@@ -180,7 +127,38 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 	default:
 		return false, nil
 	}
+	if errors.Is(err, store.ErrNamespace) {
+		err = fmt.Errorf("%w: %w", ErrPath, err)
+	}
 	return true, err
+}
+
+// pageAdmission is a page save's jobs.Admission: the page cache's
+// reservation for its pages (pageCache.reserve), settled by the engine
+// once the save returned.
+type pageAdmission struct {
+	pc   *pageCache
+	a    *admission
+	keys []layout.PageKey
+}
+
+// Admit reserves room for the save's pages (see pageCache.reserve).
+func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
+	a, err := pa.pc.reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
+	if err != nil {
+		a.release()
+		return err
+	}
+	pa.a, pa.keys = a, keys
+	return nil
+}
+
+// settle ends the reservation once the save returned with err (nothing
+// when the save was refused before it was admitted).
+func (pa *pageAdmission) settle(err error) {
+	if pa.a != nil {
+		pa.a.settle(err)
+	}
 }
 
 func pageTokensOf(p int) int {
@@ -312,34 +290,31 @@ func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uin
 }
 
 // executeWrite runs a write. A layout.Pages write's pages go through the
-// page cache's reservation (admit) like a prefix save's, are indexed once
-// durable, and stay pinned for as long as the manifest exists; a write of
-// another layout over a page manifest drops that manifest's pins.
+// page cache's reservation (its jobs.Admission) like a prefix save's, are
+// indexed once durable, and stay pinned for as long as the manifest
+// exists; a write of another layout over a page manifest drops that
+// manifest's pins.
 func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.WriteRequest, res *Result) error {
-	write := func() (err error) {
-		res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	adm := &pageAdmission{pc: e.pc}
+	if w.Layout == layout.Pages {
+		cfg.Admission = adm
+	}
+	var err error
+	res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	adm.settle(err)
+	if err != nil {
 		return err
 	}
 	if w.Layout != layout.Pages {
-		err := write()
-		if err == nil {
-			e.pc.setManifest(w.Namespace, w.Name, nil)
-		}
-		return err
+		e.pc.setManifest(w.Namespace, w.Name, nil)
+		return nil
 	}
-	plan, perr := planPagesWrite(w)
-	if perr != nil {
-		return write() // the write refuses the request, naming the problem
+	e.pages.Add(w.Namespace, adm.keys...)
+	e.pc.setManifest(w.Namespace, w.Name, evictKeys(adm.keys))
+	if e.tier != nil { // the pages, then the manifest (remote_tier.go)
+		e.tier.manifestWritten(w.Ref, adm.keys)
 	}
-	err := e.pc.admit(ctx, w.Namespace, plan.Keys, plan.Parents, plan.FileBytes, write)
-	if err == nil {
-		e.pages.Add(w.Namespace, plan.Keys...)
-		e.pc.setManifest(w.Namespace, w.Name, evictKeys(plan.Keys))
-		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
-			e.tier.manifestWritten(w.Ref, plan.Keys)
-		}
-	}
-	return err
+	return nil
 }
 
 // resyncAfterCollect resyncs the page cache's accounting of the collected

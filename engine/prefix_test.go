@@ -299,3 +299,30 @@ func TestEnginePagesLayout(t *testing.T) {
 		}
 	}
 }
+
+// TestEnginePrefixSymlinkedNamespace: a prefix save or load whose
+// namespace directory is a symlink (it could lead outside the root) is
+// accepted at Submit (the name is valid) and acked with ErrPath, nothing
+// written through the link.
+func TestEnginePrefixSymlinkedNamespace(t *testing.T) {
+	e := newEngine(t, Config{Workers: 1})
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 128, false)
+	toks := prefixTokens(128, 7)
+	outside := t.TempDir()
+	if err := os.Symlink(outside, filepath.Join(e.Root(), "link")); err != nil {
+		t.Fatal(err)
+	}
+	bg := context.Background()
+	if r := e.Do(bg, &SavePrefixRequest{Namespace: "link", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64}); !errors.Is(r.Err, ErrPath) {
+		t.Fatalf("save into a symlinked namespace: %v, want ErrPath", r.Err)
+	}
+	bufs, dest := paddedDest(m, 128, func(n int) []byte { return make([]byte, n) })
+	if r := e.Do(bg, &LoadPrefixRequest{Namespace: "link", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true}); !errors.Is(r.Err, ErrPath) {
+		t.Fatalf("load from a symlinked namespace: %v, want ErrPath", r.Err)
+	}
+	checkLoaded(t, c, bufs, 128, 0)
+	if ents, err := os.ReadDir(outside); err != nil || len(ents) != 0 {
+		t.Fatalf("the link's target holds %d entries (%v), want none", len(ents), err)
+	}
+}

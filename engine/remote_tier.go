@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -15,7 +14,6 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -699,358 +697,6 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	t.queueDepth()
 }
 
-// remoteCandidates returns the keys of tokens' chain after the local
-// prefix (per the index), up to where the store lacks one, and which of
-// them are in the local tier already. It asks the store about the keys
-// not in the local index, Store.Concurrency keys per round trip (one
-// HEAD each, all in flight at once), stopping at the first window holding
-// a key the store lacks: a prompt of n pages past its local prefix costs
-// at most ceil(n/Concurrency) round trips (a 32,768-token prompt at 256
-// tokens per page: 128 pages, at most 8 round trips at the default
-// Concurrency of 16), and one when its first remote page is missing.
-// A leaf (the partial last page) counts only when every full page before
-// it is stored, as in Lookup.
-//
-// start is the position in keys of the first candidate (the first key the
-// index lacks); cands are keys[start:start+len(cands)]; objs[c] is what the
-// store's HEAD said of cands[c] (size, ETag), the zero Object for a local
-// one.
-func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *RemoteReport) (start int, cands []layout.PageKey, local []bool, objs []remote.Object) {
-	i := 0
-	for i < len(keys) && t.e.pages.Has(ns, keys[i]) {
-		i++
-	}
-	start = i
-	for i < len(keys) {
-		var names []string
-		var asked []int // positions in keys of the names
-		j := i
-		for ; j < len(keys) && len(names) < t.window; j++ {
-			if t.e.pages.Has(ns, keys[j]) {
-				continue
-			}
-			name, err := t.st.PageName(ns, keys[j].String())
-			if err != nil {
-				rep.Err = err
-				return start, cands, local, objs
-			}
-			names = append(names, name)
-			asked = append(asked, j)
-		}
-		present := map[int]remote.Object{}
-		if len(names) > 0 {
-			began := time.Now()
-			ok, err := t.st.StatAll(ctx, names)
-			m := t.metrics()
-			if err != nil {
-				if m != nil {
-					m.Remote(labels.RemoteLookup, labels.RemoteError, 0, time.Since(began))
-				}
-				rep.Err = err
-				return start, cands, local, objs
-			}
-			if m != nil {
-				m.Remote(labels.RemoteLookup, labels.RemoteOK, 0, time.Since(began))
-			}
-			rep.PagesAsked += len(names)
-			hits := 0
-			for a, pos := range asked {
-				if ok[a].Name != "" {
-					present[pos] = ok[a]
-					hits++
-				}
-			}
-			if m != nil {
-				m.RemoteLookup(int64(hits), int64(len(names)-hits))
-			}
-		}
-		for ; i < j; i++ {
-			isLocal := t.e.pages.Has(ns, keys[i])
-			o, found := present[i]
-			if !isLocal && !found {
-				return start, cands, local, objs
-			}
-			if !isLocal {
-				rep.PagesFound++
-				t.markKnown(ns, keys[i])
-			}
-			cands = append(cands, keys[i])
-			local = append(local, isLocal)
-			objs = append(objs, o)
-		}
-	}
-	return start, cands, local, objs
-}
-
-// readThrough runs before a prefix load (keys: tokens' page keys,
-// layout.PageChain, computed once by the load; nil when they could not
-// be): the pages of tokens' chain after
-// the local prefix that the store holds are fetched (FetchPages at once,
-// each with ranged GETs in flight), verified against the key chain the
-// prompt implies and their tensor hashes, and published to the local tier;
-// the load then finds them locally. Each fetched page enters the bounded
-// page cache as a save's pages do (pageCache.admitHeld): its object's size
-// (from the HEAD of remoteCandidates) is reserved against the capacity,
-// the quotas and the headroom, victims are evicted first, and the page is
-// committed with its st_blocks and pinned. The pages' reservations are
-// taken one after another in chain order (a page reserves once the one
-// before it has its room), so a fetch that cannot get room stops the
-// prefix there: that page and every later one are not fetched (nothing of
-// them is written; the error is errors.Is ErrNoSpace). held are the pins
-// taken for the load (every page committed, pinned at its commit): the
-// caller releases them when the load ends, so no fetched page is evicted
-// between its publish and the load's reading it. fetched holds the keys of
-// the pages this call published (each verified, every tensor hashed, just
-// before its rename): the load need not hash them again
-// (jobs.LoadPrefixVerified).
-//
-// With sc non-nil (jobs.NewPrefixScatter of the load's request), the
-// fetched pages that begin the chain (positions 0, 1, ... all fetched by
-// this call) are scattered into the load's destinations on the calling
-// goroutine, in chain order, each once its bytes verified (beside its
-// publish) and the page before it was published and committed, while
-// later pages are still being fetched; a page whose publish fails after
-// its scatter is retracted (PrefixScatter.Retract); the load then
-// opens only the pages after them (jobs.LoadPrefixScattered). Every
-// scatter ends before readThrough returns, and readThrough returns only
-// once every fetch worker has (also when the scatter panics).
-//
-// The prefix the load can see ends at the first page that is missing
-// remotely, finds no room, fails to fetch or fails verification (reported
-// in the RemoteReport, never an error of the load). Nothing local is
-// changed except new, verified page files (and the victims evicted for
-// them, under the namespace's exclusive lock as any eviction).
-func (t *tier) readThrough(ctx context.Context, ns, identity string, p int, tokens []uint32, keys []layout.PageKey, sc *jobs.PrefixScatter) (rep *RemoteReport, held []evict.Key, fetched map[layout.PageKey]bool) {
-	rep = &RemoteReport{}
-	if p == 0 {
-		p = layout.DefaultPageTokens
-	}
-	if keys == nil || len(tokens) == 0 {
-		return rep, nil, nil // the load reports the invalid request
-	}
-	if t.e.pages.Present(ns, keys) == len(keys) {
-		return rep, nil, nil // every page is local
-	}
-	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
-	var fetch []int // positions in keys
-	var fobjs []remote.Object
-	for c := range cands {
-		if !local[c] {
-			fetch = append(fetch, first+c)
-			fobjs = append(fobjs, objs[c])
-		}
-	}
-	if len(fetch) == 0 {
-		return rep, nil, nil
-	}
-	n, err := t.e.store.Namespace(ns)
-	if err != nil {
-		rep.Err = err
-		return rep, nil, nil
-	}
-	if err := t.prepareDirs(ctx, n, keys, fetch); err != nil {
-		rep.Err = err
-		return rep, nil, nil
-	}
-	parents := make([]layout.PageKey, len(keys))
-	for i := range keys {
-		if i == 0 {
-			parents[i] = layout.PageRoot(identity, p)
-		} else {
-			parents[i] = keys[i-1]
-		}
-	}
-	// Fetch, FetchPages at once; results by position. decided[f] is closed
-	// once page f's reservation is decided (its write began, or admit
-	// failed before it); page f+1 reserves only after it, and not at all
-	// once a reservation found no room (noRoom).
-	errs := make([]error, len(fetch))
-	sizes := make([]int64, len(fetch))
-	decided := make([]chan struct{}, len(fetch))
-	for f := range decided {
-		decided[f] = make(chan struct{})
-	}
-	// gets holds a token per page whose GET is in flight: FetchPages at
-	// once. A page gives its token back as soon as its bytes are in the
-	// temp file, and verifies and publishes (fdatasync, rename, directory
-	// fsync) while the next pages' GETs run: up to FetchPages pages are
-	// publishing behind FetchPages GETs (2×FetchPages workers).
-	gets := make(chan struct{}, t.fetchPages)
-	var wg sync.WaitGroup
-	var mu sync.Mutex
-	next := 0
-	noRoom := false
-	// The scatter (sc non-nil): the fetched pages that begin the chain
-	// (fetch[f] == f) are written into the load's destinations on this
-	// goroutine, in chain order, while later pages are still being
-	// fetched: page f once its bytes verified (verified[f] closed, rds[f]
-	// its read-only descriptor, heads[f] its header as the PageStream
-	// decoded it, or nil), beside its publish; the next page only
-	// once page f is published and committed (ready[f] closed, errs[f]
-	// nil). scatterTo: how many of them may be.
-	scatterTo := 0
-	if sc != nil {
-		for scatterTo < len(fetch) && fetch[scatterTo] == scatterTo {
-			scatterTo++
-		}
-	}
-	verified := make([]chan struct{}, scatterTo)
-	ready := make([]chan struct{}, scatterTo)
-	for f := range ready {
-		verified[f] = make(chan struct{})
-		ready[f] = make(chan struct{})
-	}
-	rds := make([]vfs.File, scatterTo)
-	// heads[f]: rds[f]'s header as the stream decoded it (nil: not).
-	heads := make([]*layout.Snapshot, scatterTo)
-	defer func() { // after wg.Wait (deferred below): descriptors not scattered from
-		for _, f := range rds {
-			if f != nil {
-				f.Close()
-			}
-		}
-	}()
-	defer wg.Wait() // also when the scatter panics: no worker outlives the load
-	for range min(2*t.fetchPages, len(fetch)) {
-		wg.Go(func() {
-			for {
-				mu.Lock()
-				f := next
-				next++
-				mu.Unlock()
-				if f >= len(fetch) {
-					return
-				}
-				pos := fetch[f]
-				var once sync.Once
-				decide := func() { once.Do(func() { close(decided[f]) }) }
-				wrote := false
-				want := &layout.Page{Key: keys[pos], Parent: parents[pos], Identity: identity, PageTokens: p,
-					Tokens: tokens[pos*p : min(len(tokens), (pos+1)*p)]}
-				fileBytes := func(int) (int64, error) {
-					if f > 0 {
-						select {
-						case <-decided[f-1]:
-						case <-ctx.Done():
-							return 0, ctx.Err()
-						}
-					}
-					mu.Lock()
-					stop := noRoom
-					mu.Unlock()
-					if stop {
-						return 0, errNotFetched
-					}
-					return fobjs[f].Size, nil
-				}
-				var vonce sync.Once
-				markVerified := func() { vonce.Do(func() { close(verified[f]) }) }
-				var onVerified func(vfs.File, *layout.Snapshot)
-				if f < scatterTo {
-					onVerified = func(rd vfs.File, head *layout.Snapshot) {
-						mu.Lock()
-						rds[f], heads[f] = rd, head
-						mu.Unlock()
-						markVerified()
-					}
-				}
-				h, err := t.e.pc.admitHeld(ctx, ns, keys[pos:pos+1], parents[pos:pos+1], fileBytes, func() error {
-					// The GET token is taken before the next page may
-					// reserve, so pages take tokens in chain order.
-					select {
-					case gets <- struct{}{}:
-					case <-ctx.Done():
-						return ctx.Err()
-					}
-					var once sync.Once
-					release := func() { once.Do(func() { <-gets }) }
-					defer release()
-					wrote = true
-					decide()
-					size, err := t.fetchPage(ctx, n, want, fobjs[f], release, onVerified)
-					mu.Lock()
-					sizes[f] = size
-					mu.Unlock()
-					return err
-				})
-				if err != nil && !wrote {
-					mu.Lock()
-					noRoom = true // no room (or no reservation): later pages are not fetched
-					mu.Unlock()
-				}
-				decide()
-				mu.Lock()
-				held = append(held, h...)
-				errs[f] = err
-				mu.Unlock()
-				if f < scatterTo {
-					markVerified() // when it never verified
-					close(ready[f])
-				}
-			}
-		})
-	}
-	for f := range scatterTo {
-		<-verified[f] // every worker closes its page's, whatever happens
-		mu.Lock()
-		rd, head := rds[f], heads[f]
-		rds[f], heads[f] = nil, nil
-		mu.Unlock()
-		if rd == nil {
-			break // not fetched, or failed before its bytes verified
-		}
-		ok := sc.Page(ctx, f, n.PagePath(keys[f]), rd, head) // beside its publish
-		rd.Close()
-		<-ready[f]
-		mu.Lock()
-		err, size := errs[f], sizes[f]
-		mu.Unlock()
-		if ok && (err != nil || size == 0) {
-			// Verified and scattered, but not made local: the prefix
-			// ends at it (its tokens hold its verified KV: Stop).
-			sc.Retract(f, fmt.Errorf("page %s not published: %w", keys[f], cmp.Or(err, errNotPublished)))
-		}
-		if !ok || err != nil || size == 0 {
-			break
-		}
-	}
-	wg.Wait()
-	notFetched := 0
-	for f, pos := range fetch {
-		if errs[f] != nil {
-			if errors.Is(errs[f], errNotFetched) {
-				notFetched++
-				continue
-			}
-			if rep.Err == nil {
-				rep.Err = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, keys[pos], ns, errs[f])
-			}
-			t.e.logSafe(slog.LevelWarn, "kvpersist: remote page not fetched", "namespace", ns, "page", keys[pos].String(), "err", errs[f])
-			continue
-		}
-		if sizes[f] > 0 {
-			rep.PagesFetched++ // published even past a failed page: each is valid alone
-			rep.BytesFetched += sizes[f]
-			if fetched == nil {
-				fetched = map[layout.PageKey]bool{}
-			}
-			fetched[keys[pos]] = true
-		}
-	}
-	if notFetched > 0 {
-		t.e.logSafe(slog.LevelWarn, "kvpersist: remote pages not fetched after a page that found no room", "namespace", ns, "pages", notFetched)
-	}
-	return rep, held, fetched
-}
-
-// errNotPublished: a fetched page that verified was not published (a save
-// had published it first: fetchPage returned 0 bytes); only its scatter
-// sees it.
-var errNotPublished = errors.New("engine: fetched page not published")
-
-// errNotFetched: a page after one whose reservation failed; never sent.
-var errNotFetched = errors.New("engine: not fetched: an earlier page of the chain found no room")
-
 // prepareDirs makes, as a save does, the namespace durably, pages/ and the
 // fan-out directories of the pages at positions fetch of keys, under the
 // namespace's shared lock (no collect of another process sweeps
@@ -1092,7 +738,7 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // fetches object o, the page want.Key, into a temp file beside its local
 // path, verifies it and publishes it (publishFetched); it adds it to the
 // index. fetched is called once the object's bytes are all in the temp
-// file (the network part is over; readThrough's GET token is given back).
+// file (the network part is over; the fetchRun's GET token is given back).
 // The page is verified from the bytes as they arrive (remote.PageStream:
 // header, key, every tensor's xxh3-64, its size) and against the chain
 // (checkWant), so it is not read back; when the stream cannot prove it
@@ -1107,11 +753,12 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 // With verified non-nil, once the page's bytes verified and before its
 // publish, verified is given a read-only descriptor of its temp file (the
 // verification's own when it read the file back; the rename keeps it the
-// same file), for the load's scatter (readThrough), which closes it, and
-// the header the stream decoded from the bytes it wrote (nil when the page
-// was verified by reading it back), so the scatter does not decode it
-// again; it is not called for a page that did not verify (or whose temp
-// file could not be opened again: then it is simply not scattered).
+// same file), kept by the fetchRun to hand over to the load once the page
+// is published (loadSource), and the header the stream decoded from the
+// bytes it wrote (nil when the page was verified by reading it back), so
+// the load does not decode it again; it is not called for a page that did
+// not verify (or whose temp file could not be opened again: then the load
+// opens the published file).
 func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File, *layout.Snapshot)) (int64, error) {
 	if t.e.pages.Has(n.Name(), want.Key) {
 		return 0, nil
@@ -1138,7 +785,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		dst = kw
 	}
 	stream := remote.NewPageStream(dst, want.Key.String(), o.Size)
-	var rd vfs.File           // read-only, of the temp file: kept for the scatter
+	var rd vfs.File           // read-only, of the temp file: kept for the load
 	var head *layout.Snapshot // the stream's decoded header, when it verified the page
 	closeRd := func() {
 		if rd != nil {
@@ -1168,7 +815,7 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	}
 	if err == nil && verified != nil {
 		if rd == nil {
-			if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the page is simply not scattered
+			if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the load opens the published file
 				rd = f
 			}
 		}

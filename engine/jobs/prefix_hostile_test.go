@@ -72,7 +72,7 @@ func TestPrefixHostilePageEndsPrefix(t *testing.T) {
 			bufs, dest := c.dests(1024)
 			lr, _, err := jobs.LoadPrefix(t.Context(), inRoot(withHelpers(2), ns), &jobs.LoadPrefixRequest{
 				Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-			})
+			}, nil)
 			if err != nil {
 				t.Fatalf("load failed for a bad page (it should end the prefix): %v", err)
 			}
@@ -112,7 +112,7 @@ func TestPrefixLoadRefusesSharedDestinations(t *testing.T) {
 		tc.edit(bufs, dest)
 		_, _, err := jobs.LoadPrefix(t.Context(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
 			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:100], Dest: dest, PageTokens: 256, Verify: true,
-		})
+		}, nil)
 		if !errors.Is(err, jobs.ErrDestination) || !strings.Contains(err.Error(), "destination 1 and destination 2") {
 			t.Fatalf("%s: got %v, want ErrDestination naming destinations 1 and 2", tc.name, err)
 		}
@@ -197,7 +197,7 @@ func TestPrefixFirstPageOtherShapesNamesTheAxis(t *testing.T) {
 	bufs, dest := c.dests(768)
 	_, _, err = jobs.LoadPrefix(t.Context(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
 		Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-	})
+	}, nil)
 	if !errors.Is(err, jobs.ErrMismatch) {
 		t.Fatalf("got %v, want ErrMismatch", err)
 	}

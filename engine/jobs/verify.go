@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
+	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
 )
 
@@ -78,6 +79,9 @@ const maxXXH3Refs = 64
 
 // xxh3Pool holds streaming XXH3-64 hashers for VerifyStore.
 var xxh3Pool = sync.Pool{New: func() any { return xxh3.New() }}
+
+// sha256Pool holds SHA-256 hashers for VerifyStore's blocks.
+var sha256Pool = sync.Pool{New: func() any { return sha256.New() }}
 
 // verifyPiece is the unit, in bytes, in which VerifyStore reads and hashes.
 const verifyPiece = 256 << 10

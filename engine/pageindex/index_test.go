@@ -45,7 +45,7 @@ func load(t *testing.T, nsDir, identity string, tokens []uint32) int {
 	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{Root: filepath.Dir(nsDir), NoSync: true}, &jobs.LoadPrefixRequest{
 		Namespace: filepath.Base(nsDir), Identity: identity, Tokens: tokens, PageTokens: 16, Verify: true,
 		Dest: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
-	})
+	}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}

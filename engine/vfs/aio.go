@@ -110,7 +110,7 @@ var asyncSetup = func(nr int, ctx *uintptr) error {
 // the setup's error, as an *os.SyscallError: ENOSYS (no AIO in this
 // kernel), EPERM (forbidden by a seccomp filter), EAGAIN (the system-wide
 // limit /proc/sys/fs/aio-max-nr reached), or the eventfd's. The caller
-// then reads with preads (see jobs.AsyncReads: decided once, logged).
+// then reads with preads (see readio.AsyncReads: decided once, logged).
 func NewAsyncReader(depth int) (*AsyncReader, error) {
 	if depth < 1 || depth > 4096 {
 		return nil, fmt.Errorf("vfs: async reader depth %d (want 1 to 4096)", depth)

@@ -1,4 +1,11 @@
-package jobs
+// Package readio reads runs of bytes of files (extents) into caller
+// memory, contiguous or strided (gather.View), with many requests in
+// flight, O_DIRECT where the file system allows it and the file is not in
+// the page cache, Linux AIO where the kernel has it (AsyncReads), and each
+// extent's hash (XXH3-64 or SHA-256) streamed over its pieces as they
+// arrive. It is the read engine of package jobs (snapshot reads, prefix
+// loads); it knows files and extents, not snapshots, pages or namespaces.
+package readio
 
 import (
 	"context"
@@ -20,6 +27,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/scratch"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
 	"golang.org/x/sys/unix"
@@ -40,7 +48,7 @@ const DefaultReadDepth = 16
 // while it is hot in cache.
 const ReadChunkBytes = 1 << 20
 
-// Verify says how ReadExtents checks an extent's bytes.
+// Verify says how Read checks an extent's bytes.
 type Verify uint8
 
 const (
@@ -100,7 +108,7 @@ const MinRunBytes = 16 << 10
 // failed (see Extent.Group).
 var ErrSkipped = errors.New("not read: an earlier extent of its group failed")
 
-// Source is a file opened for ReadExtents: with O_DIRECT when its file
+// Source is a file opened for Read: with O_DIRECT when its file
 // system supports it (statx STATX_DIOALIGN reports an alignment and the
 // O_DIRECT open succeeds) and the file is not wholly in the page cache
 // (cachestat), else buffered. Make it with OpenSource or AdoptSource and
@@ -112,7 +120,7 @@ type Source struct {
 	regular bool
 	align   int64 // O_DIRECT offset and length alignment in bytes; 0: buffered
 	mem     int64 // O_DIRECT memory alignment in bytes
-	mode    *directMode
+	mode    *DirectMode
 	own     bool // Close closes f
 	mu      sync.Mutex
 	retired []vfs.File // descriptors replaced by fallBack, closed by Close
@@ -156,9 +164,9 @@ func (s *Source) Close() error {
 	return err
 }
 
-// makeLazy closes s's file; it is opened again on first use and closed
-// after uses extents have been read from it (see ReadExtents).
-func (s *Source) makeLazy(uses int64) {
+// MakeLazy closes s's file; it is opened again on first use and closed
+// after uses extents have been read from it (see Read).
+func (s *Source) MakeLazy(uses int64) {
 	s.Close()
 	s.lazy = true
 	s.uses.Store(uses)
@@ -172,9 +180,9 @@ func (s *Source) done() {
 	}
 }
 
-// directMode is the O_DIRECT decision for one file system (device) of one
+// DirectMode is the O_DIRECT decision for one file system (device) of one
 // vfs.FS: made once, logged once.
-type directMode struct {
+type DirectMode struct {
 	align   vfs.Alignment
 	refused atomic.Bool // an O_DIRECT open or read said EINVAL
 	logged  atomic.Bool
@@ -185,13 +193,13 @@ type directKey struct {
 	dev uint64
 }
 
-var directModes sync.Map // directKey -> *directMode
+var directModes sync.Map // directKey -> *DirectMode
 
-// directFor returns the O_DIRECT decision for the file system holding f (an
+// DirectModeFor returns the O_DIRECT decision for the file system holding f (an
 // open file of it), or nil for buffered reads: cfg.NoDirect, an FS without
 // statx, or a file system that reports no alignment (tmpfs). It logs the
 // decision the first time it is made for a file system.
-func directFor(cfg *Config, f vfs.File) *directMode {
+func DirectModeFor(cfg *Config, f vfs.File) *DirectMode {
 	if cfg.NoDirect {
 		return nil
 	}
@@ -203,7 +211,7 @@ func directFor(cfg *Config, f vfs.File) *directMode {
 			reason = err.Error()
 		}
 		if cacheable {
-			if _, loaded := directModes.LoadOrStore(k, &directMode{}); loaded {
+			if _, loaded := directModes.LoadOrStore(k, &DirectMode{}); loaded {
 				return nil
 			}
 		}
@@ -212,10 +220,10 @@ func directFor(cfg *Config, f vfs.File) *directMode {
 	}
 	k, cacheable := keyFor(cfg.fs(), a.Device)
 	if !cacheable {
-		return &directMode{align: a}
+		return &DirectMode{align: a}
 	}
-	v, _ := directModes.LoadOrStore(k, &directMode{align: a})
-	m := v.(*directMode)
+	v, _ := directModes.LoadOrStore(k, &DirectMode{align: a})
+	m := v.(*DirectMode)
 	if m.align.Offset == 0 || m.refused.Load() {
 		return nil
 	}
@@ -227,7 +235,7 @@ func directFor(cfg *Config, f vfs.File) *directMode {
 }
 
 // refuse records that the file system refused O_DIRECT and logs it once.
-func (m *directMode) refuse(cfg *Config, path string, err error) {
+func (m *DirectMode) refuse(cfg *Config, path string, err error) {
 	if m.refused.CompareAndSwap(false, true) {
 		cfg.logger().Warn("kvpersist: O_DIRECT refused; buffered reads on this file system from now on", "device", devName(m.align.Device), "file", path, "err", err)
 	}
@@ -247,7 +255,7 @@ func isRefusal(err error) bool {
 	return errors.Is(err, syscall.EINVAL) || errors.Is(err, errors.ErrUnsupported) || errors.Is(err, syscall.EOPNOTSUPP)
 }
 
-// OpenSource opens path for ReadExtents: O_DIRECT when the file system
+// OpenSource opens path for Read: O_DIRECT when the file system
 // allows it (decided once per file system and vfs.FS, logged) and the file
 // is not wholly in the page cache, else buffered. The file is opened without following a symlink and must be a
 // regular file (else ErrInvalidRequest). A missing file is an error
@@ -257,7 +265,7 @@ func OpenSource(cfg *Config, path string) (*Source, error) {
 	if err != nil {
 		return nil, err
 	}
-	s, err := ownSource(cfg, f)
+	s, err := OwnSource(cfg, f)
 	if err != nil {
 		f.Close()
 		return nil, err
@@ -265,10 +273,10 @@ func OpenSource(cfg *Config, path string) (*Source, error) {
 	return s, nil
 }
 
-// ownSource is AdoptSource of f, an open file, after which the Source owns
+// OwnSource is AdoptSource of f, an open file, after which the Source owns
 // f: its Close closes f, or f is closed now if the Source reads through
 // another descriptor (O_DIRECT). On error f is left open.
-func ownSource(cfg *Config, f vfs.File) (*Source, error) {
+func OwnSource(cfg *Config, f vfs.File) (*Source, error) {
 	s, err := AdoptSource(cfg, f)
 	if err != nil {
 		return nil, err
@@ -292,10 +300,10 @@ func AdoptSource(cfg *Config, f vfs.File) (*Source, error) {
 	}
 	s := sourceFrom(f, fi, nil)
 	if !s.regular {
-		return nil, fmt.Errorf("%w: %s is not a regular file", ErrInvalidRequest, f.Name())
+		return nil, fmt.Errorf("%w: %s is not a regular file", ErrNotRegular, f.Name())
 	}
 	s.own = false
-	d := goDirect(cfg, directFor(cfg, f), f, fi)
+	d := goDirect(cfg, DirectModeFor(cfg, f), f, fi)
 	if d == nil {
 		return s, nil
 	}
@@ -311,7 +319,7 @@ func AdoptSource(cfg *Config, f vfs.File) (*Source, error) {
 // finds another file (one renamed over the path since f was opened). fi is
 // f's Stat. It costs a cold file three system calls (cachestat, open,
 // fstat), a warm one one (cachestat).
-func goDirect(cfg *Config, m *directMode, f vfs.File, fi os.FileInfo) *Source {
+func goDirect(cfg *Config, m *DirectMode, f vfs.File, fi os.FileInfo) *Source {
 	if m == nil || m.refused.Load() {
 		return nil
 	}
@@ -341,7 +349,7 @@ func goDirect(cfg *Config, m *directMode, f vfs.File, fi os.FileInfo) *Source {
 // opened with it once (openDirectFirst); else, or when that cannot decide,
 // buffered, then with O_DIRECT instead when m allows it and the file is not
 // wholly in the page cache (see goDirect).
-func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
+func openSourceWith(cfg *Config, m *DirectMode, path string) (*Source, error) {
 	if m != nil && !m.refused.Load() {
 		if s, err := openDirectFirst(cfg, m, path); s != nil || err != nil {
 			return s, err
@@ -379,7 +387,7 @@ func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
 // empty, or a warm file that cannot be switched. Errors
 // are the open's or fstat's (a missing file satisfies vfs.IsNotExist, a
 // symlink is ELOOP), as a buffered open would report them.
-func openDirectFirst(cfg *Config, m *directMode, path string) (*Source, error) {
+func openDirectFirst(cfg *Config, m *DirectMode, path string) (*Source, error) {
 	if _, ok := cfg.fs().(vfs.DirectOpener); !ok {
 		// No O_DIRECT open at all (a wrapping FS, say): the buffered path
 		// decides, refusing only for a cold file, as before.
@@ -412,12 +420,12 @@ func openDirectFirst(cfg *Config, m *directMode, path string) (*Source, error) {
 	return sourceFrom(d, fi, m), nil
 }
 
-// lazySource is a Source of the file at path, which a caller has checked
+// LazySource is a Source of the file at path, which a caller has checked
 // (by Lstat) to be a regular file of size bytes, not opened yet: it is
 // opened (openSourceWith, with m) by the first read from it, checked again
 // to be a regular file of that size, and closed after uses extents were
 // read from it (see Source.file and Source.done).
-func lazySource(m *directMode, path string, size, uses int64) *Source {
+func LazySource(m *DirectMode, path string, size, uses int64) *Source {
 	s := &Source{path: path, size: size, regular: true, mode: m, lazy: true}
 	s.uses.Store(uses)
 	return s
@@ -425,7 +433,7 @@ func lazySource(m *directMode, path string, size, uses int64) *Source {
 
 // sourceFrom makes a Source of f, whose Stat is fi (closed by the Source's
 // Close); it is not checked to be a regular file (Source.regular says).
-func sourceFrom(f vfs.File, fi os.FileInfo, m *directMode) *Source {
+func sourceFrom(f vfs.File, fi os.FileInfo, m *DirectMode) *Source {
 	s := &Source{path: f.Name(), f: f, size: fi.Size(), regular: fi.Mode().IsRegular(), own: true, mode: m}
 	if m != nil {
 		s.align, s.mem = int64(m.align.Offset), int64(m.align.Mem)
@@ -474,41 +482,34 @@ func (s *Source) file(cfg *Config) (vfs.File, int64, int64, error) {
 		}
 		if !o.regular || o.size != s.size {
 			o.Close()
-			return nil, 0, 0, fmt.Errorf("%w: %s changed since it was checked: %d bytes", ErrBlockSize, s.path, o.size)
+			return nil, 0, 0, fmt.Errorf("%w: %s changed since it was checked: %d bytes", ErrShort, s.path, o.size)
 		}
 		s.f, s.align, s.mem, s.own = o.f, o.align, o.mem, true
 	}
 	if s.f == nil {
-		return nil, 0, 0, fmt.Errorf("jobs: read %s: %w", s.path, fs.ErrClosed)
+		return nil, 0, 0, fmt.Errorf("readio: read %s: %w", s.path, fs.ErrClosed)
 	}
 	return s.f, s.align, s.mem, nil
 }
 
-// ExtentStats are what ReadExtents did, in bytes.
-type ExtentStats struct {
+// Stats are what Read did, in bytes.
+type Stats struct {
 	// Bytes read into destinations; DirectBytes of them with O_DIRECT,
 	// AsyncBytes of those asynchronously (Config.Async).
 	Bytes, DirectBytes, AsyncBytes int64
 }
 
-// add adds st's counts to x.
-func (x *ExtentStats) add(st ExtentStats) {
+// Add adds st's counts to x.
+func (x *Stats) Add(st Stats) {
 	x.Bytes += st.Bytes
 	x.DirectBytes += st.DirectBytes
 	x.AsyncBytes += st.AsyncBytes
 }
 
-// addReads adds st's counts to m's read counters.
-func (m *Metrics) addReads(st ExtentStats) {
-	m.ReadBytes += st.Bytes
-	m.DirectReadBytes += st.DirectBytes
-	m.AsyncReadBytes += st.AsyncBytes
-}
-
-// extentProgress is the progress callback of readExtents that reports
+// Progress is the progress callback of Read that reports
 // each extent of exts read whole and without error to p, in bytes; nil
 // when p is nil.
-func extentProgress(exts []Extent, p func(bytes int64)) func(int, error) {
+func Progress(exts []Extent, p func(bytes int64)) func(int, error) {
 	if p == nil {
 		return nil
 	}
@@ -519,7 +520,7 @@ func extentProgress(exts []Extent, p func(bytes int64)) func(int, error) {
 	}
 }
 
-// ReadExtents reads every extent into its Dst (or View) with up to
+// Read reads every extent into its Dst (or View) with up to
 // cfg.ReadDepth (default DefaultReadDepth) requests in flight: that many
 // goroutines, started and joined here, each taking the next request. A
 // request is a piece of an extent of up to ReadChunkBytes, so the pieces of
@@ -537,28 +538,25 @@ func extentProgress(exts []Extent, p func(bytes int64)) func(int, error) {
 // piece after the other by one goroutine, through staging and a scatter.
 //
 // errs[i] is extent i's error: nil, ErrSkipped (see Extent.Group), an
-// error wrapping ErrCorrupt (hash mismatch), ErrBlockSize (the file ended
+// error wrapping ErrCorrupt (hash mismatch), ErrShort (the file ended
 // early), a gather error (an invalid View) or an I/O error. The returned
 // error is ctx's when it ended (then some extents may be unread and errs[i]
-// nil). ReadExtents never writes outside the destinations and does not
+// nil). Read never writes outside the destinations and does not
 // touch them after it returns.
-func ReadExtents(ctx context.Context, cfg *Config, exts []Extent) (errs []error, st ExtentStats, err error) {
-	return readExtents(ctx, cfg, exts, nil)
-}
-
-// readExtents is ReadExtents that calls done(i, err), when done is non-nil,
-// once extent i is finished: read (and verified) with err nil, or failed
-// with err = errs[i]. It is called from any of the reading goroutines, at
-// most once per extent, never after readExtents returns; an extent not
-// finished when ctx ends gets no call.
-func readExtents(ctx context.Context, cfg *Config, exts []Extent, done func(i int, err error)) ([]error, ExtentStats, error) {
+//
+// done, when non-nil, is called with (i, err) once extent i is finished:
+// read (and verified) with err nil, or failed with err = errs[i] (Progress
+// makes one that counts bytes). It is called from any of the reading
+// goroutines, at most once per extent, never after Read returns; an extent
+// not finished when ctx ends gets no call.
+func Read(ctx context.Context, cfg *Config, exts []Extent, done func(i int, err error)) ([]error, Stats, error) {
 	rd := &extentRead{exts: exts, errs: make([]error, len(exts)), st: make([]extentState, len(exts)), onDone: done}
 	if len(exts) == 0 {
-		return rd.errs, ExtentStats{}, ctx.Err()
+		return rd.errs, Stats{}, ctx.Err()
 	}
 	rd.plan()
-	readers := make(chan *extentReader, cfg.readDepth())
-	err := inFlight(ctx, cfg, cfg.readDepth(), len(rd.work), func(w int) {
+	readers := make(chan *extentReader, cfg.Depth())
+	err := InFlight(ctx, cfg, cfg.Depth(), len(rd.work), func(w int) {
 		var r *extentReader
 		select {
 		case r = <-readers:
@@ -574,10 +572,10 @@ func readExtents(ctx context.Context, cfg *Config, exts []Extent, done func(i in
 		async += r.asyncBytes
 		r.release()
 	}
-	return rd.errs, ExtentStats{Bytes: rd.bytes.Load(), DirectBytes: rd.direct.Load(), AsyncBytes: async}, err
+	return rd.errs, Stats{Bytes: rd.bytes.Load(), DirectBytes: rd.direct.Load(), AsyncBytes: async}, err
 }
 
-// extentRead is one ReadExtents call's shared state.
+// extentRead is one Read call's shared state.
 type extentRead struct {
 	exts          []Extent
 	errs          []error
@@ -670,7 +668,7 @@ func (rd *extentRead) run(ctx context.Context, r *extentReader, w workItem) {
 		rd.direct.Add(d)
 	}
 	if err != nil && ctx.Err() != nil {
-		return // ended by ctx: ReadExtents returns ctx's error
+		return // ended by ctx: Read returns ctx's error
 	}
 	if w.piece < 0 {
 		s.finished = true
@@ -850,7 +848,7 @@ func (s *extentState) hashPiece(x *Extent, k int) {
 // goroutines, which mostly wait on the disk. All are joined before it
 // returns. It stops taking indices when ctx ends and returns ctx's error
 // then; a panic in fn is recovered and returned as ErrPanic.
-func inFlight(ctx context.Context, cfg *Config, depth, n int, fn func(i int)) error {
+func InFlight(ctx context.Context, cfg *Config, depth, n int, fn func(i int)) error {
 	var (
 		next     atomic.Int64
 		wg       sync.WaitGroup
@@ -894,7 +892,9 @@ func inFlight(ctx context.Context, cfg *Config, depth, n int, fn func(i int)) er
 	return ctx.Err()
 }
 
-func (c *Config) readDepth() int {
+// Depth is the read requests one Read keeps in flight: ReadDepth, or
+// DefaultReadDepth when it is 0, at most MaxReadDepth.
+func (c *Config) Depth() int {
 	if c.ReadDepth <= 0 {
 		return DefaultReadDepth
 	}
@@ -931,17 +931,17 @@ func (r *extentReader) release() {
 		sha256Pool.Put(r.sha)
 	}
 	if r.staging != nil {
-		putScratch(r.staging)
+		scratch.Put(r.staging)
 	}
 	if r.chunk != nil {
-		putScratch(r.chunk)
+		scratch.Put(r.chunk)
 	}
 }
 
 // inFile checks that the extent lies inside its source file.
 func inFile(x *Extent, n int) error {
 	if x.Off < 0 || x.Off+int64(n) > x.Src.size {
-		return fmt.Errorf("%w: %s has %d bytes, the extent ends at %d", ErrBlockSize, x.Src.path, x.Src.size, x.Off+int64(n))
+		return fmt.Errorf("%w: %s has %d bytes, the extent ends at %d", ErrShort, x.Src.path, x.Src.size, x.Off+int64(n))
 	}
 	return nil
 }
@@ -962,7 +962,7 @@ func (r *extentReader) readPiece(x *Extent, s *extentState, k int) (n, direct in
 			r.iov = append(r.iov, b)
 			return nil
 		}); err != nil {
-			return 0, 0, fmt.Errorf("jobs: destination view: %w", err)
+			return 0, 0, fmt.Errorf("readio: destination view: %w", err)
 		}
 	}
 	d, err := r.readBufs(x.Src, r.iov, x.Off+int64(lo))
@@ -979,7 +979,7 @@ func (r *extentReader) readPiece(x *Extent, s *extentState, k int) (n, direct in
 func (r *extentReader) readWhole(ctx context.Context, x *Extent) (n, direct int64, err error) {
 	v := x.View
 	if err := v.CheckNoOverlap(); err != nil {
-		return 0, 0, fmt.Errorf("jobs: destination view: %w", err)
+		return 0, 0, fmt.Errorf("readio: destination view: %w", err)
 	}
 	total := v.Bytes()
 	if err := inFile(x, total); err != nil {
@@ -996,7 +996,7 @@ func (r *extentReader) readWhole(ctx context.Context, x *Extent) (n, direct int6
 	}
 	step := ReadChunkBytes - ReadChunkBytes%v.ItemSize
 	if r.chunk == nil {
-		r.chunk = getScratch(step + directBufAlign)
+		r.chunk = scratch.Get(step + directBufAlign)
 	}
 	buf := alignedSlice(*r.chunk, directBufAlign)
 	for o := 0; o < total; o += step {
@@ -1017,7 +1017,7 @@ func (r *extentReader) readWhole(ctx context.Context, x *Extent) (n, direct int6
 			r.sha.Write(b)
 		}
 		if err := v.ScatterRange(o/v.ItemSize, len(b)/v.ItemSize, b); err != nil {
-			return n, direct, fmt.Errorf("jobs: destination view: %w", err)
+			return n, direct, fmt.Errorf("readio: destination view: %w", err)
 		}
 		n += int64(len(b))
 	}
@@ -1096,7 +1096,7 @@ func iovBytes(bufs [][]byte) int {
 }
 
 // readvFull fills bufs, in order, from f at off (vfs.ReadvAt: one preadv
-// where f allows); a file that ends first is ErrBlockSize.
+// where f allows); a file that ends first is ErrShort.
 func readvFull(f vfs.File, bufs [][]byte, off int64) error {
 	if len(bufs) == 1 {
 		return readFull(f, bufs[0], off)
@@ -1107,7 +1107,7 @@ func readvFull(f vfs.File, bufs [][]byte, off int64) error {
 		return nil
 	}
 	if err == nil || err == io.EOF {
-		return fmt.Errorf("%w: %s ends at %d, %d bytes needed at %d", ErrBlockSize, f.Name(), off+int64(n), want, off)
+		return fmt.Errorf("%w: %s ends at %d, %d bytes needed at %d", ErrShort, f.Name(), off+int64(n), want, off)
 	}
 	return err
 }
@@ -1158,13 +1158,13 @@ func (r *extentReader) stagedv(f vfs.File, align int64, bufs [][]byte, off int64
 	end := (off + n + align - 1) &^ (align - 1)
 	need := int(end-start) + directBufAlign
 	if r.staging != nil && len(*r.staging) < need {
-		putScratch(r.staging)
+		scratch.Put(r.staging)
 		r.staging = nil
 	}
 	if r.staging == nil {
 		// Sized by need: a head or tail needs one or two alignments, only
 		// an unaligned destination or short runs a whole piece.
-		r.staging = getScratch(need)
+		r.staging = scratch.Get(need)
 	}
 	buf := alignedSlice(*r.staging, directBufAlign)
 	want := off + n - start // bytes of buf that must be filled
@@ -1190,7 +1190,7 @@ func alignedSlice(b []byte, a int) []byte {
 	return b[skip:]
 }
 
-// readFull fills p from f at off; a file that ends first is ErrBlockSize.
+// readFull fills p from f at off; a file that ends first is ErrShort.
 func readFull(f vfs.File, p []byte, off int64) error {
 	_, err := readAtLeast(f, p, off, int64(len(p)), nil)
 	return err
@@ -1221,7 +1221,7 @@ func (r *extentReader) readAt(f vfs.File, p []byte, off int64) (int, error) {
 }
 
 // readAtLeast reads into p at off until at least want bytes are in (or p is
-// full); an end of file before want bytes is ErrBlockSize. With r non-nil
+// full); an end of file before want bytes is ErrShort. With r non-nil
 // (an O_DIRECT file) each read is r.readAt.
 func readAtLeast(f vfs.File, p []byte, off, want int64, r *extentReader) (int64, error) {
 	var n int64
@@ -1238,7 +1238,7 @@ func readAtLeast(f vfs.File, p []byte, off, want int64, r *extentReader) (int64,
 			return n, nil
 		}
 		if err == io.EOF || (err == nil && k == 0) {
-			return n, fmt.Errorf("%w: %s ends at %d, %d bytes needed at %d", ErrBlockSize, f.Name(), off+n, want, off)
+			return n, fmt.Errorf("%w: %s ends at %d, %d bytes needed at %d", ErrShort, f.Name(), off+n, want, off)
 		}
 		if err != nil {
 			return n, err

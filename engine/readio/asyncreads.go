@@ -1,4 +1,4 @@
-package jobs
+package readio
 
 import (
 	"log/slog"
@@ -43,7 +43,14 @@ type AsyncReads struct {
 // system call, no goroutine until the first O_DIRECT read); logger (nil:
 // slog.Default()) receives the one warning of a failed setup. Close it.
 func NewAsyncReads(logger *slog.Logger) *AsyncReads {
-	return &AsyncReads{log: logger, setup: vfs.NewAsyncReader}
+	return NewAsyncReadsWith(logger, vfs.NewAsyncReader)
+}
+
+// NewAsyncReadsWith is NewAsyncReads with its AIO setup replaced by setup
+// (depth: the reads in flight at most; tests pass one that fails, for the
+// fallback to preads).
+func NewAsyncReadsWith(logger *slog.Logger, setup func(depth int) (*vfs.AsyncReader, error)) *AsyncReads {
+	return &AsyncReads{log: logger, setup: setup}
 }
 
 // reader is the AsyncReader to read with, set up on first use; nil: preads

@@ -1,4 +1,4 @@
-package jobs_test
+package readio_test
 
 import (
 	"bytes"
@@ -11,7 +11,7 @@ import (
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/gather"
-	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
@@ -89,27 +89,27 @@ func checkView(t *testing.T, name string, d viewDst, want []byte) {
 	}
 }
 
-// TestReadExtentsIntoViews: random extents of a file are read into strided
+// TestReadIntoViews: random extents of a file are read into strided
 // destinations of every layout a KV cache has (the inverse of a gather),
 // with O_DIRECT (cold file) and buffered, at several depths: each
 // element holds the file's bytes in logical order (the test's own
 // element-by-element reference), no other byte of a buffer is written, and
 // each extent verifies against a hash computed here.
-func TestReadExtentsIntoViews(t *testing.T) {
-	dir := directDir(t)
+func TestReadIntoViews(t *testing.T) {
+	dir := testutil.DirectDir(t)
 	rng := rand.New(rand.NewPCG(21, 22))
-	path, data := randomFile(t, rng, dir, "f", 5*jobs.ReadChunkBytes+333)
+	path, data := randomFile(t, rng, dir, "f", 5*readio.ReadChunkBytes+333)
 	for _, tc := range []struct {
 		noDirect bool
 		depth    int
 	}{{false, 1}, {false, 16}, {true, 4}} {
-		evictFiles(t, dir)
-		cfg := &jobs.Config{ReadDepth: tc.depth, NoDirect: tc.noDirect}
-		src, err := jobs.OpenSource(cfg, path)
+		testutil.EvictTree(t, dir)
+		cfg := &readio.Config{ReadDepth: tc.depth, NoDirect: tc.noDirect}
+		src, err := readio.OpenSource(cfg, path)
 		if err != nil {
 			t.Fatal(err)
 		}
-		var exts []jobs.Extent
+		var exts []readio.Extent
 		var dsts []viewDst
 		for k := range 24 {
 			d := randomViewDst(rng)
@@ -121,16 +121,16 @@ func TestReadExtentsIntoViews(t *testing.T) {
 			if k%2 == 0 {
 				off &^= 4095
 			}
-			x := jobs.Extent{Src: src, Off: int64(off), View: &d.view, Group: -1}
+			x := readio.Extent{Src: src, Off: int64(off), View: &d.view, Group: -1}
 			if k%3 == 0 {
-				x.Verify, x.SHA256 = jobs.VerifySHA256, sha256.Sum256(data[off:off+n])
+				x.Verify, x.SHA256 = readio.VerifySHA256, sha256.Sum256(data[off:off+n])
 			} else {
-				x.Verify, x.XXH3 = jobs.VerifyXXH3, xxh3.Hash(data[off:off+n])
+				x.Verify, x.XXH3 = readio.VerifyXXH3, xxh3.Hash(data[off:off+n])
 			}
 			exts = append(exts, x)
 			dsts = append(dsts, d)
 		}
-		errs, st, err := jobs.ReadExtents(context.Background(), cfg, exts)
+		errs, st, err := readio.Read(context.Background(), cfg, exts, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -152,39 +152,39 @@ func TestReadExtentsIntoViews(t *testing.T) {
 	}
 }
 
-// TestReadExtentsViewPiecesVerify: an extent into a view that takes
+// TestReadViewPiecesVerify: an extent into a view that takes
 // several requests (runs of 256 KiB, 2.5 MiB) streams its hash over its
 // pieces in order however they complete: the right hash verifies, a wrong
 // one is ErrCorrupt, and the later extent of its group is skipped.
-func TestReadExtentsViewPiecesVerify(t *testing.T) {
+func TestReadViewPiecesVerify(t *testing.T) {
 	rng := rand.New(rand.NewPCG(23, 24))
-	path, data := randomFile(t, rng, t.TempDir(), "f", 6*jobs.ReadChunkBytes)
+	path, data := randomFile(t, rng, t.TempDir(), "f", 6*readio.ReadChunkBytes)
 	const heads, tokens, dim = 10, 1024, 128 // runs of 256 KiB
-	mk := func(off int, sum uint64, group int) (jobs.Extent, viewDst) {
+	mk := func(off int, sum uint64, group int) (readio.Extent, viewDst) {
 		buf := bytes.Repeat([]byte{viewFill}, heads*(tokens+64)*dim*2)
 		d := viewDst{buf: buf, view: gather.View{Base: buf, Shape: []int{1, heads, tokens, dim},
 			Strides: []int{heads * (tokens + 64) * dim, (tokens + 64) * dim, dim, 1}, ItemSize: 2}}
-		return jobs.Extent{Off: int64(off), View: &d.view, Group: group, Verify: jobs.VerifyXXH3, XXH3: sum}, d
+		return readio.Extent{Off: int64(off), View: &d.view, Group: group, Verify: readio.VerifyXXH3, XXH3: sum}, d
 	}
 	n := heads * tokens * dim * 2
 	for _, depth := range []int{1, 3, 16} {
-		cfg := &jobs.Config{ReadDepth: depth}
-		src, err := jobs.OpenSource(cfg, path)
+		cfg := &readio.Config{ReadDepth: depth}
+		src, err := readio.OpenSource(cfg, path)
 		if err != nil {
 			t.Fatal(err)
 		}
 		good, gd := mk(4096, xxh3.Hash(data[4096:4096+n]), 0)
 		bad, _ := mk(0, xxh3.Hash(data[:n])^1, 1)
 		later, ld := mk(8192, xxh3.Hash(data[8192:8192+n]), 1)
-		exts := []jobs.Extent{good, bad, later}
+		exts := []readio.Extent{good, bad, later}
 		for i := range exts {
 			exts[i].Src = src
 		}
-		errs, _, err := jobs.ReadExtents(context.Background(), cfg, exts)
+		errs, _, err := readio.Read(context.Background(), cfg, exts, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if errs[0] != nil || !errors.Is(errs[1], jobs.ErrCorrupt) {
+		if errs[0] != nil || !errors.Is(errs[1], readio.ErrCorrupt) {
 			t.Fatalf("depth %d: errors %v, want nil and ErrCorrupt", depth, errs)
 		}
 		checkView(t, "good extent", gd, data[4096:4096+n])
@@ -192,23 +192,23 @@ func TestReadExtentsViewPiecesVerify(t *testing.T) {
 		// read before the failure was known (depth > 1): then it is whole.
 		if errs[2] == nil {
 			checkView(t, "later extent", ld, data[8192:8192+n])
-		} else if !errors.Is(errs[2], jobs.ErrSkipped) || depth == 1 && !bytes.Equal(ld.buf, bytes.Repeat([]byte{viewFill}, len(ld.buf))) {
+		} else if !errors.Is(errs[2], readio.ErrSkipped) || depth == 1 && !bytes.Equal(ld.buf, bytes.Repeat([]byte{viewFill}, len(ld.buf))) {
 			t.Fatalf("depth %d: later extent: %v", depth, errs[2])
 		}
 		src.Close()
 	}
 }
 
-// TestReadExtentsViewFallsBack: a read into views on a file system that
+// TestReadViewFallsBack: a read into views on a file system that
 // refuses O_DIRECT reads (EINVAL from the fault FS's ReadAt on the direct
 // descriptor) switches to buffered reads and restores every byte.
-func TestReadExtentsViewFallsBack(t *testing.T) {
-	dir := directDir(t)
+func TestReadViewFallsBack(t *testing.T) {
+	dir := testutil.DirectDir(t)
 	rng := rand.New(rand.NewPCG(25, 26))
-	path, data := randomFile(t, rng, dir, "f", 3*jobs.ReadChunkBytes)
+	path, data := randomFile(t, rng, dir, "f", 3*readio.ReadChunkBytes)
 	ffs := testutil.NewFaultFS(nil)
-	cfg := &jobs.Config{FS: ffs, ReadDepth: 1}
-	src, err := jobs.OpenSource(cfg, path)
+	cfg := &readio.Config{FS: ffs, ReadDepth: 1}
+	src, err := readio.OpenSource(cfg, path)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,11 +218,11 @@ func TestReadExtentsViewFallsBack(t *testing.T) {
 	}
 	ffs.Inject(testutil.Fault{Op: testutil.OpReadAt, Nth: 1, Err: syscall.EINVAL})
 	d := randomViewDst(rng)
-	for d.view.Bytes() > len(data) || d.view.RunElements()*2 < jobs.MinRunBytes {
+	for d.view.Bytes() > len(data) || d.view.RunElements()*2 < readio.MinRunBytes {
 		d = randomViewDst(rng)
 	}
-	x := []jobs.Extent{{Src: src, View: &d.view, Group: -1, Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(data[:d.view.Bytes()])}}
-	errs, _, err := jobs.ReadExtents(context.Background(), cfg, x)
+	x := []readio.Extent{{Src: src, View: &d.view, Group: -1, Verify: readio.VerifyXXH3, XXH3: xxh3.Hash(data[:d.view.Bytes()])}}
+	errs, _, err := readio.Read(context.Background(), cfg, x, nil)
 	if err != nil || errs[0] != nil {
 		t.Fatalf("%v %v", err, errs[0])
 	}
