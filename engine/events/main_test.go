@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"log/slog"
 	"slices"
 	"testing"
 	"time"
@@ -61,14 +62,14 @@ type msg struct {
 // subscriber is a SUB socket on p's PUB endpoint and the goroutine that
 // reads it; stopped by the test's cleanup.
 type subscriber struct {
-	t  *testing.T
+	t  testing.TB
 	c  chan msg
 	sk zmq4.Socket
 }
 
 // subscribe connects a SUB socket filtering on topic to p and waits until
 // p has its subscription.
-func subscribe(t *testing.T, p *Publisher, topic string) *subscriber {
+func subscribe(t testing.TB, p *Publisher, topic string) *subscriber {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	sk := zmq4.NewSub(ctx)
@@ -215,6 +216,9 @@ func newPub(t testing.TB, cfg Config) *Publisher {
 	t.Helper()
 	if cfg.Endpoint == "" {
 		cfg.Endpoint = "tcp://127.0.0.1:0"
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	p, err := New(cfg)
 	if err != nil {

@@ -526,8 +526,8 @@ func (p *Publisher) serveReplay() {
 		} else {
 			p.log.Debug("kvpersist: events: malformed replay request", "frames", len(f))
 		}
+		p.replays.Add(1) // before the end marker: a client that has it sees the count
 		_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, endSeq[:], nil))
-		p.replays.Add(1)
 	}
 }
 

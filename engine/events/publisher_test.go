@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"log/slog"
 	"slices"
 	"testing"
 	"time"
@@ -311,7 +312,7 @@ func TestReplay(t *testing.T) {
 // the next batch skips a sequence number so subscribers see the loss.
 func TestDropsCountedAndShownAsGap(t *testing.T) {
 	const P = 16
-	p, err := open(Config{Endpoint: "tcp://127.0.0.1:0", Topic: "t", QueueEvents: 4})
+	p, err := open(Config{Endpoint: "tcp://127.0.0.1:0", Topic: "t", QueueEvents: 4, Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -181,3 +181,61 @@ func PagesFromDisk(ns *store.Namespace, workers int) ([]layout.Page, DiskStats, 
 	}
 	return pages, ds, nil
 }
+
+// StoreSnapshotStats reports what SnapshotStore did.
+type StoreSnapshotStats struct {
+	Namespaces int // namespaces announced
+	Snapshot   SnapshotStats
+	Disk       DiskStats
+}
+
+// SnapshotStore announces the stored pages of every namespace of st (or
+// of Config.Namespace alone) as Snapshot does, reading each namespace's
+// page files with PagesFromDisk (workers goroutines, 0: GOMAXPROCS): what
+// an engine runs after its index rebuild at start, so that a router is
+// warm before the first request, and on request. A namespace removed
+// while it runs is skipped; a missing root announces nothing. Errors:
+// ctx's, ErrClosed, a listing's (the stats count what was announced).
+func (p *Publisher) SnapshotStore(ctx context.Context, st *store.Store, workers int) (StoreSnapshotStats, error) {
+	var ss StoreSnapshotStats
+	names, _, err := st.Namespaces(false)
+	if err != nil {
+		if vfs.IsNotExist(err) {
+			return ss, nil
+		}
+		return ss, fmt.Errorf("events: %w", err)
+	}
+	for _, name := range names {
+		if !p.announces(name) {
+			continue
+		}
+		if err := ctx.Err(); err != nil {
+			return ss, err
+		}
+		ns, err := st.Namespace(name)
+		if err != nil {
+			return ss, fmt.Errorf("events: %w", err)
+		}
+		pages, ds, err := PagesFromDisk(ns, workers)
+		if err != nil {
+			if vfs.IsNotExist(err) { // removed since the root was listed
+				continue
+			}
+			return ss, err
+		}
+		ss.Disk.Files += ds.Files
+		ss.Disk.Unreadable += ds.Unreadable
+		ss.Disk.Vanished += ds.Vanished
+		s, err := p.Snapshot(ctx, name, pages)
+		ss.Snapshot.Pages += s.Pages
+		ss.Snapshot.Events += s.Events
+		ss.Snapshot.Leaves += s.Leaves
+		ss.Snapshot.Orphans += s.Orphans
+		ss.Snapshot.Duplicates += s.Duplicates
+		if err != nil {
+			return ss, err
+		}
+		ss.Namespaces++
+	}
+	return ss, nil
+}
