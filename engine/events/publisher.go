@@ -299,6 +299,16 @@ func (p *Publisher) ReplayAddr() net.Addr {
 	return p.router.Addr()
 }
 
+// Subscriptions returns the topic prefixes the PUB socket's subscribers
+// have asked for, sorted: empty when nobody listens (or a dialled peer has
+// not subscribed yet).
+func (p *Publisher) Subscriptions() []string {
+	if t, ok := p.pub.(zmq4.Topics); ok {
+		return t.Topics()
+	}
+	return nil
+}
+
 // Stats returns the counters.
 func (p *Publisher) Stats() Stats {
 	return Stats{
