@@ -83,3 +83,20 @@ func BenchmarkPagesFromDisk(b *testing.B) {
 	}
 	b.ReportMetric(float64(time.Since(start).Nanoseconds())/float64(b.N)/files, "ns/page")
 }
+
+// BenchmarkStored is what a save of 8,192 tokens (32 pages of 256) pays
+// on its own goroutine to announce its chain: grouping, hashing to 64
+// bits, encoding and offering (the publisher's goroutine sends it).
+func BenchmarkStored(b *testing.B) {
+	pages := chain(b, "bench-model", benchP, tokensOf(7, 32*benchP))
+	p := newPub(b, Config{Topic: "t"})
+	b.ResetTimer()
+	for b.Loop() {
+		p.Stored("ns", pages...)
+	}
+	b.StopTimer()
+	if err := p.Flush(context.Background()); err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(p.Stats().Dropped), "dropped")
+}
