@@ -131,9 +131,10 @@ type DiskStats struct {
 
 // PagesFromDisk reads the page object (key, parent, identity, page size,
 // token ids) of every page file of namespace ns, for Snapshot: it lists
-// pages/ (store.Namespace.ListPages) and decodes each file's header
-// (layout.Decode: no tensor data is read) on up to workers goroutines
-// (0: GOMAXPROCS), all joined before it returns. The pages come in the
+// pages/ (store.Namespace.ListPages) and reads each file's page object
+// (layout.ReadPage: header hash and key chain verified, tensors not read)
+// on up to workers goroutines (0: GOMAXPROCS), all joined before it
+// returns. The pages come in the
 // listing's order; files that do not decode, or whose key is not their
 // name, are skipped and counted. Errors: the listing's.
 func PagesFromDisk(ns *store.Namespace, workers int) ([]layout.Page, DiskStats, error) {
@@ -147,6 +148,7 @@ func PagesFromDisk(ns *store.Namespace, workers int) ([]layout.Page, DiskStats, 
 		workers = runtime.GOMAXPROCS(0)
 	}
 	workers = min(workers, max(1, len(l.Pages)))
+	fsys := ns.Store().FS()
 	got := make([]*layout.Page, len(l.Pages))
 	errs := make([]error, len(l.Pages))
 	var wg sync.WaitGroup
@@ -155,14 +157,14 @@ func PagesFromDisk(ns *store.Namespace, workers int) ([]layout.Page, DiskStats, 
 		go func() {
 			defer wg.Done()
 			for i := w; i < len(l.Pages); i += workers {
-				snap, err := ns.DecodePage(l.Pages[i].Path)
+				pg, err := readPage(fsys, l.Pages[i].Path)
 				switch {
 				case err != nil:
 					errs[i] = err
-				case snap.Page == nil || snap.Page.Key.String() != l.Pages[i].Key:
-					errs[i] = fmt.Errorf("page file %s does not hold page %s", l.Pages[i].Path, l.Pages[i].Key)
+				case pg.Key.String() != l.Pages[i].Key:
+					errs[i] = fmt.Errorf("page file %s holds page %s", l.Pages[i].Path, pg.Key)
 				default:
-					got[i] = snap.Page
+					got[i] = pg
 				}
 			}
 		}()
@@ -238,4 +240,13 @@ func (p *Publisher) SnapshotStore(ctx context.Context, st *store.Store, workers 
 		ss.Namespaces++
 	}
 	return ss, nil
+}
+
+func readPage(fsys vfs.FS, path string) (*layout.Page, error) {
+	f, err := fsys.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	return layout.ReadPage(f, path)
 }
