@@ -91,6 +91,8 @@ type Config struct {
 	// with FormArray is an error.
 	Locality string
 	// DPRank is the data-parallel rank carried by every batch, >= 0.
+	// Unlike vLLM, which runs one publisher per rank in one process, the
+	// endpoints' ports are not offset by it.
 	DPRank int
 	// Form is how events are encoded; default FormArray.
 	Form Form
