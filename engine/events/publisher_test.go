@@ -448,3 +448,46 @@ func tokensBytes(ts []uint32) []byte {
 	}
 	return b
 }
+
+// With Connect the publisher dials a subscriber that listens (a router's
+// one SUB socket for its whole fleet).
+func TestConnectToSubscriber(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sk := zmq4.NewSub(ctx)
+	defer sk.Close()
+	if err := sk.Listen("tcp://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	if err := sk.SetOption(zmq4.OptionSubscribe, "kv@"); err != nil {
+		t.Fatal(err)
+	}
+	p := newPub(t, Config{Endpoint: "tcp://" + sk.Addr().String(), Connect: true, Topic: Topic("pod", "m")})
+	if p.Addr() != nil {
+		t.Fatalf("Addr %v with Connect, want nil", p.Addr())
+	}
+	for deadline := time.Now().Add(10 * time.Second); !slices.Contains(p.Subscriptions(), "kv@"); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the subscription never reached the publisher")
+		}
+	}
+	pages := chain(t, "id", 16, tokensOf(4, 16))
+	p.Stored("ns", pages...)
+	m, err := sk.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(m.Frames[0]) != "kv@pod@m" {
+		t.Fatalf("topic %q", m.Frames[0])
+	}
+	b := decodeBatch(t, m.Frames[2])
+	wantHash(t, "hash", stored(t, b.Events[0]).BlockHashes[0], hash64(pages[0].Key))
+	if err := p.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for { // zmq4's SUB reader hands the connection's end to Recv and waits for it
+		if _, err := sk.Recv(); err != nil {
+			break
+		}
+	}
+}
