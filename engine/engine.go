@@ -29,6 +29,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/events"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
@@ -149,6 +150,14 @@ type Config struct {
 	// namespace name; a namespace absent or with 0 has none. A namespace
 	// within its quota is never evicted for another namespace's save.
 	QuotaBytes map[string]int64
+
+	// Events, when set, publishes the prefix cache's pages as KV events
+	// in vLLM's wire format over ZMQ, for the fleet's routers (PUB and
+	// replay endpoints, topic, medium, locality, data-parallel rank: see
+	// events.Config and docs/format/kv-events.md). New announces the pages
+	// on disk in the background once the index is rebuilt; AnnounceSnapshot
+	// does it on request. nil: none.
+	Events *events.Config
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -183,6 +192,7 @@ type Engine struct {
 	tierOnce sync.Once
 	pc       *pageCache // the bounded page cache: accounting, eviction, checkpoints (cache.go)
 	pcOnce   sync.Once
+	ev       *engineEvents // the KV events publisher; nil without Config.Events (events.go)
 }
 
 type stats struct {
@@ -252,6 +262,16 @@ func New(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
+	ev, err := openEvents(cfg)
+	if err != nil {
+		return nil, err
+	}
+	started := false
+	defer func() {
+		if !started && ev != nil {
+			_ = ev.pub.Close()
+		}
+	}()
 	// The prefix cache's index, from the page files' names.
 	pages, pst, err := pageindex.Build(st)
 	if err != nil {
@@ -261,6 +281,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg.Logger.Warn("kvpersist: entries under pages/ that are not page files", "count", len(pst.Skipped), "first", pst.Skipped[0])
 	}
 	e := &Engine{
+		ev:      ev,
 		pages:   pages,
 		cfg:     cfg,
 		store:   st,
@@ -329,6 +350,8 @@ func New(cfg Config) (*Engine, error) {
 	}
 	d := newDispatcher(e)
 	go d.run()
+	started = true
+	e.startEventsSnapshot()
 	return e, nil
 }
 
@@ -667,6 +690,7 @@ func (e *Engine) Close(ctx context.Context) error {
 			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
 		}
 	})
+	e.closeEvents() // after the page cache: its last removals are offered
 	// The pool's workers exit once released; wait for them only while ctx
 	// allows (every job has been acked by now).
 	switch perr := e.pool.ReleaseContext(ctx); {
