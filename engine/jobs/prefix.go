@@ -574,7 +574,7 @@ func pageExtent(fp *foundPage, t *layout.Tensor, dst *gather.View, group int, ve
 // across pages (O_DIRECT where the file system allows and the page is not
 // in the page cache), straight into each contiguous run of the view (one
 // preadv per request) when runs are at least MinRunBytes, else through
-// staging and a scatter; with Verify each tensor is hashed (xxh3-64) as it
+// staging and a scatter; unless NoVerify each tensor is hashed (xxh3-64) as it
 // streams in.
 //
 // What a destination holds afterwards, in its elements on axis -2 (every
@@ -597,7 +597,7 @@ func LoadPrefix(ctx context.Context, cfg *Config, req *LoadPrefixRequest) (*Pref
 }
 
 // LoadPrefixVerified is LoadPrefix for a caller that has just verified
-// some pages' bytes itself: with req.Verify, a page whose key verified
+// some pages' bytes itself: unless req.NoVerify, a page whose key verified
 // reports true is read without hashing its tensors again (its header, key,
 // parent, identity, page size, token ids, dtypes and shapes are still
 // checked as for any page). The engine's remote tier passes the pages its
@@ -793,7 +793,7 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 			fp.src.makeLazy(int64(nt))
 		}
 	}
-	exts, err := loadExtents(found, dests, req.Verify, verified)
+	exts, err := loadExtents(found, dests, !req.NoVerify, verified)
 	if err != nil {
 		return nil, m, err
 	}

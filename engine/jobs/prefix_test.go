@@ -159,7 +159,7 @@ func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *j
 func loadPrefix(t *testing.T, cfg *jobs.Config, ns string, toks []uint32, dest []jobs.TensorSpec, p int, verify bool) *jobs.PrefixResult {
 	t.Helper()
 	res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
+		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, NoVerify: !verify,
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -334,7 +334,7 @@ func TestPrefixCorruptAndMissingPages(t *testing.T) {
 			}
 		}
 	}
-	// Without verification the corrupt byte is loaded (what Verify is for).
+	// With NoVerify the corrupt byte is loaded (what verification is for).
 	_, dest = c.dests(1024)
 	if lr := loadPrefix(t, noSync(), ns, c.tokens, dest, 256, false); lr.Tokens != 800 {
 		t.Fatalf("unverified load: %+v", lr)
@@ -389,7 +389,7 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	for _, tc := range cases {
 		bufs, dest := c.dests(768)
 		_, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256,
 		})
 		if !errors.Is(err, tc.want) {
 			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
@@ -552,7 +552,7 @@ func TestPrefixLoadFaults(t *testing.T) {
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			bufs, dest := c.dests(768)
 			res, _, err := jobs.LoadPrefix(context.Background(), inRoot(&jobs.Config{FS: ffs}, ns), &jobs.LoadPrefixRequest{
-				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 			})
 			hit := len(ffs.Injected()) > 0
 			if !hit {
@@ -626,7 +626,7 @@ func TestPrefixProgress(t *testing.T) {
 		sum, calls = 0, 0
 		bufs, dest := c.dests(768)
 		res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Progress: progress,
 		})
 		if err != nil {
 			t.Fatal(err)
@@ -654,7 +654,7 @@ func TestPrefixLoadVerifiedSkipsOnlyNamedPages(t *testing.T) {
 	load := func(verified func(layout.PageKey) bool) (*jobs.PrefixResult, [][]byte) {
 		bufs, dest := c.dests(1024)
 		lr, _, err := jobs.LoadPrefixVerified(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 		}, verified)
 		if err != nil {
 			t.Fatal(err)
@@ -722,7 +722,7 @@ func TestPrefixPlannedSaveAndChainLoad(t *testing.T) {
 	load := func(keys []layout.PageKey) (*jobs.PrefixResult, [][]byte, error) {
 		bufs, dest := c.dests(700)
 		lr, _, err := jobs.LoadPrefixChain(context.Background(), cfg, &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 		}, keys, nil)
 		return lr, bufs, err
 	}

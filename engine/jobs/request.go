@@ -103,11 +103,16 @@ type ReadRequest struct {
 	// the header of Stat: check Header.TotalBytes against what you can
 	// allocate first).
 	Dest [][]byte
-	// Verify re-hashes what was read: xxh3-64 per tensor (single file,
-	// page manifest), per block against the xxh3-64 the manifest records
-	// (block layout, formatVersion 8), SHA-256 per block against its name
-	// (formatVersion 5 manifests: the Bun worker's, kvpersist's older ones).
-	Verify bool
+	// NoVerify skips re-hashing what was read. The zero value verifies:
+	// xxh3-64 per tensor (single file, page manifest), per block against
+	// the xxh3-64 the manifest records (block layout, formatVersion 8),
+	// SHA-256 per block against its name (formatVersion 5 manifests: the
+	// Bun worker's, kvpersist's older ones); a tensor whose bytes do not
+	// match fails with ErrCorrupt (in a *ReadError). Set NoVerify only
+	// where a wrong byte cannot reach a model (benchmarks of the raw read
+	// path): the headers' shapes and dtypes are still checked, the tensor
+	// bytes are not.
+	NoVerify bool
 	// Expect, when non-nil, is the header the caller allocated for (from an
 	// earlier Stat): every slot's dtype and shape must still match, else
 	// ErrMismatch (the snapshot was replaced in between).

@@ -73,7 +73,7 @@ func TestPrefixScatterThenLoad(t *testing.T) {
 	keys := res.Keys
 	cfg := inRoot(&jobs.Config{NoDirect: true}, ns)
 	newReq := func(dest []jobs.TensorSpec) *jobs.LoadPrefixRequest {
-		return &jobs.LoadPrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true}
+		return &jobs.LoadPrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256}
 	}
 
 	t.Run("scattered-pages-not-opened", func(t *testing.T) {
