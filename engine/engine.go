@@ -72,12 +72,14 @@ type Config struct {
 	NoSync bool
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
-	// means jobs.DefaultTempGrace (10 minutes).
+	// means jobs.DefaultTempGrace (10 minutes), jobs.NoTempGrace none.
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
-	// Logger receives job events at debug level and failures at warn;
-	// nil means slog.Default().
+	// Logger receives job events at debug level, failed jobs included (a
+	// job's error is its Result's, never also a warning), and at warn
+	// level only what no ack reports (background eviction, checkpoints,
+	// uploads); nil means slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
 	// bytes): usually a *metrics.Recorder, registered in the scheduler's

@@ -143,8 +143,9 @@ type CollectRequest struct {
 	// be deleted.
 	DryRun bool
 	// TempGrace: temp files younger than this are kept. 0 means the
-	// engine's Config.TempGrace, else DefaultTempGrace; a negative value
-	// removes every temp file (only when no writer can be running).
+	// engine's Config.TempGrace, else DefaultTempGrace; NoTempGrace (any
+	// negative value) removes every temp file (only when no writer can be
+	// running).
 	TempGrace time.Duration
 	// BlockGrace: unreferenced blocks whose file was written less than this
 	// long ago (by mtime) are kept: a second line of defence for writers that
