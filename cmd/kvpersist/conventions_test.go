@@ -10,8 +10,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-
-	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // A usage error says what is wrong on its first line, then prints the
@@ -150,14 +148,7 @@ func TestExitStatusesOfTheBinary(t *testing.T) {
 		t.Errorf("ls with two roots: exit %d", got)
 	}
 
-	st, err := store.Open(root, store.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ns, err := st.Namespace("a")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ns := namespaceOf(t, root, "a")
 	unlock, err := ns.Lock(context.Background(), false) // shared: gc needs it exclusively
 	if err != nil {
 		t.Fatal(err)

@@ -7,7 +7,8 @@
 // unswept, the demo found a mismatch); 2 usage or I/O error (and refusals,
 // such as synth asking for more memory than the machine has); 130 when
 // interrupted (SIGINT or SIGTERM: the command stops at its next
-// cancellation point; a second signal kills the process at once).
+// cancellation point, or is ended windDown after the signal if it has not
+// stopped by then; a second signal kills the process at once).
 package main
 
 import (
@@ -21,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -85,21 +87,31 @@ type commandError struct{ err error }
 func (e commandError) Error() string { return e.err.Error() }
 func (e commandError) Unwrap() error { return e.err }
 
+// windDown is how long a command may take to stop after SIGINT or SIGTERM
+// before the process exits 130 without it: a wait that cannot be cancelled
+// (an open(2) of a FIFO where a lock file belongs) must not make the
+// signal look ignored. Ending the process there is as safe as a kill,
+// which every file kvpersist publishes (by rename) survives.
+const windDown = 5 * time.Second
+
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	// After the first signal, restore the default handling so that a
 	// second one kills the process instead of being swallowed while the
-	// command winds down. The goroutine ends with the first signal or with
-	// the process.
+	// command winds down, and end the process if the command has not
+	// stopped within windDown. The goroutine ends with the process.
 	go func() {
 		<-ctx.Done()
 		stop()
+		time.Sleep(windDown)
+		fmt.Fprintf(os.Stderr, "kvpersist: interrupted; the command did not stop within %v\n", windDown)
+		os.Exit(exitInterrupted)
 	}()
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr, isTerminal(os.Stderr)))
 }
 
 // run runs the command line args and returns the exit status. An ended ctx
-// (an interrupt) turns a failed command's status into 130.
+// (an interrupt) makes it 130 whatever the command's outcome.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool) int {
 	c := &cli{stdout: stdout, stderr: stderr, tty: tty,
 		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
@@ -112,7 +124,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool)
 		cmd = root
 	}
 	code := c.exitCode(cmd, err)
-	if code != exitOK && ctx.Err() != nil {
+	if ctx.Err() != nil {
 		return exitInterrupted
 	}
 	return code
