@@ -83,7 +83,8 @@ type Config struct {
 	Logger *slog.Logger
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
 	// bytes): usually a *metrics.Recorder, registered in the scheduler's
-	// Prometheus registry. nil: none.
+	// Prometheus registry, whose cache gauges New points at this engine's
+	// Usage (UsageSink). nil: none.
 	Metrics MetricsSink
 	// ReadDepth is how many read requests one restore keeps in flight;
 	// default jobs.DefaultReadDepth (see jobs.ReadExtents). NoDirect turns
@@ -327,6 +328,9 @@ func New(cfg Config) (*Engine, error) {
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
 		e.tier.resume() // the uploads an earlier engine left pending (remote_journal.go)
+	}
+	if s, ok := cfg.Metrics.(UsageSink); ok {
+		s.SetUsage(e.Usage)
 	}
 	d := newDispatcher(e)
 	go d.run()
