@@ -373,7 +373,7 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 		b.Fatal(err)
 	}
 	c := newColdState(b, snap, path, int64(w.logical))
-	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Verify: true, Expect: snap.Header}
+	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Expect: snap.Header}
 	c.evict(b)
 	if n, err := residentPages(c.files); err != nil || n > len(c.files) {
 		b.Fatalf("after evicting: %d pages of the snapshot still cached (%v)", n, err)

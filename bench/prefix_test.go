@@ -69,6 +69,9 @@ func savePrefixReq(c *kvgen.Cache, toks []uint32) *engine.SavePrefixRequest {
 //     capacity-padded views (8,448 tokens), page files in the page cache;
 //     against pread + xxh3-64 of the same extents on every core into
 //     contiguous buffers; target >= 0.75;
+//   - load-warm-noverify: the same warm load with NoVerify (no xxh3-64 of
+//     the tensors), against pread alone of the same extents on every
+//     core: with load-warm-verified it tells what verification costs;
 //   - load-cold-verified: the same load with the page files evicted from
 //     the page cache before each iteration (as BenchmarkRestoreCold),
 //     against O_DIRECT reads of the same page tensor extents at the best
@@ -79,8 +82,9 @@ func BenchmarkPrefix(b *testing.B) {
 	local := func(root string) *engine.Engine { return newEngine(b, root, false) }
 	b.Run("save-empty", func(b *testing.B) { benchPrefixSaveEmpty(b, w, local) })
 	b.Run("save-grow", func(b *testing.B) { benchPrefixSaveGrow(b, w, local) })
-	b.Run("load-warm-verified", func(b *testing.B) { benchPrefixLoad(b, w, false) })
-	b.Run("load-cold-verified", func(b *testing.B) { benchPrefixLoad(b, w, true) })
+	b.Run("load-warm-verified", func(b *testing.B) { benchPrefixLoad(b, w, false, true) })
+	b.Run("load-warm-noverify", func(b *testing.B) { benchPrefixLoad(b, w, false, false) })
+	b.Run("load-cold-verified", func(b *testing.B) { benchPrefixLoad(b, w, true, true) })
 }
 
 // benchPrefixSaveEmpty is the save-empty row of an engine on root made
@@ -165,7 +169,7 @@ type pageExtent struct {
 	hash  string
 }
 
-func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
+func benchPrefixLoad(b *testing.B, w *workload, cold, verify bool) {
 	root := mkdir(b, "prefix-load")
 	e := newEngine(b, root, false)
 	defer closeEngine(b, e)
@@ -208,7 +212,7 @@ func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
 			Strides: []int{m.KVHeads * capT * m.HeadDim, capT * m.HeadDim, m.HeadDim, 1}, ItemSize: m.ItemSize,
 		}}
 	}
-	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest, Verify: true}
+	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest, NoVerify: !verify}
 	logical := int64(2 * m.Layers * m.TensorBytes(prefixTokens))
 	var c *coldState
 	var direct, async, read int64
@@ -221,7 +225,7 @@ func benchPrefixLoad(b *testing.B, w *workload, cold bool) {
 			direct, async, read = res.Metrics.DirectReadBytes, res.Metrics.AsyncReadBytes, res.Metrics.ReadBytes
 		},
 		limit: func(int) {
-			if err := preadHashLimit(ext, dst); err != nil {
+			if err := preadHashLimit(ext, dst, verify); err != nil {
 				b.Fatal(err)
 			}
 		},
@@ -284,10 +288,10 @@ func warmFiles(b *testing.B, files []string) {
 	}
 }
 
-// preadHashLimit is the verified-load limit: pread of every extent into
-// its contiguous buffer and xxh3-64 of it, on every core; each hash is
-// checked (the limit reads the bytes the engine reads).
-func preadHashLimit(ext []pageExtent, dst [][]byte) error {
+// preadHashLimit is the load limit: pread of every extent into its
+// contiguous buffer and, with hash, xxh3-64 of it, on every core; each
+// hash is checked (the limit reads the bytes the engine reads).
+func preadHashLimit(ext []pageExtent, dst [][]byte, hash bool) error {
 	files := map[string]*os.File{}
 	for _, x := range ext {
 		if files[x.path] == nil {
@@ -316,7 +320,7 @@ func preadHashLimit(ext []pageExtent, dst [][]byte) error {
 			}
 			b, off = b[n:], off+int64(n)
 		}
-		if layout.TensorHash(xxh3.Hash(dst[i][:x.bytes])) != x.hash {
+		if hash && layout.TensorHash(xxh3.Hash(dst[i][:x.bytes])) != x.hash {
 			return fmt.Errorf("%s: hash differs", x.path)
 		}
 		return nil

@@ -55,7 +55,7 @@ func TestColdReadsAsync(t *testing.T) {
 				}
 				ctx, cancel := context.WithCancel(bg)
 				timer := time.AfterFunc(time.Duration(rng.IntN(30000))*time.Microsecond, cancel)
-				r := e.Do(ctx, &ReadRequest{Ref: ref, Dest: destOf(m, tokens), Verify: true})
+				r := e.Do(ctx, &ReadRequest{Ref: ref, Dest: destOf(m, tokens)})
 				timer.Stop()
 				cancel()
 				if n := e.jcfg.Async.InFlight(); n != 0 {

@@ -74,16 +74,19 @@ type Config struct {
 	NoSync bool
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
-	// means jobs.DefaultTempGrace (10 minutes).
+	// means jobs.DefaultTempGrace (10 minutes), jobs.NoTempGrace none.
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
-	// Logger receives job events at debug level and failures at warn;
-	// nil means slog.Default().
+	// Logger receives job events at debug level, failed jobs included (a
+	// job's error is its Result's, never also a warning), and at warn
+	// level only what no ack reports (background eviction, checkpoints,
+	// uploads); nil means slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
 	// bytes): usually a *metrics.Recorder, registered in the scheduler's
-	// Prometheus registry. nil: none.
+	// Prometheus registry, whose cache gauges New points at this engine's
+	// Usage (UsageSink). nil: none.
 	Metrics MetricsSink
 	// ReadDepth is how many read requests one restore keeps in flight;
 	// default readio.DefaultReadDepth (see readio.Read). NoDirect turns
@@ -347,6 +350,9 @@ func New(cfg Config) (*Engine, error) {
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
 		e.tier.resume() // the uploads an earlier engine left pending (remote_journal.go)
+	}
+	if s, ok := cfg.Metrics.(UsageSink); ok {
+		s.SetUsage(e.Usage)
 	}
 	d := newDispatcher(e)
 	go d.run()

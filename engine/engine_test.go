@@ -53,7 +53,7 @@ func TestSubmitWriteReadCollect(t *testing.T) {
 		}
 
 		dest := destOf(m, T)
-		rj := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: w.Header})
+		rj := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: dest, Expect: w.Header})
 		r := ackOK(t, rj)
 		if r.Kind != KindRead || r.Ref != ref || r.Header == nil || r.ID == wj.ID {
 			t.Fatalf("read result: id %d kind %v ref %v header %v", r.ID, r.Kind, r.Ref, r.Header)
@@ -111,7 +111,7 @@ func TestAckMultiplex(t *testing.T) {
 	for i := range 12 {
 		ref := refOf("mux", "w"+string(rune('a'+i)))
 		d := destOf(m, 40)
-		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d, Verify: true}, AckTo(acks))
+		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d}, AckTo(acks))
 		ids[j.ID], dests[j.ID] = "read "+ref.String(), d
 	}
 	for range 12 {

@@ -50,6 +50,13 @@ type MetricsSink interface {
 	RemoteUploadEvicted(pages int64)
 }
 
+// UsageSink is a MetricsSink that also shows the page cache's accounting
+// (*metrics.Recorder's cache gauges): engine.New hands it the engine's
+// Usage, so the gauges need no wiring by the embedder.
+type UsageSink interface {
+	SetUsage(usage func() Usage)
+}
+
 // NopMetrics is a MetricsSink that records nothing. Embed it in a sink of
 // your own to implement only the methods you need: methods added to
 // MetricsSink later then keep your sink compiling.

@@ -50,7 +50,7 @@ func (l *limitFlags) parse() error {
 			return fmt.Errorf("--quota %q: want NAMESPACE=SIZE", q)
 		}
 		if err := layout.ValidName("namespace", ns); err != nil {
-			return fmt.Errorf("--quota %q: %v", q, err)
+			return fmt.Errorf("--quota %q: %w", q, err)
 		}
 		if _, dup := l.quotaBytes[ns]; dup {
 			return fmt.Errorf("--quota: namespace %q given twice", ns)
@@ -245,18 +245,18 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, capacityBytes, headroomBytes, usedBytes, overCapacityBytes, fileSystem, namespaces: [row], total: row, skipped}, byte counts exact, times RFC 3339")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
 	lim.register(fs)
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		if err := lim.parse(); err != nil {
-			return c.usageError(cmd, "%v", err)
+			return usage(cmd, "%v", err)
 		}
 		root := args[0]
 		st, listings, skipped, err := listStore(ctx, root)
 		if err != nil {
-			return c.fail("stats: %s", quote(err.Error()))
+			return fmt.Errorf("stats: %s", quote(err.Error()))
 		}
 		rows, total, cr, err := lim.measureCache(st, listings, time.Now())
 		if err != nil {
-			return c.fail("stats: %s", quote(err.Error()))
+			return fmt.Errorf("stats: %s", quote(err.Error()))
 		}
 		rep := statsReport{Root: root, cacheReport: cr, Namespaces: rows, Total: total, Skipped: skipped}
 		if rep.Skipped == nil {
@@ -264,7 +264,7 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 		}
 		if *asJSON {
 			if err := c.writeJSON(rep); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			size := sizer(*exact)
@@ -289,9 +289,9 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 			}
 		}
 		if total.Unreadable > 0 || badRecency(rows) {
-			return exitProblems
+			return errProblems
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }

@@ -86,24 +86,20 @@ after the client's retries).`,
 	rf := addRemoteFlags(fs)
 	cmd.Args = rf.args(cobra.ExactArgs(1))
 	asJSON := fs.Bool("json", false, "print a JSON report: {target, clean, problems: [{kind, path, detail}], checked, notes, skipped}")
-	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "report temp files older than this as stale (0: every temp file)")
+	tempGrace := addTempGrace(fs, jobs.DefaultTempGrace, "report temp files older than this as stale")
 	noLock := fs.Bool("no-lock", false, "do not wait for the namespace lock (writes in progress may then show as orphan blocks)")
 	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines re-hashing in parallel")
-	runs(cmd, func(ctx context.Context, args []string) int {
-		if *workers < 1 || *tempGrace < 0 {
-			return c.usageError(cmd, "--workers must be at least 1 and --temp-grace not negative")
+	runs(cmd, func(ctx context.Context, args []string) error {
+		if *workers < 1 {
+			return usage(cmd, "--workers must be at least 1")
 		}
 		if rf.on {
 			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON)
 		}
 		if msg := rf.check(cmd); msg != "" {
-			return c.usageError(cmd, "%s", msg)
+			return usage(cmd, "%s", msg)
 		}
 		target := args[0]
-		tg := *tempGrace
-		if tg == 0 {
-			tg = -1 // jobs: negative reports every temp file; 0 would mean the default
-		}
 		var bar *progress
 		defer func() {
 			if bar != nil {
@@ -114,7 +110,7 @@ after the client's retries).`,
 		if *workers == 1 {
 			cfg.Spawn = nil
 		}
-		res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
+		res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: *tempGrace,
 			OnPlan:     func(total int64) { bar = c.progress(total, "verify") },
 			OnProgress: func(n int64) { bar.Add(n) },
 			OnLockWait: func(nsDir string) {
@@ -122,7 +118,7 @@ after the client's retries).`,
 			},
 		})
 		if err != nil {
-			return c.fail("verify: %s", quote(err.Error()))
+			return fmt.Errorf("verify: %s", quote(err.Error()))
 		}
 		r := &verifyReport{Target: target, Problems: res.Problems, Checked: res.Checked, Notes: res.Notes, Skipped: res.Skipped}
 		for _, p := range r.Problems {
@@ -142,17 +138,17 @@ after the client's retries).`,
 		r.Clean = len(r.Problems) == 0
 		if *asJSON {
 			if err := c.writeJSON(r); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			printVerify(c, r)
 		}
-		exit := exitOK
+		var exit error
 		for _, p := range r.Problems {
 			if p.Kind == jobs.ProblemIO {
-				return exitUsage
+				return errReported
 			}
-			exit = exitProblems
+			exit = errProblems
 		}
 		return exit
 	})

@@ -297,7 +297,7 @@ func (l *prefixLoad) batch(ctx context.Context, pg SourcePage) error {
 			}
 		}
 	}
-	exts, err := loadExtents(found, l.dests, l.req.Verify)
+	exts, err := loadExtents(found, l.dests, !l.req.NoVerify)
 	if err != nil {
 		return err
 	}

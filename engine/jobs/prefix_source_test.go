@@ -117,7 +117,7 @@ func TestPrefixLoadFromSource(t *testing.T) {
 	keys := savePrefix(t, noSync(), ns, c, 700, 256).Keys
 	cfg := inRoot(&jobs.Config{NoDirect: true}, ns)
 	newReq := func(dest []jobs.TensorSpec) *jobs.LoadPrefixRequest {
-		return &jobs.LoadPrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true}
+		return &jobs.LoadPrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256}
 	}
 
 	t.Run("handed-pages-not-opened", func(t *testing.T) {
@@ -290,7 +290,7 @@ func TestPrefixLoadSkipsHashOfVerifiedPages(t *testing.T) {
 		defer src.closeLeft()
 		_, dest := c.dests(1024)
 		lr, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 		}, src)
 		if err != nil {
 			t.Fatal(err)

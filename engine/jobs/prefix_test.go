@@ -158,7 +158,7 @@ func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *j
 func loadPrefix(t *testing.T, cfg *jobs.Config, ns string, toks []uint32, dest []jobs.TensorSpec, p int, verify bool) *jobs.PrefixResult {
 	t.Helper()
 	res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
+		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, NoVerify: !verify,
 	}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -388,7 +388,7 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	for _, tc := range cases {
 		bufs, dest := c.dests(768)
 		_, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256,
 		}, nil)
 		if !errors.Is(err, tc.want) {
 			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
@@ -551,7 +551,7 @@ func TestPrefixLoadFaults(t *testing.T) {
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			bufs, dest := c.dests(768)
 			res, _, err := jobs.LoadPrefix(context.Background(), inRoot(&jobs.Config{FS: ffs}, ns), &jobs.LoadPrefixRequest{
-				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 			}, nil)
 			hit := len(ffs.Injected()) > 0
 			if !hit {
@@ -625,7 +625,7 @@ func TestPrefixProgress(t *testing.T) {
 		sum, calls = 0, 0
 		bufs, dest := c.dests(768)
 		res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Progress: progress,
 		}, nil)
 		if err != nil {
 			t.Fatal(err)

@@ -126,8 +126,8 @@ func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
 //   - a *ReadError from reading (ErrCorrupt, an I/O error, a block that
 //     cannot be opened to be read or is no longer a regular file of its
 //     size: ErrBlockSize): the tensors it names hold unspecified bytes (a mix of their old contents and the
-//     file's); every other tensor was read completely (and verified, with
-//     Verify);
+//     file's); every other tensor was read completely (and verified, unless
+//     NoVerify);
 //   - ctx's error: every destination holds unspecified bytes.
 //
 // The destinations are not touched after Read returns.
@@ -182,9 +182,9 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 		}
 		defer src.Close()
-		exts = tensorExtents(snap, src, spec.Dest, spec.Verify)
+		exts = tensorExtents(snap, src, spec.Dest, !spec.NoVerify)
 	case layout.Pages:
-		pr, err := pagedExtents(cfg, f, snap, spec.Dest, spec.Verify)
+		pr, err := pagedExtents(cfg, f, snap, spec.Dest, !spec.NoVerify)
 		defer pr.close()
 		if err != nil {
 			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
@@ -196,11 +196,11 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 		if err != nil {
 			return snap, m, err
 		}
-		exts = blocks.extents(snap, spec.Dest, spec.Verify)
+		exts = blocks.extents(snap, spec.Dest, !spec.NoVerify)
 	}
 	errs, st, err := readio.Read(ctx, cfg.reads(), exts, nil)
 	m.addReads(st)
-	if err == nil && snap.Legacy && snap.Layout == layout.Single && spec.Verify {
+	if err == nil && snap.Legacy && snap.Layout == layout.Single && !spec.NoVerify {
 		// Bun.hash has no streaming form here: hash each tensor once read.
 		for k, x := range exts {
 			if t := slots[x.Group]; errs[k] == nil && bunhash.Hex(x.Dst) != t.Hash {

@@ -207,7 +207,7 @@ func TestReadAsyncBothLayoutsAndPages(t *testing.T) {
 	bufs, dest := c.dests(1024)
 	cfg := inRoot(&jobs.Config{Async: a}, ns)
 	res, m, err := jobs.LoadPrefix(context.Background(), cfg, &jobs.LoadPrefixRequest{
-		Namespace: "pages-ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
+		Namespace: "pages-ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
 	}, nil)
 	if err != nil || res.Tokens != 700 {
 		t.Fatalf("load: %+v, %v", res, err)

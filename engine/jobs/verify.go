@@ -129,7 +129,8 @@ type VerifySpec struct {
 	// or not it has blocks/.
 	Target string
 	// TempGrace: temp files older than this are reported stale (root and
-	// namespace targets); 0 means DefaultTempGrace, negative every temp file.
+	// namespace targets); 0 means DefaultTempGrace, NoTempGrace (any
+	// negative value) every temp file.
 	TempGrace time.Duration
 	// Now is the clock for TempGrace; zero means time.Now().
 	Now time.Time

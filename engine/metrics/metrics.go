@@ -80,9 +80,12 @@ type Options struct {
 	// increasing, finite, > 0; nil means DefaultLatencyBuckets.
 	LatencyBuckets []float64
 	// Usage, when set, is called at each scrape and snapshot for the page
-	// cache's accounting (engine.Engine.Usage, evict.Cache.Usage): the
-	// capacity and per-namespace gauges. It must be safe for concurrent
-	// use.
+	// cache's accounting (evict.Cache.Usage, say): the capacity and
+	// per-namespace gauges. It must be safe for concurrent use. Leave it
+	// nil for an engine's Recorder: engine.New sets it to the engine's
+	// own Usage (SetUsage) when given the Recorder as Config.Metrics. A
+	// method value such as eng.Usage taken before engine.New returned
+	// binds a nil engine, whose Usage is zero.
 	Usage func() evict.Usage
 	// MaxNamespaces bounds the series of the per-namespace gauges
 	// (kvpersist_cache_used_bytes, kvpersist_cache_pages,
@@ -121,7 +124,7 @@ type Recorder struct {
 	evPages    [evict.ReasonShrink + 1]atomic.Int64
 	evBytes    [evict.ReasonShrink + 1]atomic.Int64
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
-	usage      func() evict.Usage
+	usage      atomic.Pointer[func() evict.Usage] // nil: no cache gauges
 	maxNS      int
 
 	// The object-store tier (see RemoteOp).
@@ -177,7 +180,8 @@ func New(opts Options) (*Recorder, error) {
 	if opts.MaxNamespaces < 0 {
 		return nil, fmt.Errorf("%w: MaxNamespaces %d (want 0, the default %d, or more)", ErrOptions, opts.MaxNamespaces, DefaultMaxNamespaces)
 	}
-	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage, maxNS: opts.MaxNamespaces}
+	r := &Recorder{boundsSec: slices.Clone(b), maxNS: opts.MaxNamespaces}
+	r.SetUsage(opts.Usage)
 	if r.maxNS == 0 {
 		r.maxNS = DefaultMaxNamespaces
 	}
@@ -194,6 +198,21 @@ func New(opts Options) (*Recorder, error) {
 		r.remoteLatency[k].counts = make([]atomic.Uint64, len(b)+1)
 	}
 	return r, nil
+}
+
+// SetUsage sets what the cache gauges read at each scrape and snapshot,
+// as Options.Usage (nil: no cache gauges), replacing the earlier one; safe
+// while the Recorder is scraped. engine.New calls it with the engine's
+// Usage when the Recorder is its Config.Metrics. A nil Recorder ignores it.
+func (r *Recorder) SetUsage(usage func() evict.Usage) {
+	if r == nil {
+		return
+	}
+	if usage == nil {
+		r.usage.Store(nil)
+		return
+	}
+	r.usage.Store(&usage)
 }
 
 // observe adds one duration to h (whose buckets are r's).
@@ -387,7 +406,7 @@ func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector: every kind × outcome of
 // kvpersist_jobs_total (zeros included), a latency histogram per kind that
 // has run, the byte and token counters, every eviction reason and refusal
-// limit, and, with Options.Usage, the cache gauges. A nil Recorder
+// limit, and, with a Usage (see Options.Usage), the cache gauges. A nil Recorder
 // collects nothing.
 func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	if r == nil {
@@ -425,10 +444,11 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	if r.remoteUsed.Load() {
 		r.collectRemote(ch, emit)
 	}
-	if r.usage == nil {
+	usage := r.usage.Load()
+	if usage == nil {
 		return
 	}
-	u := r.usage()
+	u := (*usage)()
 	emit(descCapacity, prometheus.GaugeValue, float64(u.CapacityBytes))
 	emit(descReserved, prometheus.GaugeValue, float64(u.ReservedBytes))
 	for _, n := range boundNamespaces(u.Namespaces, r.maxNS) {
@@ -499,7 +519,7 @@ func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prome
 
 // Snapshot is the recorder's figures as a plain struct (JSON-ready, field
 // names in camelCase). Lists leave out zero counts; Cache is nil without
-// Options.Usage.
+// a Usage (Options.Usage, SetUsage, or the engine's).
 type Snapshot struct {
 	Jobs             []JobCount     `json:"jobs"`
 	Latency          []Latency      `json:"latency"`
@@ -635,8 +655,8 @@ func (r *Recorder) Snapshot() Snapshot {
 			s.Refused = append(s.Refused, RefusedCount{Limit: limit.String(), Count: n})
 		}
 	}
-	if r.usage != nil {
-		u := r.usage()
+	if usage := r.usage.Load(); usage != nil {
+		u := (*usage)()
 		s.Cache = &u
 	}
 	if !r.remoteUsed.Load() {

@@ -15,6 +15,7 @@
 package remote
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -75,10 +76,16 @@ const (
 
 // Config says where the remote tier lives and how to reach it.
 type Config struct {
-	// Endpoint is "host[:port]" (HTTPS) or a URL "https://host[:port]" or
-	// "http://host:port". Plain HTTP is allowed only when host is a
-	// loopback address ("localhost", 127.0.0.0/8, ::1): credentials and
-	// pages never cross a network unencrypted.
+	// Endpoint is "host[:port]" or "https://host[:port]" for HTTPS, or
+	// "http://host:port" for plain HTTP. A bare host:port always means
+	// HTTPS: a server that speaks plain HTTP (a local SeaweedFS, MinIO or
+	// other test server, which listen without TLS by default) must be
+	// given as an http:// URL, e.g. "http://127.0.0.1:8333" (the CLI's
+	// --insecure with host:port is the same). Plain HTTP is allowed only
+	// when host is a loopback address ("localhost", 127.0.0.0/8, ::1):
+	// credentials and pages never cross a network unencrypted. A plain-HTTP
+	// server given as host:port fails every request with ErrConfig, whose
+	// message says to use http://.
 	Endpoint string
 	// Bucket must exist; the tier never creates buckets.
 	Bucket string
@@ -220,6 +227,33 @@ func isNameChars(s string) bool {
 		}
 	}
 	return true
+}
+
+// plainHTTPHint turns the TLS error of an HTTPS request answered in plain
+// HTTP (an http:// server given as host:port) into ErrConfig naming the
+// fix, instead of a TLS record error every request would repeat (and
+// uploads retry).
+type plainHTTPHint struct {
+	next     http.RoundTripper
+	endpoint string // Config.Endpoint as given
+	host     string // its host:port
+}
+
+func (p plainHTTPHint) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := p.next.RoundTrip(r)
+	var re tls.RecordHeaderError
+	if err != nil && errors.As(err, &re) && string(re.RecordHeader[:]) == "HTTP/" {
+		return nil, fmt.Errorf("%w: Endpoint %q: the server answered HTTPS in plain HTTP; give a plain-HTTP server as http://%s (loopback hosts only)",
+			ErrConfig, p.endpoint, p.host)
+	}
+	return resp, err
+}
+
+// CloseIdleConnections closes next's idle connections (Store.Close).
+func (p plainHTTPHint) CloseIdleConnections() {
+	if c, ok := p.next.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
 }
 
 // serverClock remembers the Date header of the store's latest response, so

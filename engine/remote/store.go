@@ -76,6 +76,9 @@ func New(cfg Config) (*Store, error) {
 		t.MaxIdleConnsPerHost = max(c.Concurrency, 16)
 		next = t
 	}
+	if secure {
+		next = plainHTTPHint{next: next, endpoint: c.Endpoint, host: host}
+	}
 	clock := &serverClock{next: next}
 	cl, err := minio.New(host, &minio.Options{
 		Creds:        creds,

@@ -48,6 +48,12 @@ var ErrNamespace = errors.New("invalid namespace directory")
 // running, in this or another process.
 const DefaultTempGrace = 10 * time.Minute
 
+// NoTempGrace is the temp-file grace that keeps none back: every temp file
+// is stale whatever its age, so only for a store no writer can be using.
+// It is the explicit form of "no grace", since a grace of 0 means
+// DefaultTempGrace; any negative grace means the same.
+const NoTempGrace time.Duration = -1
+
 // Options are the policies of a Store.
 type Options struct {
 	// FS is the file system; nil means vfs.Default.

@@ -136,3 +136,23 @@ func EvictTree(tb TB, root string) {
 		tb.Fatal(err)
 	}
 }
+
+// FlipByte flips bit 4 of the byte at offset off of the file at path, in
+// place (size and name unchanged): the smallest corruption a verified read
+// must catch.
+func FlipByte(tb TB, path string, off int64) {
+	tb.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, off); err != nil {
+		tb.Fatal(err)
+	}
+	b[0] ^= 0x10
+	if _, err := f.WriteAt(b, off); err != nil {
+		tb.Fatal(err)
+	}
+}
