@@ -279,11 +279,6 @@ func (t *tier) closeUploads(ctx context.Context) error {
 	return t.l.Close(ctx, t.up.Close)
 }
 
-// isKnown reports whether page k of ns is known stored remotely: learnt
-// (uploaded, found by a HEAD or fetched) less than RemoteTier.RefreshAge
-// ago (uploads.Ledger.Known).
-func (t *tier) isKnown(ns string, k layout.PageKey) bool { return t.l.Known(ns, k) }
-
 // markKnown records page k of ns as stored remotely (at most
 // RemoteTier.KnownPages entries).
 func (t *tier) markKnown(ns string, k layout.PageKey) { t.l.MarkKnown(ns, k) }
