@@ -55,6 +55,40 @@ func TestSpilledPagesQueuedByRefills(t *testing.T) {
 	}
 }
 
+// TestRefillFindsSpilledRecordsStillInTheBatch: pages spilled while
+// their namespace's lock is held elsewhere (their queued records
+// deferred: still in the in-memory batch, not in the file a refill
+// reads) are not lost by a refill due meanwhile: the refill writes the
+// batches first, and a namespace whose batch could not be written stays
+// marked and is refilled once it can; every spilled page is queued.
+func TestRefillFindsSpilledRecordsStillInTheBatch(t *testing.T) {
+	e := newEnv(t, 1, false, uploads.Config{})
+	keys := testKeys(6)
+	e.writePages(t, "ns", keys...)
+	unlock, err := e.ns(t, "ns").Lock(bg, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.l.EnqueuePages("ns", keys) // one queued, five spilled, records deferred
+	if n, _ := os.ReadFile(e.ns(t, "ns").UploadsPath()); len(n) != 0 {
+		t.Fatalf("%d bytes written under another process's exclusive lock", len(n))
+	}
+	e.q.drain(e.l, 1, nil) // drained: a refill is due, the batch not written
+	if again := e.refill(t, "ns"); !again {
+		t.Fatal("a refill whose namespace's batch could not be written does not ask for another")
+	}
+	unlock()
+	for ended := 1; ended < len(keys); {
+		waitFor(t, "a page queued", func() bool { free, _ := e.q.Room(); return free == 0 })
+		ended += e.q.drain(e.l, 1, nil)
+	}
+	for i, k := range keys {
+		if n := e.q.submits(pageObject("ns", k)); n != 1 {
+			t.Errorf("page %d queued %d times, want once", i, n)
+		}
+	}
+}
+
 // TestRefillReadsWhatItQueues: a backlog of 1,000 pages spilled to the
 // journal by an upload queue of 8 is drained 4 uploads at a time, each
 // time followed by the Ledger's refill of the queue. Every page is queued exactly
