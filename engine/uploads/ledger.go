@@ -18,6 +18,7 @@
 package uploads
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -128,11 +129,15 @@ type Pending struct {
 	Keys  []layout.PageKey
 	Pages []*Pending
 
-	journaled bool          // the journal lists it already: no queued record
-	queued    bool          // the uploader accepted it (Ledger.mu)
-	done      chan struct{} // closed once it ended; err set before
-	err       error
-	started   atomic.Int64 // unix ns of its first attempt (MarkStarted)
+	journaled bool // the journal lists it already: no queued record
+	// relist: registered by a refill from an entry that a settled record
+	// beyond the refill's window may have made stale; spilled, it
+	// appends its queued record, so that a spilled page is always listed.
+	relist  bool
+	queued  bool          // the uploader accepted it (Ledger.mu)
+	done    chan struct{} // closed once it ended; err set before
+	err     error
+	started atomic.Int64 // unix ns of its first attempt (MarkStarted)
 }
 
 // Done is closed once the upload ended; Err is then its result.
@@ -328,16 +333,23 @@ func (l *Ledger) enqueue(ps []*Pending, durable bool) []*Pending {
 	var c *commit
 	l.mu.Lock()
 	for i, s := range steps {
-		if q := l.pending[s.p.Object]; q != nil {
+		p := s.p
+		if q := l.pending[p.Object]; q != nil {
 			if !q.IsManifest() {
 				// Queued already; the page may have been evicted and
 				// saved again since, which cleared its mark.
 				l.q.SetPending(q.NS, q.Key, true)
 			}
+			if q.journaled && durable {
+				// Registered from a journal entry, which a settled
+				// record read after it may have made stale: this
+				// save's own record lists it from here on.
+				q.journaled = false
+				c = cmp.Or(l.queuedLocked(q), c)
+			}
 			steps[i].p = q
 			continue
 		}
-		p := s.p
 		p.done = make(chan struct{})
 		l.pending[p.Object] = p
 		steps[i].fresh = true
@@ -345,13 +357,7 @@ func (l *Ledger) enqueue(ps []*Pending, durable bool) []*Pending {
 			l.q.SetPending(p.NS, p.Key, true)
 		}
 		if !p.journaled {
-			op, payload := OpPageQueued, p.Key[:]
-			if p.IsManifest() {
-				op, payload = OpManifestQueued, []byte(p.Manifest)
-			}
-			if cc := l.addLocked(p.NS, op, payload); cc != nil {
-				c = cc
-			}
+			c = cmp.Or(l.queuedLocked(p), c)
 		}
 	}
 	l.mu.Unlock()
@@ -369,6 +375,15 @@ func (l *Ledger) enqueue(ps []*Pending, durable bool) []*Pending {
 		}
 	}
 	return out
+}
+
+// queuedLocked appends p's queued record and returns the commit its
+// queuer may wait for (nil when none: dropped, or closed). l.mu held.
+func (l *Ledger) queuedLocked(p *Pending) *commit {
+	if p.IsManifest() {
+		return l.addLocked(p.NS, OpManifestQueued, []byte(p.Manifest))
+	}
+	return l.addLocked(p.NS, OpPageQueued, p.Key[:])
 }
 
 // submit hands p, registered, to the queue; on a refusal it ends p in
@@ -392,6 +407,9 @@ func (l *Ledger) submit(p *Pending) bool {
 		// Still pending (listed in the journal, queued from it when the
 		// queue drains): it keeps its mark.
 		l.spilled[p.NS] = true
+		if p.relist {
+			l.queuedLocked(p)
+		}
 	case p.IsManifest():
 		givenUp = l.manifestDoneLocked(p, err)
 	default:
@@ -597,19 +615,19 @@ const (
 )
 
 // requeuePage queues page k of ns again from its journal entry (a
-// replay, a refill), unless it is registered here already: a page known
+// replay, or a refill: refill), unless it is registered here already: a page known
 // stored is settled (and unmarked when it was spilled: stored since), in
 // the critical section that found it known and not registered; one whose
 // local file is gone is settled (settleGone). Nothing queued from here
 // gets a queued record (the journal lists it). An entry another process
 // on the root has queued and not yet settled is queued here too: a
 // duplicate costs one HEAD.
-func (l *Ledger) requeuePage(ns string, k layout.PageKey) requeueResult {
+func (l *Ledger) requeuePage(ns string, k layout.PageKey, refill bool) requeueResult {
 	p := l.newPending(Upload{NS: ns, Key: k})
 	if p == nil {
 		return requeueTaken
 	}
-	p.journaled = true
+	p.journaled, p.relist = true, refill
 	l.mu.Lock()
 	q := l.pending[p.Object]
 	if q == nil && l.knownLocked(ns, k) {
@@ -774,7 +792,7 @@ func (l *Ledger) replay(ns string) {
 		l.mu.Unlock()
 	}
 	for _, k := range set.SortedPages() {
-		l.requeuePage(ns, k)
+		l.requeuePage(ns, k, false)
 	}
 	for _, m := range set.SortedManifests() {
 		l.requeueListed(ns, m)

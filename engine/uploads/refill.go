@@ -78,6 +78,7 @@ type refillCursor struct {
 // op) or a record.
 type refillEntry struct {
 	off  int64 // its offset in the file
+	end  int64 // the offset just after it
 	op   byte
 	key  layout.PageKey // a page op's
 	name string         // a manifest op's
@@ -298,14 +299,14 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 			if len(b)-pos < 32 {
 				return entries, pos, ignored, problem
 			}
-			entries = append(entries, refillEntry{off: at, op: OpPageQueued, key: layout.PageKey(b[pos : pos+32])})
+			entries = append(entries, refillEntry{off: at, end: at + 32, op: OpPageQueued, key: layout.PageKey(b[pos : pos+32])})
 			pos += 32
 		case at < c.snapEnd-8:
 			l := int(b[pos])
 			if len(b)-pos < 1+l {
 				return entries, pos, ignored, problem
 			}
-			entries = append(entries, refillEntry{off: at, op: OpManifestQueued, name: string(b[pos+1 : pos+1+l])})
+			entries = append(entries, refillEntry{off: at, end: at + 1 + int64(l), op: OpManifestQueued, name: string(b[pos+1 : pos+1+l])})
 			pos += 1 + l
 		case at < c.snapEnd:
 			if int64(len(b)-pos) < c.snapEnd-at {
@@ -314,7 +315,7 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 			pos += int(c.snapEnd - at)
 		default:
 			ignored, problem, end = scanRecords(b[pos:], final, true, at, func(op byte, payload []byte, off int) {
-				e := refillEntry{off: at + int64(off), op: op}
+				e := refillEntry{off: at + int64(off), end: at + int64(off+RecordOverhead+len(payload)), op: op}
 				if op == OpPageQueued || op == OpPageSettled {
 					e.key = layout.PageKey(payload)
 				} else {
@@ -334,8 +335,9 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 // same read settles or queues again (the later one decides), and a page
 // that was queued here when c was opened, by an entry from before then,
 // and is not any more (its upload ended: settled). It stops at the first
-// page the queue refuses, or that another goroutine is queueing (busy):
-// stopAt is its offset, where the next refill starts.
+// page the queue refuses (stopAt just after its entry: the spill appended
+// its queued record anew), or that another goroutine is queueing (busy:
+// stopAt its entry's offset); the next refill starts at stopAt.
 func (l *Ledger) requeueEntries(ns string, c *refillCursor, entries []refillEntry) (stopAt int64, stopped, busy bool) {
 	lastPage, lastName := map[layout.PageKey]int{}, map[string]int{}
 	for i, e := range entries {
@@ -352,9 +354,13 @@ func (l *Ledger) requeueEntries(ns string, c *refillCursor, entries []refillEntr
 				// Queued when the cursor was opened, and settled since.
 				continue
 			}
-			switch l.requeuePage(ns, e.key) {
+			switch l.requeuePage(ns, e.key, true) {
 			case requeueRefused:
-				return e.off, true, false
+				// Spilled again, its queued record appended anew (the
+				// entry may be stale: a settled record beyond this
+				// window): the next refill reads that record, not this
+				// entry again.
+				return e.end, true, false
 			case requeueBusy:
 				return e.off, true, true
 			}

@@ -133,8 +133,11 @@ func TestRefillReadsWhatItQueues(t *testing.T) {
 			t.Fatalf("page %d queued %d times, want once", i, n)
 		}
 	}
-	if read > 3*appended {
-		t.Errorf("the refills read %d bytes, the journal received %d: want at most 3 times that", read, appended)
+	// At most 4 times: each refill's stop appends the spilled page's
+	// queued record anew (one per refill, a quarter of the pages with a
+	// queue of 8), which a later refill reads.
+	if read > 4*appended {
+		t.Errorf("the refills read %d bytes, the journal received %d: want at most 4 times that", read, appended)
 	}
 }
 

@@ -2,7 +2,9 @@ package uploads_test
 
 import (
 	"errors"
+	"math/rand/v2"
 	"os"
+	"sync"
 	"testing"
 	"time"
 
@@ -213,5 +215,82 @@ func TestConcurrentRequeueDoesNotSettleAQueueing(t *testing.T) {
 	}
 	if s, _ := e.listing(t, "ns"); !s.Manifests[name] {
 		t.Fatal("the journal does not list the manifest whose upload the first re-queue registered: the second settled it")
+	}
+}
+
+// TestSaveOfAReplayedUploadIsListed: a replay registers page k's upload
+// from its journal entry (no record of its own); then another process on
+// the root settles k (a settled record after that entry: the journal no
+// longer lists k), and a save of k here finds the upload registered. The
+// save's queueing appends its own queued record, so the journal lists k
+// for as long as that upload runs: a crash then does not lose it.
+func TestSaveOfAReplayedUploadIsListed(t *testing.T) {
+	e := newEnv(t, 4, false, uploads.Config{})
+	k := testKeys(1)[0]
+	e.writePages(t, "ns", k)
+	e.writeJournal(t, "ns", pageRecords(k))
+	e.l.Resume()
+	if !e.l.Pending("ns", k) {
+		t.Fatal("the replay did not queue the page")
+	}
+	e.appendJournal(t, "ns", record(uploads.OpPageSettled, k[:])) // another process's
+	e.l.EnqueuePages("ns", []layout.PageKey{k})
+	if e.q.submits(pageObject("ns", k)) != 1 {
+		t.Fatal("the save queued a second upload of a registered page")
+	}
+	if s, _ := e.listing(t, "ns"); !s.Pages[k] {
+		t.Fatal("the journal does not list the page whose upload the save found registered")
+	}
+}
+
+// TestJournalMatchesStateUnderRaces: goroutines save pages, end their
+// uploads (uploaded, or failed with the local file changed) and forget
+// known pages at once, through a queue of 2 that spills most saves, while
+// the Ledger refills the queue from the journal. Once they stop, every
+// page the journal lists is marked pending (registered or spilled); and
+// once the queue is drained to the end (its refills included), no page is
+// left marked pending and the journal lists none: no spilled page lost its
+// queued record to a settle, whatever the interleaving.
+func TestJournalMatchesStateUnderRaces(t *testing.T) {
+	e := newEnv(t, 2, false, uploads.Config{})
+	keys := testKeys(8)
+	e.writePages(t, "ns", keys...)
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			rng := rand.New(rand.NewPCG(uint64(w), 1))
+			for range 300 {
+				k := keys[rng.IntN(len(keys))]
+				switch rng.IntN(4) {
+				case 0, 1:
+					e.l.EnqueuePages("ns", []layout.PageKey{k})
+				case 2:
+					e.q.drain(e.l, 1, []error{nil, errGone}[rng.IntN(2)])
+				case 3:
+					e.l.Forget("ns", k)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	s, _ := e.listing(t, "ns")
+	for i, k := range keys {
+		if s.Pages[k] && !e.q.marked("ns", k) {
+			t.Errorf("page %d: listed, not marked pending", i)
+		}
+	}
+	for idle := 0; idle < 3; { // the Ledger's own refills may still be due
+		e.refill(t, "ns")
+		if e.q.drain(e.l, 2, errGone) > 0 {
+			idle = 0
+		} else {
+			idle++
+		}
+	}
+	s, _ = e.listing(t, "ns")
+	for i, k := range keys {
+		if s.Pages[k] || e.q.marked("ns", k) {
+			t.Errorf("page %d after the queue drained: listed %v, marked pending %v", i, s.Pages[k], e.q.marked("ns", k))
+		}
 	}
 }
