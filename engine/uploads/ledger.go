@@ -245,9 +245,11 @@ func (l *Ledger) retryWait(attempt int) time.Duration {
 // EnqueuePages queues the uploads of pages keys of ns, in that order,
 // except those known stored remotely; it returns the uploads of those it
 // queued or found queued (a manifest waits for them). It appends the
-// queued records of those it registers and returns once they are durable
-// (or their namespace's lock was not granted within journalLockWait: they
-// are then written at a later round). It never waits for an upload.
+// queued records of those it registers (and of a page found registered
+// from a journal entry) and returns once they are durable, or once they
+// cannot be soon: the namespace's lock not granted within journalLockWait
+// (written at a later round), or the write failed (logged). It never
+// waits for an upload. Local files gone are skipped (logged).
 func (l *Ledger) EnqueuePages(ns string, keys []layout.PageKey) []*Pending {
 	return l.enqueuePages(ns, keys, true)
 }
@@ -433,9 +435,9 @@ func (l *Ledger) submit(p *Pending) bool {
 // a page, settles the upload in the journal when it is done or can never
 // be done (a manifest: manifestSettles), or schedules a failed manifest
 // again; an abandoned upload (remote.ErrAbandoned) stays listed. A page
-// uploaded is known stored from then on. It returns the upload (nil when
-// object was not registered) and whether a manifest ran out of retries
-// (logged here). p.Done is closed when it returns.
+// uploaded is known stored from then on; a manifest out of retries is
+// logged. It returns the upload (nil when object was not registered),
+// whose Done is closed by then.
 func (l *Ledger) Done(object string, err error) (p *Pending) {
 	l.mu.Lock()
 	p = l.pending[object]
