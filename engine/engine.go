@@ -349,7 +349,7 @@ func New(cfg Config) (*Engine, error) {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
-		e.tier.resume() // the uploads an earlier engine left pending (remote_journal.go)
+		e.tier.resume() // the uploads an earlier engine left pending (remote_uploads.go)
 	}
 	if s, ok := cfg.Metrics.(UsageSink); ok {
 		s.SetUsage(e.Usage)

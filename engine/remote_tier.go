@@ -5,19 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"io/fs"
-	"log/slog"
 	"path/filepath"
 	"slices"
-	"sync"
 	"sync/atomic"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/uploads"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -148,52 +145,8 @@ type tier struct {
 	fetchPages int
 	refreshAge time.Duration
 
-	backoffMax time.Duration // RemoteTier.UploadBackoffMax: the base of manifestRetryWait
-
-	mu       sync.Mutex
-	known    map[string]map[layout.PageKey]time.Time // per namespace: pages known stored remotely -> when learnt
-	nknown   int                                     // entries of known, at most knownCap
-	knownCap int                                     // RemoteTier.KnownPages
-	pending  map[string]*pendingUpload               // object name -> upload queued or in flight
-	// j records every upload queued until it is settled, across crashes
-	// and restarts (remote_journal.go, remote_journal_file.go).
-	j       *journal
-	closing bool                      // close began: no manifest is scheduled again
-	retries map[string]*manifestRetry // "<ns>/<name>" -> a manifest waiting to be queued again
-	retryWG sync.WaitGroup            // their callbacks
-	// requeueing: "<ns>/<name>" -> requeueManifest calls running for the
-	// manifest (counted by requeueStartLocked, where the caller took it
-	// from retries or found it not there).
-	requeueing map[string]int
-
-	// Test hooks, nil outside tests: afterUnpend runs in uploaded, and
-	// in enqueueFile when the queue refused an upload, once the upload's
-	// entry has left pending and t.mu is released;
-	// afterGoneLstat runs in enqueueFile after the lstat that found a
-	// replayed page's file gone, before its entry is settled;
-	// afterManifestRead runs in requeueManifest once it read a page
-	// manifest, before queueing it.
-	afterUnpend       func()
-	afterGoneLstat    func()
-	afterManifestRead func()
-}
-
-type pendingUpload struct {
-	ns       string
-	key      layout.PageKey // a page's; zero for a manifest
-	manifest bool
-	// journaled: the journal lists it already (a retry, a replay): no
-	// queued record is appended when it is queued.
-	journaled bool
-	name      string        // a manifest's snapshot name
-	attempt   int           // a manifest's re-queues so far (manifestRetries)
-	start     time.Time     // first attempt (zero before it)
-	done      chan struct{} // closed when the upload ended; err is then set
-	err       error
-	// queued: the uploader accepted it (set under tier.mu once Enqueue
-	// returned; until then the queue may still refuse it, and a refill
-	// reading its entry stops there: requeuePage).
-	queued bool
+	// l: the uploads' state and journal (remote_uploads.go).
+	l *uploads.Ledger
 }
 
 // newTier opens the store and starts the uploader (cfg.Remote set).
@@ -206,12 +159,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
-	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages,
-		known: map[string]map[layout.PageKey]time.Time{}, pending: map[string]*pendingUpload{},
-		retries: map[string]*manifestRetry{}, requeueing: map[string]int{}, backoffMax: rc.UploadBackoffMax}
-	if t.backoffMax == 0 {
-		t.backoffMax = 5 * time.Second // remote.UploaderConfig's default
-	}
+	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages}
 	if t.window == 0 {
 		t.window = 16 // remote.Config's default Concurrency
 	}
@@ -219,14 +167,10 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		t.fetchPages = 16
 	}
 	t.refreshAge = rc.RefreshAge
-	t.knownCap = rc.KnownPages
-	if t.knownCap == 0 {
-		t.knownCap = defaultKnownPages
-	}
 	if t.refreshAge == 0 {
 		t.refreshAge = 30 * time.Minute
 	}
-	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 || t.knownCap < 1 {
+	if t.window < 1 || t.fetchPages < 1 || rc.FetchPages > 256 || t.refreshAge < 0 || rc.KnownPages < 0 {
 		st.Close()
 		return nil, fmt.Errorf("%w: Remote: FetchPages %d (want 1 to 256), RefreshAge %v (want >= 0), KnownPages %d (want >= 1)", ErrConfig, rc.FetchPages, rc.RefreshAge, rc.KnownPages)
 	}
@@ -239,7 +183,11 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 		st.Close()
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
-	t.j = startJournal(t)
+	if err := t.openUploads(rc); err != nil {
+		_ = t.up.Close(context.Background())
+		st.Close()
+		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
+	}
 	t.queueDepth() // the remote metrics are exported from now on
 	// The uploads an earlier engine left pending are resumed by New
 	// (t.resume) once e.tier is set: one that finds a corrupt page
@@ -265,436 +213,6 @@ func (t *tier) queueDepth() {
 		s := t.up.Stats()
 		m.RemoteQueue(int64(s.Queued + s.InFlight))
 	}
-}
-
-// isKnown reports whether page k of ns is known stored remotely: learnt
-// (uploaded, found by a HEAD or fetched) less than RemoteTier.RefreshAge
-// ago. An older entry is dropped and the page is not known: remote GC may
-// have deleted it since (an object unreferenced past its grace, which is
-// at least twice RefreshAge), so its next save HEADs it again (StatFirst)
-// and uploads it if it is gone.
-func (t *tier) isKnown(ns string, k layout.PageKey) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	at, ok := t.known[ns][k]
-	if ok && time.Since(at) >= t.refreshAge {
-		t.forgetLocked(ns, k)
-		return false
-	}
-	return ok
-}
-
-// defaultKnownPages is RemoteTier.KnownPages's default.
-const defaultKnownPages = 1 << 18
-
-// markKnown records page k of ns as stored remotely; when the set holds
-// knownCap entries, an arbitrary one is dropped first (it costs a HEAD
-// when that page is next saved).
-func (t *tier) markKnown(ns string, k layout.PageKey) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	m := t.known[ns]
-	if m == nil {
-		m = map[layout.PageKey]time.Time{}
-		t.known[ns] = m
-	}
-	if _, ok := m[k]; ok {
-		m[k] = time.Now() // learnt again: its age restarts
-		return
-	}
-	if t.nknown >= t.knownCap {
-		t.dropOneKnownLocked()
-	}
-	m[k] = time.Now()
-	t.nknown++
-}
-
-// dropOneKnownLocked drops an arbitrary entry of the known set. t.mu held.
-func (t *tier) dropOneKnownLocked() {
-	for ns, m := range t.known {
-		for k := range m {
-			delete(m, k)
-			t.nknown--
-			if len(m) == 0 {
-				delete(t.known, ns)
-			}
-			return
-		}
-	}
-}
-
-// forget drops page k of ns from the known set: its local file was
-// evicted or found gone (pageCache.unindex, forgetIfGone). A later save
-// writes the page again and queues it; its upload HEADs the object first
-// (StatFirst) and sends nothing when it is stored.
-func (t *tier) forget(ns string, k layout.PageKey) {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	t.forgetLocked(ns, k)
-}
-
-// forgetLocked is forget with t.mu held.
-func (t *tier) forgetLocked(ns string, k layout.PageKey) {
-	m := t.known[ns]
-	if _, ok := m[k]; !ok {
-		return
-	}
-	delete(m, k)
-	t.nknown--
-	if len(m) == 0 {
-		delete(t.known, ns)
-	}
-}
-
-// RemoteKnownPages returns how many pages the engine remembers as stored
-// in the object store (at most RemoteTier.KnownPages); 0 without a remote
-// tier.
-func (e *Engine) RemoteKnownPages() int {
-	if e.tier == nil {
-		return 0
-	}
-	e.tier.mu.Lock()
-	defer e.tier.mu.Unlock()
-	return e.tier.nknown
-}
-
-// saved enqueues the pages of a durable save (keys, in chain order) for
-// upload, except those known stored remotely or already queued. It never
-// blocks: it lstats each page file (for its size) and queues a
-// descriptor. Pages are enqueued in chain order, so a page is created
-// before its descendants unless a retry reorders them (harmless: a lookup
-// walks the chain and stops at the first page the store lacks).
-func (t *tier) saved(ns string, keys []layout.PageKey) {
-	t.enqueuePages(ns, keys)
-	t.queueDepth()
-}
-
-// enqueuePages queues the pages keys of ns not known stored and returns
-// the uploads of those it queued or found queued (a manifest waits for
-// them).
-func (t *tier) enqueuePages(ns string, keys []layout.PageKey) []*pendingUpload {
-	n, err := t.e.store.Namespace(ns)
-	if err != nil {
-		return nil
-	}
-	var out []*pendingUpload
-	for _, k := range keys {
-		if t.isKnown(ns, k) {
-			continue
-		}
-		name, err := t.st.PageName(ns, k.String())
-		if err != nil {
-			continue
-		}
-		if p := t.enqueueFile(name, n.PagePath(k), &pendingUpload{ns: ns, key: k}, nil); p != nil {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-// enqueueFile queues the upload of the local file path as object name
-// (p describes it), unless name is queued already (that upload is
-// returned), and appends its queued record to the journal (unless
-// p.journaled). It returns nil when nothing is queued: the file is gone
-// (a replayed page's entry is then settled), or the queue refused it. A
-// page the queue refuses because it is full is spilled: recorded in the
-// journal only, and queued from it when the queue drains (journal.spill);
-// any other refusal is logged and counted as an upload error. A manifest
-// refused is scheduled again as after a failed upload, in the critical
-// section that removes its pending entry (manifestDoneLocked). See
-// queueUpload for what each attempt checks.
-func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(context.Context) error) *pendingUpload {
-	fi, err := t.e.store.FS().Lstat(path)
-	if err != nil || !fi.Mode().IsRegular() {
-		if p.journaled && !p.manifest {
-			// A replayed page whose file is gone (evicted since) or is
-			// not a regular file: it can never be uploaded from here,
-			// so its entry is settled, quietly. Under t.mu, after a
-			// second lstat: a save that writes the page after that
-			// lstat registers its upload (and adds its queued record)
-			// after this critical section, so after the settled record;
-			// one that wrote it before is seen (its upload registered,
-			// or the file back), and the entry is left to it.
-			if t.afterGoneLstat != nil {
-				t.afterGoneLstat()
-			}
-			t.mu.Lock()
-			if t.pending[name] == nil {
-				if fi, err := t.e.store.FS().Lstat(path); err != nil || !fi.Mode().IsRegular() {
-					t.settleLocked(p.ns, p.key, "")
-				}
-			}
-			t.mu.Unlock()
-			return nil
-		}
-		t.e.logSafe(slog.LevelWarn, "kvpersist: not uploaded: the local file is gone", "file", path, "err", err)
-		return nil
-	}
-	t.mu.Lock()
-	if q := t.pending[name]; q != nil {
-		if !p.manifest {
-			// Queued already; the page may have been evicted and saved
-			// again since, which cleared its mark.
-			t.markPendingLocked(p.ns, p.key, true)
-		}
-		t.mu.Unlock()
-		return q
-	}
-	p.done = make(chan struct{})
-	t.pending[name] = p
-	if !p.manifest {
-		// Before the uploader has it, so that its settle (uploaded)
-		// unmarks it after.
-		t.markPendingLocked(p.ns, p.key, true)
-	}
-	t.mu.Unlock()
-	if !p.journaled {
-		// Before the queue has it: its settled record comes after.
-		t.journalQueued(p)
-	}
-	if err := t.queueUpload(name, path, fi, p, wait); err != nil {
-		spilled := !p.manifest && errors.Is(err, remote.ErrQueueFull)
-		t.mu.Lock()
-		delete(t.pending, name)
-		if !p.manifest && !spilled {
-			// A spilled page is still pending (listed in the journal,
-			// queued from it when the queue drains): it keeps its mark.
-			t.markPendingLocked(p.ns, p.key, false)
-		}
-		// Settled, or its retry registered, in this critical section
-		// (see uploaded).
-		givenUp := p.manifest && t.manifestDoneLocked(p, err)
-		t.mu.Unlock()
-		if t.afterUnpend != nil {
-			t.afterUnpend()
-		}
-		if givenUp {
-			t.manifestGivenUp(p, err)
-		}
-		p.err = err
-		close(p.done)
-		if spilled {
-			t.j.spill(p.ns)
-			return nil
-		}
-		if m := t.metrics(); m != nil {
-			m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
-		}
-		t.e.logSafe(slog.LevelWarn, "kvpersist: not queued for upload", "file", path, "err", err)
-		return nil
-	}
-	t.mu.Lock()
-	p.queued = true
-	t.mu.Unlock()
-	return p
-}
-
-// queueUpload hands the uploader the upload of path (fi: its lstat) as
-// object name for p (registered in t.pending). The source is re-opened
-// for each attempt. A manifest's must still be the file lstat'd now (same
-// size and mtime; else errSourceChanged, and manifestDoneLocked queues the name
-// again: a manifest rewritten under its name is not uploaded with the
-// bytes of another version). A page's may be a new file (the page evicted
-// and saved again while its upload waited: same key, so the same page)
-// of the same size; it is what this attempt sends (a new file of another
-// size, or none, is errSourceChanged: the upload ends, and the next save
-// naming the page queues it again). Before its PUT the open file is verified
-// (remote.Upload.Verify): a page by remote.VerifyPage (header, its key is
-// its name's, every tensor's xxh3-64, its length), a manifest by
-// remote.VerifyManifest (header, attachments' hashes); the PUT streams
-// the same open descriptor, so the bytes sent are the bytes verified
-// (page files are never written in place: a save renames a new file
-// over the path). A file that fails is not uploaded (remote.ErrSourceCorrupt,
-// handled by uploaded).
-func (t *tier) queueUpload(name, path string, fi fs.FileInfo, p *pendingUpload, wait func(context.Context) error) error {
-	fsys := t.e.store.FS()
-	verify := remote.VerifyManifest(nil)
-	if !p.manifest {
-		verify = remote.VerifyPage(p.key.String(), nil)
-	}
-	size, mtime := fi.Size(), fi.ModTime()
-	return t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Verify: verify, Open: func() (remote.ReadAtCloser, error) {
-		t.mu.Lock()
-		if p.start.IsZero() {
-			p.start = time.Now()
-		}
-		t.mu.Unlock()
-		f, err := fsys.Open(path)
-		if err != nil {
-			return nil, fmt.Errorf("%w: %s: %w", errSourceChanged, path, err)
-		}
-		if st, err := f.Stat(); err != nil || !st.Mode().IsRegular() || st.Size() != size || (p.manifest && !st.ModTime().Equal(mtime)) {
-			f.Close()
-			return nil, fmt.Errorf("%w: %s", errSourceChanged, path)
-		}
-		return f, nil
-	}})
-}
-
-// manifestWritten queues the upload of a page manifest (a named snapshot
-// in the Pages layout) after the pages it names: the pages are queued
-// first, and the manifest's Wait (run by an uploader worker before its
-// first attempt) waits for their uploads, then makes sure every page is
-// stored and young enough for remote GC (manifestReady). So a listable
-// manifest never names a page the store lacks, nor one that a collector
-// may delete before the manifest protects it.
-func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
-	defer t.queueDepth()
-	t.queueManifest(ref, keys, 0, false)
-}
-
-// queueManifest is manifestWritten's queueing; attempt counts the times
-// the manifest was queued again after a failure (manifestDoneLocked);
-// journaled: the journal lists it already. A manifest the queue refuses
-// (full) is scheduled again as a failure is, by enqueueFile in the
-// critical section that removes its pending entry (manifestDoneLocked).
-func (t *tier) queueManifest(ref Ref, keys []layout.PageKey, attempt int, journaled bool) {
-	pages := t.enqueuePages(ref.Namespace, keys)
-	path, err := t.e.Path(ref)
-	if err != nil {
-		return
-	}
-	name, err := t.st.ManifestName(ref.Namespace, ref.Name)
-	if err != nil {
-		return
-	}
-	p := &pendingUpload{ns: ref.Namespace, manifest: true, name: ref.Name, attempt: attempt, journaled: journaled}
-	t.enqueueFile(name, path, p, func(ctx context.Context) error {
-		for _, p := range pages {
-			select {
-			case <-p.done:
-				if p.err != nil {
-					return fmt.Errorf("engine: a page of manifest %s was not uploaded: %w", name, p.err)
-				}
-			case <-ctx.Done():
-				return ctx.Err()
-			}
-		}
-		return t.manifestReady(ctx, ref.Namespace, keys)
-	})
-}
-
-// manifestReady checks that every page keys names is stored (one HEAD
-// each, Concurrency in flight; a page found missing is dropped from the
-// known set, so the manifest's retry uploads it again) and refreshes each whose mtime is older
-// than the store's clock minus RemoteTier.RefreshAge (Store.Refresh: a
-// server-side copy onto itself, the bytes unchanged), so that remote GC,
-// whose grace must be at least twice RefreshAge, keeps it until the
-// manifest is listable (ARCHITECTURE.md, "Remote garbage collection and
-// its clocks").
-func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageKey) error {
-	for _, k := range keys {
-		name, err := t.st.PageName(ns, k.String())
-		if err != nil {
-			return err
-		}
-		o, err := t.st.Stat(ctx, name)
-		if errors.Is(err, remote.ErrNotFound) {
-			// Known stored, but gone (remote gc deleted it as unreferenced
-			// past its grace): forgotten, so that the manifest's retry
-			// queues it again instead of skipping it as known.
-			t.forget(ns, k)
-		}
-		if err != nil {
-			return err
-		}
-		if o.ModTime.Before(t.st.ServerTime().Add(-t.refreshAge)) {
-			if _, err := t.st.Refresh(ctx, name, o.ETag); err != nil {
-				return err
-			}
-		}
-	}
-	return nil
-}
-
-// markPendingLocked marks page k of ns pending in the page cache's
-// eviction policy (evict.Cache.SetPending: evicted only after every
-// evictable page that is not), or unmarks it. A page is marked while its
-// upload is queued, in flight or spilled to the journal (a full queue),
-// from enqueueFile until the upload settles (uploaded, found stored,
-// failed for good or abandoned), the queue refuses it for another reason
-// than being full, or a replay or refill finds it known stored; so that under pressure the cache evicts the pages the
-// object store holds (or need not hold) before the pages it does not
-// have yet. A page the policy does not track (written by another process)
-// is not marked. t.mu held: a page's marks and unmarks are ordered as its
-// entries in t.pending are, so a settle never unmarks a later queueing's
-// mark. See ARCHITECTURE.md, "A pending upload is evicted last".
-func (t *tier) markPendingLocked(ns string, k layout.PageKey, pending bool) {
-	t.e.pc.pol.SetPending(ns, evict.Key(k), pending)
-}
-
-// uploaded is the uploader's OnDone: it marks a stored page known and
-// feeds the metrics. It runs on an uploader goroutine.
-func (t *tier) uploaded(r remote.UploadResult) {
-	t.mu.Lock()
-	p := t.pending[r.Name]
-	delete(t.pending, r.Name)
-	if p != nil && !p.manifest {
-		// Settled (done, impossible or abandoned): back in the page
-		// cache's plain eviction order.
-		t.markPendingLocked(p.ns, p.key, false)
-	}
-	// The settled record is added in the critical section that removed
-	// the entry: a save of the same object registers its next upload
-	// only after it, so that upload's queued record follows it in the
-	// journal. Added later, it could follow the queued record of a save
-	// in between (spilled by a full queue, or failed), and the journal
-	// would list the page or manifest settled while not uploaded. Done,
-	// or never possible (the local file gone or changed: the next save
-	// naming the page queues it again; corrupt: removed; a conflict). An
-	// abandoned upload stays listed, and so does a manifest scheduled
-	// again or out of retries (manifestDoneLocked). A manifest's retry
-	// is registered here too, so that the name is always either pending
-	// or waiting for its retry: an older retry finding its local file no
-	// longer a page manifest settles it only when it is neither
-	// (requeueManifest).
-	givenUp := false
-	switch {
-	case p == nil:
-	case p.manifest:
-		givenUp = t.manifestDoneLocked(p, r.Err)
-	case !errors.Is(r.Err, remote.ErrAbandoned):
-		t.settleLocked(p.ns, p.key, "")
-	}
-	t.mu.Unlock()
-	if t.afterUnpend != nil {
-		t.afterUnpend()
-	}
-	if p != nil {
-		defer func() { p.err = r.Err; close(p.done) }()
-	}
-	var d time.Duration
-	if p != nil && !p.start.IsZero() {
-		d = time.Since(p.start)
-	}
-	res := labels.RemoteOK
-	switch {
-	case errors.Is(r.Err, remote.ErrAbandoned):
-		res = labels.RemoteAbandoned
-	case errors.Is(r.Err, remote.ErrSourceCorrupt):
-		res = labels.RemoteCorrupt
-		t.e.logSafe(slog.LevelError, "kvpersist: local file corrupt: not uploaded", "object", r.Name, "err", r.Err)
-		if p != nil && !p.manifest {
-			t.e.removeCorruptPage(p.ns, p.key)
-		}
-	case r.Err != nil:
-		res = labels.RemoteError
-		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
-	case !r.Created:
-		res = labels.RemoteExisted
-	}
-	if r.Err == nil && p != nil && !p.manifest {
-		t.markKnown(p.ns, p.key)
-	}
-	if givenUp {
-		t.manifestGivenUp(p, r.Err)
-	}
-	t.j.drained()
-	if m := t.metrics(); m != nil {
-		m.Remote(labels.RemoteUpload, res, r.Bytes, d)
-	}
-	t.queueDepth()
 }
 
 // prepareDirs makes, as a save does, the namespace durably, pages/ and the

@@ -1,4 +1,4 @@
-package engine
+package uploads
 
 import (
 	"cmp"
@@ -15,13 +15,13 @@ import (
 )
 
 // The refill of a full upload queue from the uploads journal
-// (journal.refillQueue; ARCHITECTURE.md, "The uploads journal", "Full
+// (Ledger.refillQueue; ARCHITECTURE.md, "The uploads journal", "Full
 // queue"). A refill reads a namespace's journal from where its last
 // refill stopped (a cursor: the file, held open, and an offset), in file
 // order, and queues what it reads until the queue refuses a page; the
 // next refill starts at that page. So a backlog of N spilled uploads
 // drained Q at a time costs O(N) bytes read and decoded in all, not the
-// O(N²/Q) of replaying the whole journal at each refill (before). A
+// O(N²/Q) of replaying the whole journal at each refill. A
 // journal replaced by a compaction (of any process) is read from its
 // start again, once.
 
@@ -31,7 +31,7 @@ const (
 	// (refillWindowPerUploadBytes bytes per upload it can take), and doubles
 	// while a window is read whole without the queue refusing a page.
 	refillWindowMaxBytes       = 1 << 20
-	refillWindowPerUploadBytes = 2 * (recordOverhead + 32)
+	refillWindowPerUploadBytes = 2 * (RecordOverhead + 32)
 	// maxRefillCursors bounds the cursors kept (one open descriptor
 	// each): before another is opened, the one used least recently is
 	// closed (its next refill reads its journal from the start).
@@ -78,6 +78,7 @@ type refillCursor struct {
 // op) or a record.
 type refillEntry struct {
 	off  int64 // its offset in the file
+	end  int64 // the offset just after it
 	op   byte
 	key  layout.PageKey // a page op's
 	name string         // a manifest op's
@@ -91,29 +92,30 @@ type refillEntry struct {
 // queueing right now (which may yet spill it): the caller marks the
 // namespace for a refill after journalLockWait. A journal that cannot be
 // read is ignored (logged), as by a replay.
-func (j *journal) refillNamespace(ns string) (again bool) {
-	n, err := j.t.e.store.Namespace(ns)
+func (l *Ledger) refillNamespace(ns string) (again bool) {
+	n, err := l.st.Namespace(ns)
 	if err != nil {
 		return false
 	}
-	c := j.cursor(n)
+	c := l.cursor(n)
 	if c == nil {
 		return false
 	}
 	st, err := c.f.Stat()
 	if err != nil {
-		j.refillFailed(n, err)
+		l.refillFailed(n, err)
 		return false
 	}
-	room := int64(max(0, j.t.up.QueueLen()-j.t.up.Stats().Queued))
-	window := min(max(room*refillWindowPerUploadBytes, 2*maxRecordBytes), refillWindowMaxBytes)
+	free, _ := l.q.Room()
+	room := int64(max(0, free))
+	window := min(max(room*refillWindowPerUploadBytes, 2*MaxRecordBytes), refillWindowMaxBytes)
 	ignored, problem, err := c.walk(st.Size(), window, func(entries []refillEntry) (int64, bool) {
-		stopAt, stopped, b := j.t.requeueEntries(n, c, entries)
+		stopAt, stopped, b := l.requeueEntries(ns, c, entries)
 		again = b
 		return stopAt, stopped
 	})
 	if err != nil {
-		j.refillFailed(n, err)
+		l.refillFailed(n, err)
 		return false
 	}
 	if c.off >= c.opened {
@@ -121,7 +123,7 @@ func (j *journal) refillNamespace(ns string) (again bool) {
 	}
 	if ignored > 0 && !c.warned {
 		c.warned = true
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", n.UploadsPath(), "bytes", ignored, "err", problem)
+		l.log(slog.LevelWarn, "kvpersist: uploads journal ignored in part (bytes that do not decode: a torn last record, or damage)", "path", n.UploadsPath(), "bytes", ignored, "err", problem)
 	}
 	return again
 }
@@ -134,7 +136,7 @@ func (j *journal) refillNamespace(ns string) (again bool) {
 // ignored counts the bytes skipped as undecodable, problem names the
 // first; err is a read error.
 func (c *refillCursor) walk(size, window int64, fn func([]refillEntry) (stopAt int64, stopped bool)) (ignored int, problem error, err error) {
-	window = max(window, 2*maxRecordBytes)
+	window = max(window, 2*MaxRecordBytes)
 	var buf []byte
 	for c.off < size {
 		if int64(cap(buf)) < window {
@@ -166,9 +168,9 @@ func (c *refillCursor) walk(size, window int64, fn func([]refillEntry) (stopAt i
 
 // refillFailed drops ns's cursor after a failed read (logged): its next
 // refill opens the journal again.
-func (j *journal) refillFailed(n *store.Namespace, err error) {
-	j.dropCursor(n.Name())
-	j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", n.UploadsPath(), "err", err)
+func (l *Ledger) refillFailed(n *store.Namespace, err error) {
+	l.dropCursor(n.Name())
+	l.log(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", n.UploadsPath(), "err", err)
 }
 
 // cursor returns n's refill cursor on the file its journal's path names
@@ -182,21 +184,21 @@ func (j *journal) refillFailed(n *store.Namespace, err error) {
 // record lies beyond its window (such an entry would be queued again,
 // costing an lstat and a HEAD). A file replaced by a compaction since
 // the last refill is read from its start without another.
-func (j *journal) cursor(n *store.Namespace) *refillCursor {
-	ns, path, fsys := n.Name(), n.UploadsPath(), j.t.e.store.FS()
-	j.refills++
-	c := j.cursors[ns]
+func (l *Ledger) cursor(n *store.Namespace) *refillCursor {
+	ns, path, fsys := n.Name(), n.UploadsPath(), l.st.FS()
+	l.refills++
+	c := l.cursors[ns]
 	if c == nil {
 		ctx, cancel := context.WithTimeout(context.Background(), journalLockWait)
-		j.compact(ctx, ns)
+		l.compact(ctx, ns)
 		cancel()
 	}
 	fi, lerr := fsys.Lstat(path)
 	if c != nil && c.f != nil && lerr == nil && os.SameFile(fi, c.fi) {
-		c.used = j.refills
+		c.used = l.refills
 		return c
 	}
-	j.dropCursor(ns)
+	l.dropCursor(ns)
 	if vfs.IsNotExist(lerr) {
 		return nil
 	}
@@ -204,56 +206,56 @@ func (j *journal) cursor(n *store.Namespace) *refillCursor {
 	if !exists {
 		return nil
 	}
-	c = &refillCursor{f: f, fi: st, used: j.refills}
+	c = &refillCursor{f: f, fi: st, used: l.refills}
 	if err == nil {
-		c.queued, c.opened = j.t.queuedPages(ns), st.Size()
+		c.queued, c.opened = l.queuedPages(ns), st.Size()
 		if err = c.readSnapshot(st.Size()); err != nil {
 			f.Close()
 		}
 	}
 	if err != nil {
-		j.t.e.logSafe(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
+		l.log(slog.LevelWarn, "kvpersist: uploads journal ignored; its uploads are queued by the next saves that name them", "path", path, "err", err)
 		return nil
 	}
-	if len(j.cursors) >= cmp.Or(j.cursorMax, maxRefillCursors) {
-		j.dropLeastRecentCursor()
+	if len(l.cursors) >= cmp.Or(l.cfg.CursorMax, maxRefillCursors) {
+		l.dropLeastRecentCursor()
 	}
-	if j.cursors == nil {
-		j.cursors = map[string]*refillCursor{}
+	if l.cursors == nil {
+		l.cursors = map[string]*refillCursor{}
 	}
-	j.cursors[ns] = c
+	l.cursors[ns] = c
 	return c
 }
 
 // replacedCursor closes ns's cursor after a compaction replaced its
 // file, keeping its entry (without a file): the next refill reads the new
 // file from its start, without compacting it again.
-func (j *journal) replacedCursor(ns string) {
-	if c := j.cursors[ns]; c != nil && c.f != nil {
+func (l *Ledger) replacedCursor(ns string) {
+	if c := l.cursors[ns]; c != nil && c.f != nil {
 		c.f.Close()
-		j.cursors[ns] = &refillCursor{used: c.used}
+		l.cursors[ns] = &refillCursor{used: c.used}
 	}
 }
 
 // dropCursor closes ns's cursor, if any.
-func (j *journal) dropCursor(ns string) {
-	if c := j.cursors[ns]; c != nil {
+func (l *Ledger) dropCursor(ns string) {
+	if c := l.cursors[ns]; c != nil {
 		if c.f != nil {
 			c.f.Close()
 		}
-		delete(j.cursors, ns)
+		delete(l.cursors, ns)
 	}
 }
 
 // dropLeastRecentCursor closes the cursor used least recently.
-func (j *journal) dropLeastRecentCursor() {
-	if ns, ok := leastRecent(j.cursors, func(c *refillCursor) uint64 { return c.used }); ok {
-		j.dropCursor(ns)
+func (l *Ledger) dropLeastRecentCursor() {
+	if ns, ok := leastRecent(l.cursors, func(c *refillCursor) uint64 { return c.used }); ok {
+		l.dropCursor(ns)
 	}
 }
 
 // readSnapshot checks the snapshot at the start of c's file (size bytes)
-// when the file begins with its magic: a valid one (decodeSnapshot) is
+// when the file begins with its magic: a valid one (DecodeSnapshot) is
 // then read entry by entry from its first (pagesEnd, snapEnd, off); one that fails its
 // checks is left to the record scan, which skips its bytes as a replay
 // does. err is a read error.
@@ -276,7 +278,7 @@ func (c *refillCursor) readSnapshot(size int64) error {
 	if _, err := c.f.ReadAt(b, 0); err != nil {
 		return err
 	}
-	if _, _, end, err := decodeSnapshot(b); err == nil {
+	if _, _, end, err := DecodeSnapshot(b); err == nil {
 		c.pagesEnd, c.snapEnd, c.off = 16+32*np, int64(end), 16
 	}
 	return nil
@@ -297,14 +299,14 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 			if len(b)-pos < 32 {
 				return entries, pos, ignored, problem
 			}
-			entries = append(entries, refillEntry{off: at, op: opPageQueued, key: layout.PageKey(b[pos : pos+32])})
+			entries = append(entries, refillEntry{off: at, end: at + 32, op: OpPageQueued, key: layout.PageKey(b[pos : pos+32])})
 			pos += 32
 		case at < c.snapEnd-8:
 			l := int(b[pos])
 			if len(b)-pos < 1+l {
 				return entries, pos, ignored, problem
 			}
-			entries = append(entries, refillEntry{off: at, op: opManifestQueued, name: string(b[pos+1 : pos+1+l])})
+			entries = append(entries, refillEntry{off: at, end: at + 1 + int64(l), op: OpManifestQueued, name: string(b[pos+1 : pos+1+l])})
 			pos += 1 + l
 		case at < c.snapEnd:
 			if int64(len(b)-pos) < c.snapEnd-at {
@@ -313,8 +315,8 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 			pos += int(c.snapEnd - at)
 		default:
 			ignored, problem, end = scanRecords(b[pos:], final, true, at, func(op byte, payload []byte, off int) {
-				e := refillEntry{off: at + int64(off), op: op}
-				if op == opPageQueued || op == opPageSettled {
+				e := refillEntry{off: at + int64(off), end: at + int64(off+RecordOverhead+len(payload)), op: op}
+				if op == OpPageQueued || op == OpPageSettled {
 					e.key = layout.PageKey(payload)
 				} else {
 					e.name = string(payload)
@@ -325,4 +327,63 @@ func (c *refillCursor) scan(b []byte, final bool) (entries []refillEntry, end, i
 		}
 	}
 	return entries, pos, ignored, problem
+}
+
+// requeueEntries queues again the entries a refill read from ns's
+// journal through c, in file order: each queued page (requeuePage) and
+// manifest (requeueListed), except an entry that a later entry of the
+// same read settles or queues again (the later one decides), and a page
+// that was queued here when c was opened, by an entry from before then,
+// and is not any more (its upload ended: settled). It stops at the first
+// page the queue refuses (stopAt just after its entry: the spill appended
+// its queued record anew), or that another goroutine is queueing (busy:
+// stopAt its entry's offset); the next refill starts at stopAt.
+func (l *Ledger) requeueEntries(ns string, c *refillCursor, entries []refillEntry) (stopAt int64, stopped, busy bool) {
+	lastPage, lastName := map[layout.PageKey]int{}, map[string]int{}
+	for i, e := range entries {
+		if e.op == OpPageQueued || e.op == OpPageSettled {
+			lastPage[e.key] = i
+		} else {
+			lastName[e.name] = i
+		}
+	}
+	for i, e := range entries {
+		switch {
+		case e.op == OpPageQueued && lastPage[e.key] == i:
+			if e.off < c.opened && c.queued[e.key] && !l.Pending(ns, e.key) {
+				// Queued when the cursor was opened, and settled since.
+				continue
+			}
+			switch l.requeuePage(ns, e.key, true) {
+			case requeueRefused:
+				// Spilled again, its queued record appended anew (the
+				// entry may be stale: a settled record beyond this
+				// window): the next refill reads that record, not this
+				// entry again.
+				return e.end, true, false
+			case requeueBusy:
+				return e.off, true, true
+			}
+		case e.op == OpManifestQueued && lastName[e.name] == i:
+			l.requeueListed(ns, e.name)
+		}
+	}
+	return 0, false, false
+}
+
+// Refill queues now, on the journal's goroutine, the uploads namespace
+// ns's journal lists from where its last refill stopped, as the
+// goroutine does by itself once the queue has drained to half after a
+// spill; it stops at the first page the queue refuses. The records added
+// before it are written first. again: it stopped at a page another
+// goroutine is queueing (the namespace stays marked for a refill after
+// journalLockWait). ErrClosed after Close.
+func (l *Ledger) Refill(ctx context.Context, ns string) (again bool, err error) {
+	err = l.call(ctx, func() {
+		l.mu.Lock()
+		l.spilled[ns], l.refill = true, true
+		l.mu.Unlock()
+		again = l.refillQueue()
+	})
+	return again, err
 }
