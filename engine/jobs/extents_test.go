@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -395,5 +396,114 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 	// beside it (the other chunks) may still complete with O_DIRECT.
 	if len(ffs.Injected()) != 1 || st.DirectBytes >= int64(len(data)) || src.Direct() {
 		t.Fatalf("%d injections, %d of %d bytes direct, still direct: %v", len(ffs.Injected()), st.DirectBytes, len(data), src.Direct())
+	}
+}
+
+// TestReadPartlyCachedFile: a file whose pages are in the page cache
+// except some ranges is read with O_DIRECT only for the read pieces that
+// miss pages (whole, when they miss only some), and buffered for the
+// others: DirectBytes counts exactly those pieces, the bytes equal what
+// was written, the evicted ranges stay out of the page cache (O_DIRECT
+// does not fill it), and every file opened is closed. Both ways a source
+// is made: opened buffered first (OpenSource: the buffered descriptor
+// reads the cached ranges) and adopted from a caller's file (AdoptSource:
+// a buffered descriptor opened on the first cached range).
+func TestReadPartlyCachedFile(t *testing.T) {
+	dir := directDir(t)
+	rng := rand.New(rand.NewPCG(11, 12))
+	const mib = 1 << 20 // = jobs.ReadChunkBytes: one read piece
+	data := make([]byte, 16*mib+777)
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	path := filepath.Join(dir, "f")
+	if err := os.WriteFile(path, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	// The missing ranges, in MiB: 2 MiB each and 2 MiB aligned, since the
+	// kernel drops a large folio (up to 2 MiB) only whole.
+	missing := map[int64]bool{2: true, 3: true, 8: true, 9: true}
+	mibCached := func(k int64) (cached, known bool) {
+		f, err := vfs.Default.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		return vfs.Cached(f, k*mib, min(mib, int64(len(data))-k*mib))
+	}
+	// Two extents: the whole file (pieces on MiB boundaries: 4 MiB
+	// direct), and the file from 512 KiB on (pieces straddling them: the
+	// 6 pieces touching a missing MiB, half of two of them cached, direct).
+	cases := []struct {
+		off        int64
+		wantDirect int64
+	}{{0, 4 * mib}, {mib / 2, 6 * mib}}
+	for _, adopt := range []bool{false, true} {
+		for _, depth := range []int{1, 16} {
+			for _, tc := range cases {
+				// Every page cached (read through), then the missing
+				// ranges dropped.
+				if got, err := os.ReadFile(path); err != nil || !bytes.Equal(got, data) {
+					t.Fatalf("read back: %v", err)
+				}
+				testutil.EvictRange(t, path, 2*mib, 2*mib)
+				testutil.EvictRange(t, path, 8*mib, 2*mib)
+				for k := int64(0); k <= 16; k++ {
+					cached, known := mibCached(k)
+					if !known {
+						t.Skip("cachestat(2) unavailable: the page cache cannot be asked per range")
+					}
+					if cached == missing[k] {
+						t.Skipf("MiB %d cached=%v after posix_fadvise: the kernel did not drop exactly the ranges asked", k, cached)
+					}
+				}
+				ffs := testutil.NewFaultFS(nil)
+				cfg := &jobs.Config{FS: ffs, ReadDepth: depth}
+				var src *jobs.Source
+				var held vfs.File
+				var err error
+				if adopt {
+					if held, err = ffs.Open(path); err != nil {
+						t.Fatal(err)
+					}
+					src, err = jobs.AdoptSource(cfg, held)
+				} else {
+					src, err = jobs.OpenSource(cfg, path)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !src.Direct() {
+					t.Fatalf("adopt=%v: a partly cached file's source is not direct", adopt)
+				}
+				want := data[tc.off:]
+				x := []jobs.Extent{{Src: src, Off: tc.off, Dst: make([]byte, len(want)), Group: -1, Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(want)}}
+				errs, st, err := jobs.ReadExtents(context.Background(), cfg, x)
+				name := fmt.Sprintf("adopt=%v, depth %d, from %d", adopt, depth, tc.off)
+				if err != nil || errs[0] != nil {
+					t.Fatalf("%s: %v, %v", name, err, errs[0])
+				}
+				if !bytes.Equal(x[0].Dst, want) {
+					t.Fatalf("%s: the bytes read differ from the file's", name)
+				}
+				if st.Bytes != int64(len(want)) || st.DirectBytes != tc.wantDirect {
+					t.Fatalf("%s: %d bytes read, %d direct; want %d, %d direct (the pieces missing pages)", name, st.Bytes, st.DirectBytes, len(want), tc.wantDirect)
+				}
+				for k := range missing {
+					if cached, _ := mibCached(k); cached {
+						t.Fatalf("%s: MiB %d is cached after the read: it was read buffered", name, k)
+					}
+				}
+				if err := src.Close(); err != nil {
+					t.Fatal(err)
+				}
+				if held != nil {
+					held.Close()
+				}
+				if o, c := ffs.Count(testutil.OpOpen)+ffs.Count(testutil.OpOpenDirect), ffs.Count(testutil.OpClose); o != c {
+					t.Fatalf("%s: %d files opened, %d closed", name, o, c)
+				}
+			}
+		}
 	}
 }
