@@ -326,14 +326,7 @@ func benchRestoreSingle(b *testing.B, w *workload) {
 	s := getRestoreStore(b, w, layout.Single)
 	e := newEngine(b, s.root, false)
 	defer closeEngine(b, e)
-	snap, err := e.Stat(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
-	path, err := e.Path(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
+	snap, path := snapshotAt(b, e, s.ref)
 	offs := make([]int64, 0, len(w.dest))
 	for _, t := range snap.Header.Slots() {
 		offs = append(offs, int64(snap.DataStart)+t.Off)
