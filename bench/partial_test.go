@@ -28,6 +28,11 @@ const partialChunkBytes = 2 << 20
 // pressure leaves a file.
 const partialEvictEvery = 12
 
+// partialProbeBytes is the unit in bytes (aligned in the file) in which
+// the limit asks the page cache which way to read: the engine's
+// (jobs' cacheProbeBytes).
+const partialProbeBytes = 256 << 10
+
 // partialDepth is the limit's reads in flight: the engine's default depth
 // (jobs.DefaultReadDepth), which the O_DIRECT ranges need on a disk that
 // rewards depth; the cached ranges are bound by the cores either way.
@@ -39,11 +44,11 @@ const partialDepth = 16
 // restore starts, from cachestat), as memory pressure leaves a file,
 // into the warm rows' buffers. Before each side runs, the file is read
 // whole (buffered: every page cached) and the same ranges are evicted
-// again. The limit (x-limit, target >= 0.85) reads the same extents in
-// 1 MiB requests, 16 in flight, each the faster way: a buffered pread
-// when cachestat says every page of the request is cached, else an
-// O_DIRECT pread; then xxh3.Hash of each tensor on the goroutine that
-// read it. alldirect is the same reads all with O_DIRECT (what a reader
+// again. The limit (x-limit, target >= 0.85) reads the same extents, 16
+// tensors in flight, each range the faster way: a buffered pread where
+// cachestat says every page of a 256 KiB part of the file is cached,
+// else an O_DIRECT pread, in requests of up to 1 MiB of one kind; then
+// xxh3.Hash of each tensor on the goroutine that read it. alldirect is the same reads all with O_DIRECT (what a reader
 // that decides per file does with a file not wholly cached; x-alldirect).
 // direct/read is the part of the engine's bytes read with O_DIRECT
 // (Metrics.DirectReadBytes; about missing/file when it decides per
@@ -216,10 +221,11 @@ func (pl *partialLimit) prepare() (float64, error) {
 	return float64(pages-int64(st.Cache)) / float64(pages), nil
 }
 
-// read reads every tensor into its destination, 1 MiB requests, partialDepth
-// goroutines each taking the next tensor: a request all of whose pages
-// are cached (cachestat) with a buffered pread, the others with O_DIRECT
-// (all of them when allDirect); each tensor is then hashed by
+// read reads every tensor into its destination, partialDepth goroutines
+// each taking the next tensor, in requests of up to 1 MiB: the parts
+// (partialProbeBytes) all of whose pages are cached (cachestat) with
+// buffered preads, the others with O_DIRECT (all of them, in 1 MiB
+// requests, when allDirect); each tensor is then hashed by
 // xxh3.Hash on the goroutine that read it and checked against the header.
 // It returns the bytes read with O_DIRECT.
 func (pl *partialLimit) read(allDirect bool) (int64, error) {
@@ -238,26 +244,47 @@ func (pl *partialLimit) read(allDirect bool) (int64, error) {
 		g := <-next // this goroutine's staging buffer and counter
 		defer func() { next <- g }()
 		dst, off := pl.dest[i], pl.offs[i]
-		for o := 0; o < len(dst); o += directRequestBytes {
-			p := dst[o:min(len(dst), o+directRequestBytes)]
-			at := off + int64(o)
+		cached := func(at, end int64) (bool, error) {
+			var st unix.Cachestat_t
+			err := unix.Cachestat(uint(bfd), &unix.CachestatRange{Off: uint64(at), Len: uint64(end - at)}, &st, 0)
+			return int64(st.Cache) >= (end+pageBytes-1)/pageBytes-at/pageBytes, err
+		}
+		partEnd := func(a, end int64) int64 { return min(end, a/partialProbeBytes*partialProbeBytes+partialProbeBytes) }
+		// Requests of up to 1 MiB, each of one kind: cut where a part
+		// (partialProbeBytes of the file, aligned) is cached and the one
+		// before it is not, or the other way round.
+		end := off + int64(len(dst))
+		for at := off; at < end; {
+			hi, buffered := min(end, at+directRequestBytes), false
 			if !allDirect {
-				var st unix.Cachestat_t
-				err := unix.Cachestat(uint(bfd), &unix.CachestatRange{Off: uint64(at), Len: uint64(len(p))}, &st, 0)
-				if err != nil {
+				var err error
+				hi = partEnd(at, end)
+				if buffered, err = cached(at, hi); err != nil {
 					return err
 				}
-				if int64(st.Cache) >= (at+int64(len(p))+pageBytes-1)/pageBytes-at/pageBytes {
-					if err := preadFull(bfd, p, at); err != nil {
+				for hi < end && hi-at < directRequestBytes {
+					c, err := cached(hi, partEnd(hi, end))
+					if err != nil {
 						return err
 					}
-					continue
+					if c != buffered {
+						break
+					}
+					hi = min(partEnd(hi, end), at+directRequestBytes)
 				}
 			}
-			if err := directInto(dfd, p, at, stage[g]); err != nil {
-				return fmt.Errorf("O_DIRECT pread of %d bytes at %d: %w", len(p), at, err)
+			p := dst[at-off : hi-off]
+			if buffered {
+				if err := preadFull(bfd, p, at); err != nil {
+					return err
+				}
+			} else {
+				if err := directInto(dfd, p, at, stage[g]); err != nil {
+					return fmt.Errorf("O_DIRECT pread of %d bytes at %d: %w", len(p), at, err)
+				}
+				direct[g] += int64(len(p))
 			}
-			direct[g] += int64(len(p))
+			at = hi
 		}
 		if got := layout.TensorHash(xxh3.Hash(dst)); got != pl.hashes[i] {
 			return fmt.Errorf("partial limit: slot %d hashes to %s, the header says %s", i, got, pl.hashes[i])

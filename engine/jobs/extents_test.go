@@ -12,6 +12,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -400,10 +401,10 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 }
 
 // TestReadPartlyCachedFile: a file whose pages are in the page cache
-// except some ranges is read with O_DIRECT only for the read pieces that
-// miss pages (whole, when they miss only some), and buffered for the
-// others: DirectBytes counts exactly those pieces, the bytes equal what
-// was written, the evicted ranges stay out of the page cache (O_DIRECT
+// except some ranges is read with O_DIRECT only for those ranges, and
+// buffered for the rest, also where a read piece straddles a range's edge
+// (it is read in parts): DirectBytes counts exactly the missing bytes,
+// the bytes equal what was written, the evicted ranges stay out of the page cache (O_DIRECT
 // does not fill it), and every file opened is closed. Both ways a source
 // is made: opened buffered first (OpenSource: the buffered descriptor
 // reads the cached ranges) and adopted from a caller's file (AdoptSource:
@@ -431,16 +432,29 @@ func TestReadPartlyCachedFile(t *testing.T) {
 		defer f.Close()
 		return vfs.Cached(f, k*mib, min(mib, int64(len(data))-k*mib))
 	}
-	// Two extents: the whole file (pieces on MiB boundaries: 4 MiB
-	// direct), and the file from 512 KiB on (pieces straddling them: the
-	// 6 pieces touching a missing MiB, half of two of them cached, direct).
+	// The extents: the whole file (pieces on MiB boundaries), the file
+	// from 512 KiB on (pieces straddling them, half of four of them
+	// cached), and capacity-padded head-major views from 512 KiB on
+	// (heads x tokens x 64 bf16; opened one way, the read is the same):
+	// runs of 24 KiB (read through staging with O_DIRECT) and of 384 KiB
+	// (straight into them), cut where the page cache's ranges end. Only
+	// the missing bytes go direct.
 	cases := []struct {
-		off        int64
-		wantDirect int64
-	}{{0, 4 * mib}, {mib / 2, 6 * mib}}
+		off           int64
+		heads, tokens int // a view's; 0: a contiguous destination to the end of the file
+	}{{0, 0, 0}, {mib / 2, 0, 0}, {mib / 2, 100, 192}, {mib / 2, 10, 3072}}
+	missingIn := func(lo, hi int64) (n int64) {
+		for k := range missing {
+			n += max(0, min(hi, (k+1)*mib)-max(lo, k*mib))
+		}
+		return n
+	}
 	for _, adopt := range []bool{false, true} {
 		for _, depth := range []int{1, 16} {
 			for _, tc := range cases {
+				if adopt && tc.heads > 0 {
+					continue
+				}
 				// Every page cached (read through), then the missing
 				// ranges dropped.
 				if got, err := os.ReadFile(path); err != nil || !bytes.Equal(got, data) {
@@ -477,17 +491,33 @@ func TestReadPartlyCachedFile(t *testing.T) {
 					t.Fatalf("adopt=%v: a partly cached file's source is not direct", adopt)
 				}
 				want := data[tc.off:]
-				x := []jobs.Extent{{Src: src, Off: tc.off, Dst: make([]byte, len(want)), Group: -1, Verify: jobs.VerifyXXH3, XXH3: xxh3.Hash(want)}}
+				x := []jobs.Extent{{Src: src, Off: tc.off, Group: -1}}
+				var vd viewDst
+				if tc.heads > 0 {
+					const dim, capPad = 64, 64
+					want = want[:tc.heads*tc.tokens*dim*2]
+					capT := tc.tokens + capPad
+					vd.buf = bytes.Repeat([]byte{viewFill}, tc.heads*capT*dim*2)
+					vd.view = gather.View{Base: vd.buf, Shape: []int{1, tc.heads, tc.tokens, dim}, ItemSize: 2,
+						Strides: []int{tc.heads * capT * dim, capT * dim, dim, 1}}
+					x[0].View = &vd.view
+				} else {
+					x[0].Dst = make([]byte, len(want))
+				}
+				x[0].Verify, x[0].XXH3 = jobs.VerifyXXH3, xxh3.Hash(want)
 				errs, st, err := jobs.ReadExtents(context.Background(), cfg, x)
-				name := fmt.Sprintf("adopt=%v, depth %d, from %d", adopt, depth, tc.off)
+				name := fmt.Sprintf("adopt=%v, depth %d, from %d, view %dx%d", adopt, depth, tc.off, tc.heads, tc.tokens)
 				if err != nil || errs[0] != nil {
 					t.Fatalf("%s: %v, %v", name, err, errs[0])
 				}
-				if !bytes.Equal(x[0].Dst, want) {
+				if tc.heads > 0 {
+					checkView(t, name, vd, want)
+				} else if !bytes.Equal(x[0].Dst, want) {
 					t.Fatalf("%s: the bytes read differ from the file's", name)
 				}
-				if st.Bytes != int64(len(want)) || st.DirectBytes != tc.wantDirect {
-					t.Fatalf("%s: %d bytes read, %d direct; want %d, %d direct (the pieces missing pages)", name, st.Bytes, st.DirectBytes, len(want), tc.wantDirect)
+				wantDirect := missingIn(tc.off, tc.off+int64(len(want)))
+				if st.Bytes != int64(len(want)) || st.DirectBytes != wantDirect {
+					t.Fatalf("%s: %d bytes read, %d direct; want %d, %d direct (the missing ranges)", name, st.Bytes, st.DirectBytes, len(want), wantDirect)
 				}
 				for k := range missing {
 					if cached, _ := mibCached(k); cached {
