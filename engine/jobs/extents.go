@@ -120,9 +120,10 @@ type Source struct {
 	mu      sync.Mutex
 	retired []vfs.File // descriptors replaced by fallBack, closed by Close
 	// cachedF is a buffered descriptor of a direct source's file, for its
-	// ranges found in the page cache: the one the source was opened
-	// through, or opened on first need (cachedTried: asked for, so that a
-	// failed open is not retried); under mu; closed by Close.
+	// ranges found in the page cache, opened on first need (cachedTried:
+	// asked for, so that a failed open is not retried; a cold file, read
+	// all direct, never holds a second descriptor); under mu; closed by
+	// Close.
 	cachedF     vfs.File
 	cachedTried bool
 	// lazy: f is opened on first use and closed after the last of uses
@@ -279,9 +280,8 @@ func OpenSource(cfg *Config, path string) (*Source, error) {
 }
 
 // ownSource is AdoptSource of f, an open file, after which the Source owns
-// f: its Close closes f (when the Source reads through another descriptor,
-// O_DIRECT, f reads the ranges found in the page cache). On error f is
-// left open.
+// f: its Close closes f, or f is closed now if the Source reads through
+// another descriptor (O_DIRECT). On error f is left open.
 func ownSource(cfg *Config, f vfs.File) (*Source, error) {
 	s, err := AdoptSource(cfg, f)
 	if err != nil {
@@ -289,9 +289,7 @@ func ownSource(cfg *Config, f vfs.File) (*Source, error) {
 	}
 	s.own = true
 	if s.f != f {
-		// Read through another descriptor (O_DIRECT): f stays open for
-		// the ranges found in the page cache.
-		s.cachedF, s.cachedTried = f, true
+		f.Close()
 	}
 	return s, nil
 }
@@ -377,7 +375,7 @@ func openSourceWith(cfg *Config, m *directMode, path string) (*Source, error) {
 		return s, nil
 	}
 	if d := goDirect(cfg, m, f, fi); d != nil {
-		d.cachedF, d.cachedTried = f, true // for its ranges in the page cache
+		f.Close()
 		return d, nil
 	}
 	return s, nil
@@ -480,9 +478,9 @@ func (s *Source) fallBack(cfg *Config, cause error) error {
 }
 
 // cachedFile returns a buffered descriptor of the direct source s, to
-// read its ranges found in the page cache with: the one s was opened
-// through, or the path opened again on first need and checked to be the
-// same file (else nil from then on: every range is read with O_DIRECT).
+// read its ranges found in the page cache with: the path opened again on
+// first need and checked to be the same file (else nil from then on:
+// every range is read with O_DIRECT).
 func (s *Source) cachedFile(cfg *Config) vfs.File {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -516,7 +514,6 @@ func (s *Source) file(cfg *Config) (vfs.File, int64, int64, error) {
 			return nil, 0, 0, fmt.Errorf("%w: %s changed since it was checked: %d bytes", ErrBlockSize, s.path, o.size)
 		}
 		s.f, s.align, s.mem, s.own = o.f, o.align, o.mem, true
-		s.cachedF, s.cachedTried = o.cachedF, o.cachedTried
 	}
 	if s.f == nil {
 		return nil, 0, 0, fmt.Errorf("jobs: read %s: %w", s.path, fs.ErrClosed)

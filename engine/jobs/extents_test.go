@@ -404,11 +404,11 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 // except some ranges is read with O_DIRECT only for those ranges, and
 // buffered for the rest, also where a read piece straddles a range's edge
 // (it is read in parts): DirectBytes counts exactly the missing bytes,
-// the bytes equal what was written, the evicted ranges stay out of the page cache (O_DIRECT
-// does not fill it), and every file opened is closed. Both ways a source
-// is made: opened buffered first (OpenSource: the buffered descriptor
-// reads the cached ranges) and adopted from a caller's file (AdoptSource:
-// a buffered descriptor opened on the first cached range).
+// the bytes equal what was written, the evicted ranges stay out of the
+// page cache (O_DIRECT does not fill it), and every file opened is
+// closed (the buffered descriptor for the cached ranges is opened on the
+// first of them). Both ways a source is made: opened (OpenSource) and
+// adopted from a caller's file (AdoptSource).
 func TestReadPartlyCachedFile(t *testing.T) {
 	dir := directDir(t)
 	rng := rand.New(rand.NewPCG(11, 12))
