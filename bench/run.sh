@@ -23,7 +23,8 @@
 #   COLD_BENCHTIME=3x       iterations per run of the cold restores (each
 #                           evicts the files, restores, and runs the O_DIRECT
 #                           limit at 4 queue depths: about 5 s at 1 GiB)
-#   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
+#   FAST_BENCHTIME=1s       benchtime of dispatch, hashing and the prefix
+#                           index's lookups (each builds a 1M-page index)
 #   SERVING_BENCHTIME=1x    iterations per run of the serving loop at capacity
 #                           (each: 200 turns per loop at the tiny geometry,
 #                           50 at Qwen2.5-7B's, bounded and unbounded; about
@@ -97,6 +98,7 @@ run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
 run '^BenchmarkRestorePartlyCached$' "$PARTIAL_BENCHTIME"
 run '^BenchmarkPrefix$' "$PREFIX_BENCHTIME"
+run '^BenchmarkPrefixLookup(From)?$' "$FAST_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
@@ -146,6 +148,7 @@ END {
 		if (has[n, "x-pread-xxh3"]) other = other sprintf("pread+xxh3 %.0f MB/s, x-pread-xxh3 %.3f; ", median(n SUBSEP "pread-xxh3-MB/s"), median(n SUBSEP "x-pread-xxh3"))
 		if (has[n, "x-sha256-xxh3"]) other = other sprintf("x-sha256-xxh3 %.3f; ", median(n SUBSEP "x-sha256-xxh3"))
 		if (has[n, "hit-rate"]) other = sprintf("%.0f saves/s (unbounded %.0f), hit rate %.3f (unbounded %.3f), %.1f pages evicted/turn", median(n SUBSEP "saves/s"), median(n SUBSEP "unbounded-saves/s"), median(n SUBSEP "hit-rate"), median(n SUBSEP "unbounded-hit-rate"), median(n SUBSEP "evicted/turn"))
+		if (n ~ /^BenchmarkPrefixLookup(From)?$/) other = sprintf("%.1f us/op (goal < %d us), %.0f allocs/op", median(n SUBSEP "ns/op") / 1000, n ~ /From$/ ? 10 : 100, median(n SUBSEP "allocs/op"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
 		printf "%-40s %4d %10s %10s %8s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
 			has[n, "MB/s"] ? sprintf("%.0f", median(n SUBSEP "MB/s")) : "-",
