@@ -364,14 +364,7 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 		b.Fatal(err)
 	}
 	defer closeEngine(b, e)
-	snap, err := e.Stat(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
-	path, err := e.Path(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
+	snap, path := snapshotAt(b, e, s.ref)
 	c := newColdState(b, snap, path, int64(w.logical))
 	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Expect: snap.Header}
 	c.evict(b)

@@ -265,28 +265,45 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 // Errors: ErrPath (invalid namespace), layout.ErrIdentity,
 // layout.ErrPageTokens.
 func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uint32) (int, error) {
+	pageTokens, start, err := e.lookupStart(namespace, pageTokens)
+	if err != nil {
+		return 0, err
+	}
+	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
+	e.lookupDone(namespace, start, n, last, len(tokens), err)
+	return n, err
+}
+
+// lookupStart checks a lookup's namespace and returns its page size (0:
+// layout.DefaultPageTokens) and its start time (zero without
+// Config.Metrics).
+func (e *Engine) lookupStart(namespace string, pageTokens int) (int, time.Time, error) {
 	if err := layout.ValidName("namespace", namespace); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrPath, err)
+		return 0, time.Time{}, fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	if pageTokens == 0 {
 		pageTokens = layout.DefaultPageTokens
 	}
-	m := e.cfg.Metrics
 	var start time.Time
-	if m != nil {
+	if e.cfg.Metrics != nil {
 		start = time.Now()
 	}
-	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
+	return pageTokens, start, nil
+}
+
+// lookupDone records a lookup that found n of total tokens, last its
+// deepest page: the access to last, and with Config.Metrics the job and
+// its tokens hit and missed.
+func (e *Engine) lookupDone(namespace string, start time.Time, n int, last layout.PageKey, total int, err error) {
 	if n > 0 {
 		e.pc.touchLookup(namespace, last)
 	}
-	if m != nil {
+	if m := e.cfg.Metrics; m != nil {
 		m.Job(labels.KindLookup, labels.OutcomeOf(err), time.Since(start), true)
 		if err == nil {
-			m.Lookup(int64(n), int64(len(tokens)-n))
+			m.Lookup(int64(n), int64(total-n))
 		}
 	}
-	return n, err
 }
 
 // executeWrite runs a write. A layout.Pages write's pages go through the

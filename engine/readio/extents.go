@@ -111,8 +111,11 @@ var ErrSkipped = errors.New("not read: an earlier extent of its group failed")
 // Source is a file opened for Read: with O_DIRECT when its file
 // system supports it (statx STATX_DIOALIGN reports an alignment and the
 // O_DIRECT open succeeds) and the file is not wholly in the page cache
-// (cachestat), else buffered. Make it with OpenSource or AdoptSource and
-// close it with Close.
+// (cachestat), else buffered. A direct source still reads the ranges of
+// a request found in the page cache buffered (cachestat, see readBufs): a
+// mostly cached file reads at page-cache speed and only its missing
+// ranges go to the disk. Make it with OpenSource or AdoptSource and close
+// it with Close.
 type Source struct {
 	path    string
 	f       vfs.File
@@ -124,6 +127,13 @@ type Source struct {
 	own     bool // Close closes f
 	mu      sync.Mutex
 	retired []vfs.File // descriptors replaced by fallBack, closed by Close
+	// cachedF is a buffered descriptor of a direct source's file, for its
+	// ranges found in the page cache, opened on first need (cachedTried:
+	// asked for, so that a failed open is not retried; a cold file, read
+	// all direct, never holds a second descriptor); under mu; closed by
+	// Close.
+	cachedF     vfs.File
+	cachedTried bool
 	// lazy: f is opened on first use and closed after the last of uses
 	// extents (every block of a manifest: see openBlocks; the pages of a
 	// prefix load naming more than maxHeldBlocks).
@@ -156,6 +166,10 @@ func (s *Source) Close() error {
 		f.Close()
 	}
 	s.retired = nil
+	if s.cachedF != nil {
+		s.cachedF.Close()
+	}
+	s.cachedF, s.cachedTried = nil, false
 	if !s.own || s.f == nil {
 		return nil
 	}
@@ -469,6 +483,29 @@ func (s *Source) fallBack(cfg *Config, cause error) error {
 	s.f, s.align, s.mem = f, 0, 0
 	s.own = true
 	return nil
+}
+
+// cachedFile returns a buffered descriptor of the direct source s, to
+// read its ranges found in the page cache with: the path opened again on
+// first need and checked to be the same file (else nil from then on:
+// every range is read with O_DIRECT).
+func (s *Source) cachedFile(cfg *Config) vfs.File {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cachedF != nil || s.cachedTried || s.f == nil {
+		return s.cachedF
+	}
+	s.cachedTried = true
+	c, err := cfg.fs().Open(s.path)
+	if err != nil {
+		return nil
+	}
+	if same, err := vfs.SameFile(c, s.f); err != nil || !same {
+		c.Close()
+		return nil
+	}
+	s.cachedF = c
+	return c
 }
 
 // file returns the descriptor and alignment to read with now.
@@ -919,6 +956,7 @@ type extentReader struct {
 	staging *[]byte      // aligned, for O_DIRECT heads, tails and short runs; on demand
 	chunk   *[]byte      // readWhole's piece before its scatter; on demand
 	iov     [][]byte     // a piece's destination runs
+	part    [][]byte     // a part of iov read one way (readBufs)
 	one     [1][]byte    // staged's
 	// asyncReads counts the reads made through cfg.Async; asyncBytes the
 	// destination bytes of the pieces read that way.
@@ -1037,8 +1075,21 @@ func (r *extentReader) readWhole(ctx context.Context, x *Extent) (n, direct int6
 // into them, rather than as one request per run.
 const directRunBytes = 256 << 10
 
+// cacheProbeBytes: a request of a direct source only partly in the page
+// cache is cut at file offsets that are multiples of this many bytes, and
+// each part is read the faster way (runs of parts that go the same way
+// together): the page cache holds what is left of a file in large folios
+// (up to 2 MiB), so a missing range rarely ends on a request's edge, and
+// a part this size is still a large O_DIRECT read.
+const cacheProbeBytes = 256 << 10
+
 // readBufs fills bufs, in order, from src at off; it returns how many
-// bytes it read with O_DIRECT.
+// bytes it read with O_DIRECT. A direct source reads a range buffered
+// (Source.cachedFile) when every page of it is in the page cache
+// (cachestat of the range: one system call), and a range partly in it
+// in parts (cacheProbeBytes), each buffered when all of its pages are
+// cached, else with O_DIRECT: the page cache is several times faster
+// than the disk and O_DIRECT would ignore it.
 func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (direct int64, err error) {
 	f, align, mem, err := src.file(r.cfg)
 	if err != nil {
@@ -1053,6 +1104,65 @@ func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (direct i
 			r.asyncBytes += direct
 		}
 	}()
+	n := int64(iovBytes(bufs))
+	cached, pages, known := vfs.CachedPages(f, off, n)
+	var c vfs.File
+	if known && cached > 0 {
+		c = src.cachedFile(r.cfg)
+	}
+	switch {
+	case c == nil:
+		return r.readBufsDirect(src, f, align, mem, bufs, off)
+	case cached == pages:
+		return 0, readvFull(c, bufs, off)
+	}
+	inCache := func(lo, hi int64) bool {
+		k, p, ok := vfs.CachedPages(f, off+lo, hi-lo)
+		return ok && k == p
+	}
+	next := func(lo int64) int64 { return min(n, (off+lo)/cacheProbeBytes*cacheProbeBytes+cacheProbeBytes-off) }
+	for lo := int64(0); lo < n; {
+		hi := next(lo)
+		buffered := inCache(lo, hi)
+		for hi < n && inCache(hi, next(hi)) == buffered {
+			hi = next(hi)
+		}
+		part := r.iovRange(bufs, lo, hi)
+		if buffered {
+			err = readvFull(c, part, off+lo)
+		} else {
+			var d int64
+			d, err = r.readBufsDirect(src, f, align, mem, part, off+lo)
+			direct += d
+		}
+		clear(r.part) // no reference to the caller's memory stays behind
+		if err != nil {
+			return direct, err
+		}
+		lo = hi
+	}
+	return direct, nil
+}
+
+// iovRange returns bytes [lo, hi) of bufs, in order, as slices of them in
+// r.part.
+func (r *extentReader) iovRange(bufs [][]byte, lo, hi int64) [][]byte {
+	r.part = r.part[:0]
+	var at int64
+	for _, b := range bufs {
+		end := at + int64(len(b))
+		if end > lo && at < hi {
+			r.part = append(r.part, b[max(lo, at)-at:min(hi, end)-at])
+		}
+		at = end
+	}
+	return r.part
+}
+
+// readBufsDirect fills bufs, in order, from src's O_DIRECT descriptor f
+// (alignments align and mem) at off; it returns how many bytes it read
+// with O_DIRECT (a refusal reads the rest buffered).
+func (r *extentReader) readBufsDirect(src *Source, f vfs.File, align, mem int64, bufs [][]byte, off int64) (direct int64, err error) {
 	if len(bufs) > 1 && len(bufs[0]) < directRunBytes {
 		err := r.stagedv(f, align, bufs, off)
 		if err == nil || !isRefusal(err) {
@@ -1063,7 +1173,8 @@ func (r *extentReader) readBufs(src *Source, bufs [][]byte, off int64) (direct i
 	for j, b := range bufs {
 		d, err := r.readDirect(f, align, mem, b, off)
 		if err != nil && isRefusal(err) {
-			return r.refused(src, err, bufs[j:], off)
+			d2, err := r.refused(src, err, bufs[j:], off)
+			return direct + d2, err
 		}
 		if err != nil {
 			return direct, err

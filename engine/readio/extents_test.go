@@ -5,13 +5,16 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"syscall"
 	"testing"
 
+	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/readio"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"github.com/zeebo/xxh3"
 )
@@ -200,5 +203,143 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 	// beside it (the other chunks) may still complete with O_DIRECT.
 	if len(ffs.Injected()) != 1 || st.DirectBytes >= int64(len(data)) || src.Direct() {
 		t.Fatalf("%d injections, %d of %d bytes direct, still direct: %v", len(ffs.Injected()), st.DirectBytes, len(data), src.Direct())
+	}
+}
+
+// TestReadPartlyCachedFile: a file whose pages are in the page cache
+// except some ranges is read with O_DIRECT only for those ranges, and
+// buffered for the rest, also where a read piece straddles a range's edge
+// (it is read in parts): DirectBytes counts exactly the missing bytes,
+// the bytes equal what was written, the evicted ranges stay out of the
+// page cache (O_DIRECT does not fill it), and every file opened is
+// closed (the buffered descriptor for the cached ranges is opened on the
+// first of them). Both ways a source is made: opened (OpenSource) and
+// adopted from a caller's file (AdoptSource).
+func TestReadPartlyCachedFile(t *testing.T) {
+	dir := testutil.DirectDir(t)
+	rng := rand.New(rand.NewPCG(11, 12))
+	const mib = 1 << 20 // = readio.ReadChunkBytes: one read piece
+	data := make([]byte, 16*mib+777)
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	path := filepath.Join(dir, "f")
+	if err := os.WriteFile(path, data, 0o640); err != nil {
+		t.Fatal(err)
+	}
+	// The missing ranges, in MiB: 2 MiB each and 2 MiB aligned, since the
+	// kernel drops a large folio (up to 2 MiB) only whole.
+	missing := map[int64]bool{2: true, 3: true, 8: true, 9: true}
+	mibCached := func(k int64) (cached, known bool) {
+		f, err := vfs.Default.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		return vfs.Cached(f, k*mib, min(mib, int64(len(data))-k*mib))
+	}
+	// The extents: the whole file (pieces on MiB boundaries), the file
+	// from 512 KiB on (pieces straddling them, half of four of them
+	// cached), and capacity-padded head-major views from 512 KiB on
+	// (heads x tokens x 64 bf16; opened one way, the read is the same):
+	// runs of 24 KiB (read through staging with O_DIRECT) and of 384 KiB
+	// (straight into them), cut where the page cache's ranges end. Only
+	// the missing bytes go direct.
+	cases := []struct {
+		off           int64
+		heads, tokens int // a view's; 0: a contiguous destination to the end of the file
+	}{{0, 0, 0}, {mib / 2, 0, 0}, {mib / 2, 100, 192}, {mib / 2, 10, 3072}}
+	missingIn := func(lo, hi int64) (n int64) {
+		for k := range missing {
+			n += max(0, min(hi, (k+1)*mib)-max(lo, k*mib))
+		}
+		return n
+	}
+	for _, adopt := range []bool{false, true} {
+		for _, depth := range []int{1, 16} {
+			for _, tc := range cases {
+				if adopt && tc.heads > 0 {
+					continue
+				}
+				// Every page cached (read through), then the missing
+				// ranges dropped.
+				if got, err := os.ReadFile(path); err != nil || !bytes.Equal(got, data) {
+					t.Fatalf("read back: %v", err)
+				}
+				testutil.EvictRange(t, path, 2*mib, 2*mib)
+				testutil.EvictRange(t, path, 8*mib, 2*mib)
+				for k := int64(0); k <= 16; k++ {
+					cached, known := mibCached(k)
+					if !known {
+						t.Skip("cachestat(2) unavailable: the page cache cannot be asked per range")
+					}
+					if cached == missing[k] {
+						t.Skipf("MiB %d cached=%v after posix_fadvise: the kernel did not drop exactly the ranges asked", k, cached)
+					}
+				}
+				ffs := testutil.NewFaultFS(nil)
+				cfg := &readio.Config{FS: ffs, ReadDepth: depth}
+				var src *readio.Source
+				var held vfs.File
+				var err error
+				if adopt {
+					if held, err = ffs.Open(path); err != nil {
+						t.Fatal(err)
+					}
+					src, err = readio.AdoptSource(cfg, held)
+				} else {
+					src, err = readio.OpenSource(cfg, path)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !src.Direct() {
+					t.Fatalf("adopt=%v: a partly cached file's source is not direct", adopt)
+				}
+				want := data[tc.off:]
+				x := []readio.Extent{{Src: src, Off: tc.off, Group: -1}}
+				var vd viewDst
+				if tc.heads > 0 {
+					const dim, capPad = 64, 64
+					want = want[:tc.heads*tc.tokens*dim*2]
+					capT := tc.tokens + capPad
+					vd.buf = bytes.Repeat([]byte{viewFill}, tc.heads*capT*dim*2)
+					vd.view = gather.View{Base: vd.buf, Shape: []int{1, tc.heads, tc.tokens, dim}, ItemSize: 2,
+						Strides: []int{tc.heads * capT * dim, capT * dim, dim, 1}}
+					x[0].View = &vd.view
+				} else {
+					x[0].Dst = make([]byte, len(want))
+				}
+				x[0].Verify, x[0].XXH3 = readio.VerifyXXH3, xxh3.Hash(want)
+				errs, st, err := readio.Read(context.Background(), cfg, x, nil)
+				name := fmt.Sprintf("adopt=%v, depth %d, from %d, view %dx%d", adopt, depth, tc.off, tc.heads, tc.tokens)
+				if err != nil || errs[0] != nil {
+					t.Fatalf("%s: %v, %v", name, err, errs[0])
+				}
+				if tc.heads > 0 {
+					checkView(t, name, vd, want)
+				} else if !bytes.Equal(x[0].Dst, want) {
+					t.Fatalf("%s: the bytes read differ from the file's", name)
+				}
+				wantDirect := missingIn(tc.off, tc.off+int64(len(want)))
+				if st.Bytes != int64(len(want)) || st.DirectBytes != wantDirect {
+					t.Fatalf("%s: %d bytes read, %d direct; want %d, %d direct (the missing ranges)", name, st.Bytes, st.DirectBytes, len(want), wantDirect)
+				}
+				for k := range missing {
+					if cached, _ := mibCached(k); cached {
+						t.Fatalf("%s: MiB %d is cached after the read: it was read buffered", name, k)
+					}
+				}
+				if err := src.Close(); err != nil {
+					t.Fatal(err)
+				}
+				if held != nil {
+					held.Close()
+				}
+				if o, c := ffs.Count(testutil.OpOpen)+ffs.Count(testutil.OpOpenDirect), ffs.Count(testutil.OpClose); o != c {
+					t.Fatalf("%s: %d files opened, %d closed", name, o, c)
+				}
+			}
+		}
 	}
 }

@@ -517,19 +517,45 @@ func (f osFile) Cached(off, n int64) (bool, error) {
 		}
 		n = st.Size() - off
 	}
+	cached, pages, err := f.CachedPages(off, n)
+	return err == nil && cached >= pages, err
+}
+
+// CacheCounter is a File that can count the pages of a byte range of it
+// in the page cache. Optional: use CachedPages.
+type CacheCounter interface {
+	// CachedPages returns how many of the pages [off, off+n) touches are
+	// in the page cache, and how many it touches (n > 0).
+	CachedPages(off, n int64) (cached, pages int64, err error)
+}
+
+// CachedPages returns how many pages of f's byte range [off, off+n) (n >
+// 0) are in the page cache, how many pages the range touches, and whether
+// that is known (false when f cannot tell: no CacheCounter, or a kernel
+// before 6.5 without cachestat(2)). It starts no I/O.
+func CachedPages(f File, off, n int64) (cached, pages int64, known bool) {
+	c, ok := f.(CacheCounter)
+	if !ok || n <= 0 {
+		return 0, 0, false
+	}
+	cached, pages, err := c.CachedPages(off, n)
+	return cached, pages, err == nil
+}
+
+func (f osFile) CachedPages(off, n int64) (cached, pages int64, err error) {
 	if n <= 0 {
-		return true, nil
+		return 0, 0, nil
 	}
 	page := int64(os.Getpagesize())
-	pages := (off+n+page-1)/page - off/page
+	pages = (off+n+page-1)/page - off/page
 	var st unix.Cachestat_t
-	err := f.control(func(fd int) error {
+	err = f.control(func(fd int) error {
 		return unix.Cachestat(uint(fd), &unix.CachestatRange{Off: uint64(off), Len: uint64(n)}, &st, 0)
 	})
 	if err != nil {
-		return false, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
+		return 0, pages, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
 	}
-	return int64(st.Cache) >= pages, nil
+	return min(int64(st.Cache), pages), pages, nil
 }
 
 // FileID is one incarnation of a file at a path, from an lstat: device,

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -377,5 +378,53 @@ func TestOpenAppend(t *testing.T) {
 			f.Close()
 		}
 		t.Fatalf("FIFO without a reader: %v, want ENXIO", err)
+	}
+}
+
+// TestCachedPages: a file just written is wholly in the page cache
+// (CachedPages counts every page a range touches, Cached agrees); after
+// posix_fadvise DONTNEED of its middle 2 MiB (fdatasync first: a dirty
+// page is not dropped) that range counts none, a range across its edge
+// some, and Cached of the whole file is false.
+func TestCachedPages(t *testing.T) {
+	const mib = 1 << 20
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, make([]byte, 6*mib+100), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	f, err := vfs.Default.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cached, pages, known := vfs.CachedPages(f, 10, 6*mib)
+	if !known {
+		t.Skip("cachestat(2) unavailable")
+	}
+	if want := int64(6*mib/4096 + 1); pages != want || cached != pages {
+		t.Fatalf("just written: %d of %d pages cached, want %d of %d", cached, pages, want, want)
+	}
+	if c, ok := vfs.Cached(f, 0, 0); !c || !ok {
+		t.Fatalf("just written: Cached %v, %v", c, ok)
+	}
+	fd, err := syscall.Open(p, syscall.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fd)
+	if err := syscall.Fdatasync(fd); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fadvise(fd, 2*mib, 2*mib, unix.FADV_DONTNEED); err != nil {
+		t.Fatal(err)
+	}
+	if c, n, _ := vfs.CachedPages(f, 2*mib, 2*mib); c != 0 || n != 2*mib/4096 {
+		t.Skipf("after dropping [2, 4) MiB: %d of %d pages cached there: the kernel did not drop exactly the range asked", c, n)
+	}
+	if c, n, _ := vfs.CachedPages(f, mib, 2*mib); c != mib/4096 || n != 2*mib/4096 {
+		t.Fatalf("[1, 3) MiB: %d of %d pages cached, want half", c, n)
+	}
+	if c, ok := vfs.Cached(f, 0, 0); c || !ok {
+		t.Fatalf("partly evicted: Cached %v, %v", c, ok)
 	}
 }
