@@ -72,7 +72,7 @@ func benchRestorePartlyCached(b *testing.B, w *workload) {
 	if pl.dio == nil {
 		b.Skipf("%s: O_DIRECT refused: the row compares page-cache and O_DIRECT reads", path)
 	}
-	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Verify: true, Expect: snap.Header}
+	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Expect: snap.Header}
 	var missing float64 // the part of the file's pages missing, at the last prep
 	prep := func(int) {
 		m, err := pl.prepare()
