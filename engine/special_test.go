@@ -5,11 +5,13 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
@@ -136,6 +138,120 @@ func TestSpecialFilesNeverBlock(t *testing.T) {
 				t.Fatalf("load through a %s page: %+v %v, want the first 128 tokens", kind, r.Prefix, r.Err)
 			}
 			checkLoaded(t, c, bufs, 256, 128)
+		})
+	}
+}
+
+// strayFanout puts a stray entry of kind ("file" or "symlink", to a
+// directory outside the root) at path, a fan-out directory's place.
+func strayFanout(t *testing.T, kind, path string) {
+	t.Helper()
+	var err error
+	if kind == "file" {
+		err = os.WriteFile(path, []byte("stray"), 0o640)
+	} else {
+		err = os.Symlink(t.TempDir(), path)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestStrayFanoutIsAPerPageFailure: a file or a symlink at pages/<xx>,
+// where the fan-out directory of page i's key belongs, is a failure of
+// that page alone: a save writes every other page (Failed lists page i,
+// FailedErr names the path), Lookup reports the prefix before page i, a
+// load ends there with a Stop naming the path (not ErrInvalidRequest), and
+// verify reports the entry (jobs.ProblemFanout). When the entry replaces
+// a fan-out directory of pages already indexed, a load through it ends
+// there too and the index forgets the page.
+func TestStrayFanoutIsAPerPageFailure(t *testing.T) {
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 320, true)
+	for _, kind := range []string{"file", "symlink"} {
+		t.Run(kind, func(t *testing.T) {
+			root := t.TempDir()
+			e := newEngine(t, Config{Root: root, Workers: 2})
+			// A chain whose page 2 alone starts with its key's two digits.
+			var toks []uint32
+			var keys []layout.PageKey
+			const i = 2
+			for seed := uint32(1); ; seed++ {
+				toks = prefixTokens(320, seed)
+				keys, _, _ = layout.PageChain("tiny", 64, toks)
+				alone := true
+				for j, k := range keys {
+					alone = alone && (j == i || k.String()[:2] != keys[i].String()[:2])
+				}
+				if alone {
+					break
+				}
+			}
+			save := &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64}
+			load := func() (*LoadPrefixRequest, [][]byte) {
+				bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
+				return &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true}, bufs
+			}
+			nsDir := filepath.Join(root, "p")
+			if err := os.MkdirAll(filepath.Join(nsDir, layout.PagesDirName), 0o750); err != nil {
+				t.Fatal(err)
+			}
+			fan := filepath.Dir(testutil.PagePath(nsDir, keys[i]))
+			strayFanout(t, kind, fan)
+
+			r := mustDo(t, e, save)
+			if r.Prefix.PagesWritten != len(keys)-1 || len(r.Prefix.Failed) != 1 || r.Prefix.Failed[0] != keys[i] ||
+				r.Prefix.FailedErr == nil || !strings.Contains(r.Prefix.FailedErr.Error(), fan) {
+				t.Fatalf("save: %d pages written, failed %v (%v); want %d written and page %d failed naming %s",
+					r.Prefix.PagesWritten, r.Prefix.Failed, r.Prefix.FailedErr, len(keys)-1, i, fan)
+			}
+			for j, k := range keys {
+				if _, err := os.Lstat(testutil.PagePath(nsDir, k)); (err == nil) != (j != i) {
+					t.Fatalf("page %d on disk: %v", j, err)
+				}
+			}
+			if got, err := e.Lookup("p", "tiny", 64, toks); err != nil || got != i*64 {
+				t.Fatalf("Lookup: %d %v, want %d", got, err, i*64)
+			}
+			lr, bufs := load()
+			r = e.Do(bg, lr)
+			if r.Err != nil || r.Prefix.Tokens != i*64 || r.Prefix.Stop == nil || !strings.Contains(r.Prefix.Stop.Error(), fan) {
+				t.Fatalf("load: %+v, err %v; want the first %d tokens and a Stop naming %s", r.Prefix, r.Err, i*64, fan)
+			}
+			checkLoaded(t, c, bufs, 320, i*64)
+
+			rep, err := jobs.VerifyStore(bg, &jobs.Config{NoSync: true}, &jobs.VerifySpec{Target: root})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var found []string
+			for _, p := range rep.Problems {
+				found = append(found, p.Kind+" "+p.Path)
+			}
+			if want := []string{jobs.ProblemFanout + " " + fan}; !slices.Equal(found, want) {
+				t.Fatalf("verify: %q, want %q", found, want)
+			}
+
+			// Indexed pages whose fan-out directory is then replaced.
+			if err := os.Remove(fan); err != nil {
+				t.Fatal(err)
+			}
+			mustDo(t, e, save)
+			if got, _ := e.Lookup("p", "tiny", 64, toks); got != 320 {
+				t.Fatalf("Lookup after the full save: %d", got)
+			}
+			if err := os.Rename(fan, filepath.Join(t.TempDir(), "moved")); err != nil {
+				t.Fatal(err)
+			}
+			strayFanout(t, kind, fan)
+			lr, bufs = load()
+			if r := e.Do(bg, lr); r.Err != nil || r.Prefix.Tokens != i*64 || r.Prefix.Stop == nil {
+				t.Fatalf("load through a replaced fan-out: %+v, err %v", r.Prefix, r.Err)
+			}
+			checkLoaded(t, c, bufs, 320, i*64)
+			if got, _ := e.Lookup("p", "tiny", 64, toks); got != i*64 {
+				t.Fatalf("Lookup after the load: %d, want %d", got, i*64)
+			}
 		})
 	}
 }

@@ -16,7 +16,7 @@ type verifyReport struct {
 	Clean  bool   `json:"clean"`
 	// Problems, by kind (io-error, unreadable, corrupt-tensor,
 	// corrupt-block, block-xxh3, corrupt-page, missing-block, missing-page,
-	// block-size, stale-temp, orphan-block), then path.
+	// not-a-directory, block-size, stale-temp, orphan-block), then path.
 	Problems []jobs.VerifyProblem `json:"problems"`
 	Checked  jobs.VerifyChecked   `json:"checked"`
 	// Notes say what was not checked and why (e.g. orphans of a namespace
@@ -65,7 +65,9 @@ block whose bytes match its name: the manifest is bad, its verified
 restore fails; remove or re-save the manifest, never the block),
 corrupt-page (a file under pages/ that decodes but is not the page its
 name says), missing-block, missing-page (a page a page manifest names is
-not stored), block-size, orphan-block, stale-temp, io-error.
+not stored), not-a-directory (a file or symlink at pages/<xx> or
+blocks/<xx>, where a fan-out directory belongs), block-size, orphan-block,
+stale-temp, io-error.
 
 With --remote, verify checks the object-store tier instead: it fetches
 every object of each namespace (--workers at a time, each through a temp

@@ -43,15 +43,40 @@ type PrefixResult struct {
 	PagesReplaced int
 	// Missing, for a load, is the first page key it looked for and found
 	// no file for (nil when every page it looked for was found, or the
-	// load stopped for another reason). The engine drops it from its index.
+	// load stopped for another reason), or whose fan-out directory
+	// (pages/<xx>) is not a directory (then Stop says so too). The engine
+	// drops it from its index.
 	Missing *layout.PageKey
 	// Stop, for a load, is why the prefix ended before a missing page or
 	// the end of the tokens: a page that failed verification or is not
 	// what its file name says (ErrCorrupt: another key, identity, page
 	// size or token ids, or tensors unlike the pages before it), did not
-	// decode, or could not be opened or read. The pages before it are
-	// loaded and counted in Tokens. nil otherwise.
+	// decode, or could not be opened or read, or whose fan-out directory
+	// is not a directory. The pages before it are loaded and counted in
+	// Tokens. nil otherwise.
 	Stop error
+	// Failed, for a save: the keys of the pages it could not store
+	// because their fan-out directory's path (pages/<xx>) is not a
+	// directory (a stray file or symlink there, never replaced nor
+	// followed), a per-page failure: the save's other pages are written
+	// and counted, and Keys still lists every page. FailedErr names the
+	// first such path. Both nil when every page was stored.
+	Failed    []layout.PageKey
+	FailedErr error
+}
+
+// Stored is a save's keys without Failed: the pages on disk after it.
+func (r *PrefixResult) Stored() []layout.PageKey {
+	if len(r.Failed) == 0 {
+		return r.Keys
+	}
+	out := make([]layout.PageKey, 0, len(r.Keys)-len(r.Failed))
+	for _, k := range r.Keys {
+		if !slices.Contains(r.Failed, k) {
+			out = append(out, k)
+		}
+	}
+	return out
 }
 
 func pageTokens(p int) int {
@@ -243,7 +268,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 			progress(d)
 		}
 	}
-	made := map[string]bool{} // fan-out directories created or checked
+	made := map[string]bool{}     // fan-out directories created or checked
+	badDirs := map[string]error{} // fan-out paths that are not directories
 	// newDirs: fan-out directories fsynced at the end: of new pages, and of
 	// reused ones found after their early fsync was handed.
 	newDirs := map[string]bool{}
@@ -277,11 +303,22 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, identity s
 		path := ns.PagePath(key)
 		dir := filepath.Dir(path)
 		if !made[dir] {
-			if err = ns.CreateFanout(dir); err != nil { // synced below
+			if err = ns.CreateFanout(dir); errors.Is(err, store.ErrNamespace) {
+				// Not a directory: this fan-out's pages fail, the others
+				// are still written (see PrefixResult.Failed).
+				badDirs[dir], err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err), nil
+			} else if err != nil { // synced below
 				err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err)
 				break
 			}
 			made[dir] = true
+		}
+		if berr := badDirs[dir]; berr != nil {
+			res.Failed = append(res.Failed, key)
+			if res.FailedErr == nil {
+				res.FailedErr = berr
+			}
+			continue
 		}
 		var pl *plannedPage
 		if pl, err = planPage(tensors, shapes, page, lo, path); err != nil {
@@ -746,11 +783,15 @@ func LoadPrefixScattered(ctx context.Context, cfg *Config, req *LoadPrefixReques
 		dir := filepath.Dir(path)
 		derr, ok := checked[dir]
 		if !ok {
-			derr = checkDir(fsys, dir)
+			derr = ns.Store().CheckRealDir(dir)
 			checked[dir] = derr
 		}
 		if derr != nil {
-			return scattered(fmt.Errorf("jobs: load prefix: %w", derr))
+			// Not a directory: no page of this fan-out can be stored
+			// here, so the page is missing and the prefix ends.
+			k := key
+			res.Missing, res.Stop = &k, fmt.Errorf("jobs: load prefix: page %s: %w", key, derr)
+			break
 		}
 		src, snap, err := openPage(cfg, path)
 		if err != nil {
@@ -1003,6 +1044,9 @@ func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *wri
 	var pm Metrics
 	if err := savePages(ctx, cfg, ns, spec.Identity, p, spec.Tokens, tensors, keys, res, &pm, nil); err != nil {
 		return err
+	}
+	if res.FailedErr != nil { // a manifest names every page: none may fail
+		return res.FailedErr
 	}
 	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}
 	meta := make(layout.Meta, len(h.Meta)+1)
