@@ -1,10 +1,12 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"syscall"
@@ -253,5 +255,118 @@ func TestStrayFanoutIsAPerPageFailure(t *testing.T) {
 				t.Fatalf("Lookup after the load: %d, want %d", got, i*64)
 			}
 		})
+	}
+}
+
+// headerBomb rewrites the page file at path as a valid page whose header
+// JSON is padded to at least n bytes by whitespace inside its token ids:
+// the same key, tokens and tensors, its data moved to the new data start,
+// the header hash recomputed.
+func headerBomb(t *testing.T, path string, n int) {
+	t.Helper()
+	snap, err := layout.Load(vfs.Default, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	old, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	at := bytes.Index(snap.JSON, []byte(`"tokens":[`)) + len(`"tokens":[`)
+	js := make([]byte, 0, n+len(snap.JSON))
+	js = append(js, snap.JSON[:at]...)
+	for len(js) < n {
+		js = append(js, " \n"...)
+	}
+	js = append(js, snap.JSON[at:]...)
+	ds := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
+	b := make([]byte, ds, ds+int64(len(old))-int64(snap.DataStart))
+	copy(b, layout.EncodePrefix(js, uint32(ds)))
+	copy(b[layout.PrefixLen:], js)
+	b = append(b, old[snap.DataStart:]...)
+	if err := os.WriteFile(path, b, 0o640); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// allocated is the bytes the Go heap allocated while f ran
+// (runtime.MemStats.TotalAlloc), this test's goroutines and the engine's
+// included.
+func allocated(f func()) uint64 {
+	var a, b runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&a)
+	f()
+	runtime.ReadMemStats(&b)
+	return b.TotalAlloc - a.TotalAlloc
+}
+
+// TestPageHeaderBombBounded: a valid page file (its header hash, key and
+// tensors check out) whose header JSON is 24 MiB, far past
+// layout.MaxPageHeaderLen, is refused from its prefix (ErrHeaderTooLarge
+// naming the file) by the page decoder, so New and verify allocate less
+// than 2 MiB more for it than for the same store without it (before the
+// cap, each read and parsed the whole header: gigabytes for 58 MB).
+func TestPageHeaderBombBounded(t *testing.T) {
+	const bomb, bound = 24 << 20, 2 << 20
+	root := t.TempDir()
+	c, _ := cacheOf(kvgen.Tiny, 128, true)
+	toks := prefixTokens(128, 5)
+	func() {
+		e := newEngine(t, Config{Root: root})
+		mustDo(t, e, &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
+		if err := e.Close(bg); err != nil {
+			t.Fatal(err)
+		}
+	}()
+	cfg := Config{Root: root, NoSync: true, Logger: newEngineLogger(), CapacityBytes: 1 << 30}
+	open := func() {
+		// Without a recency checkpoint the page cache decodes every
+		// page's header at start, to learn its parent.
+		if err := os.Remove(filepath.Join(root, "p", layout.RecencyName)); err != nil && !os.IsNotExist(err) {
+			t.Fatal(err)
+		}
+		e, err := New(cfg)
+		if err != nil {
+			t.Fatalf("New: %v", err)
+		}
+		if err := e.Close(bg); err != nil {
+			t.Fatalf("Close: %v", err)
+		}
+	}
+	verify := func() (rep *jobs.VerifyReport) {
+		var err error
+		if rep, err = jobs.VerifyStore(bg, &jobs.Config{NoSync: true}, &jobs.VerifySpec{Target: root}); err != nil {
+			t.Fatal(err)
+		}
+		return rep
+	}
+	open() // warm: lazily built package state is not counted below
+	cleanNew, cleanVerify := allocated(open), allocated(func() { verify() })
+
+	keys, _, _ := layout.PageChain("tiny", 64, toks)
+	path := testutil.PagePath(filepath.Join(root, "p"), keys[1])
+	headerBomb(t, path, bomb)
+	if snap, err := layout.Load(vfs.Default, path); err != nil || snap.Page == nil || snap.Page.Key != keys[1] || len(snap.JSON) < bomb {
+		t.Fatalf("the bomb is not a valid page of %d header bytes: %v", bomb, err)
+	}
+	f, err := vfs.Default.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = layout.DecodePage(f, path)
+	f.Close()
+	if !errors.Is(err, layout.ErrHeaderTooLarge) || !strings.Contains(err.Error(), path) {
+		t.Errorf("DecodePage of the bomb: %v, want ErrHeaderTooLarge naming %s", err, path)
+	}
+	if got := allocated(open); got > cleanNew+bound {
+		t.Errorf("New and Close with the bomb allocated %d bytes, without it %d: more than %d apart", got, cleanNew, bound)
+	}
+	var rep *jobs.VerifyReport
+	if got := allocated(func() { rep = verify() }); got > cleanVerify+bound {
+		t.Errorf("verify with the bomb allocated %d bytes, without it %d: more than %d apart", got, cleanVerify, bound)
+	}
+	if len(rep.Problems) != 1 || rep.Problems[0].Kind != jobs.ProblemUnreadable || rep.Problems[0].Path != path {
+		t.Fatalf("verify: %+v, want the bomb unreadable", rep.Problems)
 	}
 }

@@ -436,6 +436,9 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 	if pl.js, pl.dataStart, end, err = planSingle(path, pl.h, pl.slots); err != nil {
 		return nil, err
 	}
+	if len(pl.js) > layout.MaxPageHeaderLen { // no reader would take it
+		return nil, fmt.Errorf("%w: save prefix %s: page header of %d bytes exceeds %d", ErrInvalidRequest, path, len(pl.js), layout.MaxPageHeaderLen)
+	}
 	pl.size = pl.dataStart + end
 	for _, t := range pl.h.Caches[0].Tensors {
 		pl.tensorBytes += t.Bytes
@@ -559,7 +562,7 @@ func openPage(cfg *Config, path string) (*Source, *layout.Snapshot, error) {
 	if err != nil {
 		return nil, nil, err
 	}
-	snap, err := layout.Decode(f, path)
+	snap, err := layout.DecodePage(f, path)
 	if err == nil && snap.Page == nil {
 		err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
 	}

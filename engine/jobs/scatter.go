@@ -92,7 +92,7 @@ func (s *PrefixScatter) Page(ctx context.Context, i int, name string, f vfs.File
 	snap := head
 	if snap == nil {
 		var err error
-		if snap, err = layout.Decode(f, name); err != nil {
+		if snap, err = layout.DecodePage(f, name); err != nil {
 			return false
 		}
 	}

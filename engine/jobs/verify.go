@@ -879,7 +879,7 @@ func (v *verifier) checkPage(ctx context.Context, t *verifyTask, buf []byte) (in
 		return 0, 0, err
 	}
 	defer f.Close()
-	snap, err := layout.Decode(f, t.path)
+	snap, err := layout.DecodePage(f, t.path)
 	if err != nil {
 		v.unreadable(t.path, err)
 		return 0, 0, nil

@@ -124,7 +124,7 @@ func checkPageSnap(snap *layout.Snapshot, key string, size int64) error {
 // page. A fetch whose bytes fail it is ErrCorrupt.
 func VerifyPage(key string, out **layout.Page) VerifyFunc {
 	return func(r io.ReaderAt, size int64) error {
-		snap, err := Decode(r, size, "page "+key)
+		snap, err := layout.DecodePage(objectFile{r: r, size: size, name: "page " + key}, "page "+key)
 		if err != nil {
 			return err
 		}
