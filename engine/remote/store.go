@@ -172,10 +172,52 @@ func opErr(op, name string, err error) error {
 	if err == nil {
 		return nil
 	}
-	if isNotFound(err) {
+	if cause := causeOf(err); cause != nil {
+		err = fmt.Errorf("%w (%v)", cause, err)
+	} else if isNotFound(err) {
 		err = fmt.Errorf("%w (%v)", ErrNotFound, err)
 	}
 	return &OpError{Op: op, Name: name, Err: err}
+}
+
+// causeOf is the sentinel of an S3 error response that no retry can fix:
+// ErrCredentials, ErrNoBucket or ErrAccessDenied; nil for any other.
+func causeOf(err error) error {
+	r := minio.ToErrorResponse(err)
+	switch r.Code {
+	case "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidSecurity":
+		return ErrCredentials
+	case "NoSuchBucket":
+		return ErrNoBucket
+	case "AccessDenied":
+		return ErrAccessDenied
+	}
+	if r.StatusCode == http.StatusForbidden {
+		return ErrAccessDenied
+	}
+	return nil
+}
+
+// Check sends one request (a listing of at most one object under the
+// store's prefix) to find out, before anything is uploaded, whether the
+// store takes the credentials and holds the bucket. Errors: ErrCredentials
+// (an unknown access key, a wrong secret key), ErrNoBucket, ErrAccessDenied
+// (the credentials may not list the bucket), each naming the bucket and
+// endpoint; any other (the store unreachable, a server error) is the
+// request's *OpError, which a caller may take as transient.
+func (s *Store) Check(ctx context.Context) error {
+	var err error
+	for info := range s.client.ListObjectsIter(ctx, s.cfg.Bucket, minio.ListObjectsOptions{Prefix: s.join(""), MaxKeys: 1}) {
+		err = info.Err
+		break // one page of the listing answers the question
+	}
+	if err == nil {
+		return nil
+	}
+	if cause := causeOf(err); cause != nil {
+		return fmt.Errorf("%w: bucket %q at %s: %v", cause, s.cfg.Bucket, s.cfg.Endpoint, err)
+	}
+	return opErr("list", s.join(""), err)
 }
 
 // Stat returns the object's size, ETag and mtime (one HEAD request).

@@ -69,6 +69,12 @@ type UploaderConfig struct {
 	// OnDone, if set, is called once per upload that leaves the queue, on
 	// the worker's goroutine (keep it short).
 	OnDone func(UploadResult)
+	// OnRetry, if set, is called after each failed attempt that will be
+	// retried (a transient error: the network, a 5xx, or the credentials
+	// or bucket refused, which a fix of the store may cure), on the
+	// worker's goroutine (keep it short): name, the attempts so far and
+	// the attempt's error.
+	OnRetry func(name string, attempts int, err error)
 	// StatFirst makes every attempt HEAD the object before its PUT: an
 	// object already stored with the upload's size is reported existing
 	// without sending its bytes (a create-only PUT sends the whole body
@@ -107,6 +113,7 @@ type Uploader struct {
 	closing bool
 	names   map[string]bool // queued or in flight, so a name is uploaded once at a time
 	stats   UploaderStats
+	lastErr error // the last failed attempt's error, for Close's
 }
 
 // NewUploader starts cfg.Workers goroutines; Close stops them.
@@ -173,8 +180,10 @@ func (u *Uploader) Stats() UploaderStats {
 // Close stops accepting uploads and waits until every queued upload has
 // finished. If ctx ends first, uploads in flight are cancelled, the rest
 // of the queue is abandoned (each reported to OnDone with ErrAbandoned)
-// and Close returns an error wrapping ErrAbandoned and ctx's error after
-// every worker has returned. Nothing local is touched either way.
+// and Close returns an error wrapping ErrAbandoned, ctx's error and the
+// last failed attempt's error (why they had not finished: errors.Is finds
+// ErrCredentials, say), after every worker has returned. Nothing local is
+// touched either way.
 func (u *Uploader) Close(ctx context.Context) error {
 	u.mu.Lock()
 	if !u.closing {
@@ -193,6 +202,12 @@ func (u *Uploader) Close(ctx context.Context) error {
 		<-done
 	}
 	if n := u.Stats().Abandoned; n > 0 {
+		u.mu.Lock()
+		last := u.lastErr
+		u.mu.Unlock()
+		if last != nil { // why they did not finish: the store's answer
+			return fmt.Errorf("%w: %d uploads: %w; the last failed attempt: %w", ErrAbandoned, n, context.Cause(ctx), last)
+		}
 		return fmt.Errorf("%w: %d uploads: %w", ErrAbandoned, n, context.Cause(ctx))
 	}
 	return nil
@@ -275,9 +290,16 @@ func (u *Uploader) upload(up Upload) UploadResult {
 			res.Err = err
 			return res
 		}
+		if u.ctx.Err() != nil {
+			continue // cancelled by Close: abandoned at the loop's top
+		}
 		u.mu.Lock()
 		u.stats.Retries++
+		u.lastErr = err
 		u.mu.Unlock()
+		if u.cfg.OnRetry != nil {
+			u.cfg.OnRetry(up.Name, res.Attempts, err)
+		}
 		t := time.NewTimer(rand.N(wait) + time.Millisecond)
 		select {
 		case <-t.C:
