@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
 )
 
@@ -70,4 +71,16 @@ func (e *Engine) uploadRetried() func(name string, attempts int, err error) {
 		mu.Unlock()
 		e.logSafe(slog.LevelWarn, "kvpersist: upload to the object store failed; retrying", "object", name, "attempts", attempts, "err", err, "failedAttemptsNotLogged", n)
 	}
+}
+
+// storedPage is the Upload.Stored of page k: a page object found stored
+// under its name with bytes other than the local page's is fetched once
+// and checked (remote.Store.CheckStoredPage); one that does not verify is
+// replaced by the local page (which the upload verifies first), a good
+// one (another writer's bytes of the same page) is kept. A page the tier
+// knows stored is not uploaded again until RemoteTier.RefreshAge has
+// passed, so that is when a save of it repairs its object at the latest.
+func (t *tier) storedPage(k layout.PageKey) func(context.Context, remote.Object) error {
+	key := k.String()
+	return func(ctx context.Context, o remote.Object) error { return t.st.CheckStoredPage(ctx, o, key) }
 }

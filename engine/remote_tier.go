@@ -516,11 +516,12 @@ func (t *tier) enqueueFile(name, path string, p *pendingUpload, wait func(contex
 func (t *tier) queueUpload(name, path string, fi fs.FileInfo, p *pendingUpload, wait func(context.Context) error) error {
 	fsys := t.e.store.FS()
 	verify := remote.VerifyManifest(nil)
+	var stored func(context.Context, remote.Object) error // a corrupt stored page is replaced (remote_check.go)
 	if !p.manifest {
-		verify = remote.VerifyPage(p.key.String(), nil)
+		verify, stored = remote.VerifyPage(p.key.String(), nil), t.storedPage(p.key)
 	}
 	size, mtime := fi.Size(), fi.ModTime()
-	return t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Verify: verify, Open: func() (remote.ReadAtCloser, error) {
+	return t.up.Enqueue(remote.Upload{Name: name, Size: size, Wait: wait, Verify: verify, Stored: stored, Open: func() (remote.ReadAtCloser, error) {
 		t.mu.Lock()
 		if p.start.IsZero() {
 			p.start = time.Now()
@@ -689,6 +690,8 @@ func (t *tier) uploaded(r remote.UploadResult) {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
 	case !r.Created:
 		res = labels.RemoteExisted
+	case r.Replaced:
+		t.e.logSafe(slog.LevelWarn, "kvpersist: replaced a stored page object that did not verify", "object", r.Name)
 	}
 	if r.Err == nil && p != nil && !p.manifest {
 		t.markKnown(p.ns, p.key)

@@ -78,6 +78,10 @@ manifest names is stored and that its pages form its chain (parent keys,
 identity, page size, token count). Problem kinds: corrupt-page,
 unreadable (a manifest), missing-page, broken-chain. Objects deleted by a
 remote gc while verify runs are listed as vanished, not as problems.
+With --repair-from ROOT, each corrupt-page object is then replaced by the
+page of the same key in the local store ROOT (a machine that holds it),
+if that page verifies and the object still does not; good objects are
+never replaced. A save of an engine holding the page repairs it too.
 
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
 errors (io-error problems included; with --remote, a request that fails
@@ -91,15 +95,19 @@ after the client's retries).`,
 	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "report temp files older than this as stale (0: every temp file)")
 	noLock := fs.Bool("no-lock", false, "do not wait for the namespace lock (writes in progress may then show as orphan blocks)")
 	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines re-hashing in parallel")
+	repairFrom := fs.String("repair-from", "", "with --remote: replace each corrupt page object with the page of the same key under this local store ROOT, when that page verifies")
 	runs(cmd, func(ctx context.Context, args []string) int {
 		if *workers < 1 || *tempGrace < 0 {
 			return c.usageError(cmd, "--workers must be at least 1 and --temp-grace not negative")
 		}
 		if rf.on {
-			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON)
+			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON, *repairFrom)
 		}
 		if msg := rf.check(cmd); msg != "" {
 			return c.usageError(cmd, "%s", msg)
+		}
+		if *repairFrom != "" {
+			return c.usageError(cmd, "--repair-from needs --remote")
 		}
 		target := args[0]
 		tg := *tempGrace

@@ -240,6 +240,8 @@ type PutResult struct {
 	// Existing is the object found when Created is false (its ModTime
 	// tells the caller how close it is to remote GC's grace period).
 	Existing Object
+	// Replaced: Created by Replace, over an object that did not verify.
+	Replaced bool
 }
 
 // Put uploads the size bytes of r as object name, create-only: the request
@@ -268,6 +270,32 @@ func (s *Store) Put(ctx context.Context, name string, r io.ReaderAt, size int64)
 	}
 	if o.Size != size {
 		return PutResult{}, &OpError{Op: "put", Name: name, Err: fmt.Errorf("%w: stored %d bytes, ours %d", ErrConflict, o.Size, size)}
+	}
+	return PutResult{Existing: o}, nil
+}
+
+// Replace uploads the size bytes of r as object name over the object
+// stored there, only if that object's ETag is still etag (If-Match): the
+// repair of an object found not to verify, which create-only Put never
+// replaces. When the object changed since (another writer replaced it, or
+// deleted it: a 412 or 404) nothing is written and the object now stored
+// is reported as existing (Created false; a deleted one is ErrNotFound).
+func (s *Store) Replace(ctx context.Context, name, etag string, r io.ReaderAt, size int64) (PutResult, error) {
+	if size < 0 || etag == "" {
+		return PutResult{}, fmt.Errorf("%w: replace %s: size %d, ETag %q", ErrConfig, name, size, etag)
+	}
+	opts := minio.PutObjectOptions{DisableMultipart: true, ContentType: "application/octet-stream"}
+	opts.SetMatchETag(etag)
+	_, err := s.client.PutObject(ctx, s.cfg.Bucket, name, io.NewSectionReader(r, 0, size), size, opts)
+	if err == nil {
+		return PutResult{Created: true, Bytes: size, Replaced: true}, nil
+	}
+	if !isPrecondition(err) && !isNotFound(err) {
+		return PutResult{}, opErr("put", name, err)
+	}
+	o, serr := s.Stat(ctx, name)
+	if serr != nil {
+		return PutResult{}, serr
 	}
 	return PutResult{Existing: o}, nil
 }
