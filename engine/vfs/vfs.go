@@ -273,7 +273,9 @@ func (osFS) ReadDir(name string) ([]os.DirEntry, error)   { return os.ReadDir(na
 func (osFS) Lstat(name string) (os.FileInfo, error)       { return os.Lstat(name) }
 func (osFS) Stat(name string) (os.FileInfo, error)        { return os.Stat(name) }
 func (osFS) SyncDir(name string) error {
-	d, err := os.Open(name)
+	// O_DIRECTORY: anything else (a FIFO put where a directory was, which
+	// a plain open would block on) fails at once with ENOTDIR.
+	d, err := os.OpenFile(name, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}

@@ -65,7 +65,8 @@ func TestLockExclusionAndCancel(t *testing.T) {
 // and OpenRegular neither block on a FIFO nor follow a symlink nor take a
 // directory: each fails at once with an error naming the path (ErrNotRegular
 // for the FIFO and the directory, ELOOP for the symlink), and the
-// symlink's target is left as it was.
+// symlink's target is left as it was. SyncDir of a FIFO or of a symlink to
+// a file fails at once with ENOTDIR.
 func TestLockAndOpenRegularRefuseSpecialFiles(t *testing.T) {
 	dir := t.TempDir()
 	target := filepath.Join(dir, "target")
@@ -86,8 +87,14 @@ func TestLockAndOpenRegularRefuseSpecialFiles(t *testing.T) {
 		path string
 		want error
 	}{{fifo, vfs.ErrNotRegular}, {link, syscall.ELOOP}, {sub, vfs.ErrNotRegular}} {
-		for _, op := range []string{"lock", "lock-create", "open"} {
+		for _, op := range []string{"lock", "lock-create", "open", "syncdir"} {
 			want := tc.want
+			if op == "syncdir" {
+				if tc.path == sub {
+					continue // a directory: what SyncDir is for
+				}
+				want = syscall.ENOTDIR // O_DIRECTORY (a symlink is followed, to a file)
+			}
 			if tc.path == sub && op == "lock-create" {
 				want = syscall.EISDIR // open(O_CREAT) of a directory
 			}
@@ -95,6 +102,8 @@ func TestLockAndOpenRegularRefuseSpecialFiles(t *testing.T) {
 			go func() {
 				var err error
 				switch op {
+				case "syncdir":
+					err = vfs.Default.SyncDir(tc.path)
 				case "open":
 					var f vfs.File
 					if f, err = vfs.OpenRegular(vfs.Default, tc.path); err == nil {
