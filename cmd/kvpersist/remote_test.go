@@ -5,14 +5,11 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
-	"io"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/minio/minio-go/v7"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -158,7 +155,7 @@ func TestRemoteCommands(t *testing.T) {
 	if r, o := repaired[bad], repaired[orphan2]; len(vr.Repaired) != 2 || !r.Replaced || r.From != local || o.Replaced || o.Err == "" {
 		t.Fatalf("verify --remote --repair-from: %+v", vr.Repaired)
 	}
-	if got := getObject(t, s, bad); !bytes.Equal(got, objs[bad]) {
+	if got := testutil.ObjectBytes(t, s, bad); !bytes.Equal(got, objs[bad]) {
 		t.Fatalf("the repaired object: %d bytes, not the page uploaded (%d bytes)", len(got), len(objs[bad]))
 	}
 	runJSON(t, exitProblems, &vr, cmd("verify", direct)...)
@@ -205,21 +202,6 @@ func mustPageKey(t *testing.T, s string) layout.PageKey {
 		t.Fatal(err)
 	}
 	return k
-}
-
-// getObject reads object name whole with a plain GET of the client.
-func getObject(t *testing.T, s *remote.Store, name string) []byte {
-	t.Helper()
-	o, err := s.Client().GetObject(context.Background(), s.Bucket(), name, minio.GetObjectOptions{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer o.Close()
-	b, err := io.ReadAll(o)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b
 }
 
 // remotePage is the object name of page key in namespace ns.

@@ -1,6 +1,7 @@
 package remote_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"strings"
@@ -8,7 +9,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
 // TestCheckNamesTheCause: Check passes with the server's credentials and
@@ -82,4 +85,97 @@ func TestUploaderReportsFailedAttemptsAndCloseNamesTheCause(t *testing.T) {
 			t.Fatalf("attempt %d: %v, want ErrCredentials", i+1, e)
 		}
 	}
+}
+
+// TestUploaderRepairsOnlyCorruptObjects: an upload with Stored
+// (CheckStoredPage) over a stored object: the same bytes are kept
+// (existing, nothing sent), and so are other bytes of the same page (a
+// header spaced otherwise: another writer's encoding, which verifies),
+// after a check; a flipped byte, another page's bytes under the
+// name and a truncated object do not verify as the page, so each is
+// replaced (Replaced, the object then holds the page). RepairPage refuses
+// a local page that does not verify (ErrSourceCorrupt), replaces a
+// corrupt object and keeps a good one.
+func TestUploaderRepairsOnlyCorruptObjects(t *testing.T) {
+	ctx := context.Background()
+	key, page, other := storedPages(t)
+	flipped := bytes.Clone(page)
+	flipped[len(flipped)-10] ^= 1
+	for _, tc := range []struct {
+		name     string
+		stored   []byte
+		replaced bool
+	}{{"same", page, false}, {"other-writer", respaced(t, page), false}, {"flipped", flipped, true},
+		{"other-page", other, true}, {"truncated", page[:len(page)-100], true}} {
+		s := newStore(t, nil)
+		name := pageName(t, s, "ns", key)
+		if _, err := s.Put(ctx, name, bytes.NewReader(tc.stored), int64(len(tc.stored))); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan remote.UploadResult, 1)
+		u, err := remote.NewUploader(s, remote.UploaderConfig{Workers: 1, StatFirst: true, OnDone: func(r remote.UploadResult) { done <- r }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = u.Enqueue(remote.Upload{Name: name, Size: int64(len(page)), Open: source(page), Verify: remote.VerifyPage(key, nil),
+			Stored: func(ctx context.Context, o remote.Object) error { return s.CheckStoredPage(ctx, o, key) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		r := <-done
+		if err := u.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if r.Err != nil || r.Replaced != tc.replaced || r.Created != tc.replaced {
+			t.Errorf("%s: %+v, want replaced %v", tc.name, r, tc.replaced)
+		}
+		want := page
+		if !tc.replaced {
+			want = tc.stored // a good object is kept as it is
+		}
+		if got := testutil.ObjectBytes(t, s, name); !bytes.Equal(got, want) {
+			t.Errorf("%s: the object holds %d bytes, want %d", tc.name, len(got), len(want))
+		}
+	}
+
+	s := newStore(t, nil)
+	name := pageName(t, s, "ns", key)
+	if _, err := s.Put(ctx, name, bytes.NewReader(flipped), int64(len(flipped))); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.RepairPage(ctx, "ns", key, bytes.NewReader(flipped), int64(len(flipped))); !errors.Is(err, remote.ErrSourceCorrupt) {
+		t.Fatalf("RepairPage from a corrupt local page: %v, want ErrSourceCorrupt", err)
+	}
+	if ok, err := s.RepairPage(ctx, "ns", key, bytes.NewReader(page), int64(len(page))); err != nil || !ok {
+		t.Fatalf("RepairPage of a corrupt object: %v %v", ok, err)
+	}
+	if ok, err := s.RepairPage(ctx, "ns", key, bytes.NewReader(page), int64(len(page))); err != nil || ok {
+		t.Fatalf("RepairPage of a good object: %v %v, want it kept", ok, err)
+	}
+	if got := testutil.ObjectBytes(t, s, name); !bytes.Equal(got, page) {
+		t.Fatalf("after RepairPage the object holds %d bytes, not the page", len(got))
+	}
+}
+
+// respaced is page with one more space in its header JSON (the same page,
+// encoded otherwise: its header hash recomputed, its data start kept).
+func respaced(t *testing.T, page []byte) []byte {
+	t.Helper()
+	p, err := layout.ParsePrefix(page[:layout.PrefixLen])
+	if err != nil {
+		t.Fatal(err)
+	}
+	js := page[layout.PrefixLen : layout.PrefixLen+int(p.HeaderLen)]
+	at := bytes.Index(js, []byte(`"tokens":[`)) + len(`"tokens":[`)
+	js2 := append(append(append([]byte{}, js[:at]...), ' '), js[at:]...)
+	if layout.PrefixLen+len(js2) > int(p.DataStart) {
+		t.Fatal("no room for one more header byte before the data")
+	}
+	out := bytes.Clone(page)
+	copy(out, layout.EncodePrefix(js2, p.DataStart))
+	copy(out[layout.PrefixLen:], js2)
+	if _, err := remote.Decode(bytes.NewReader(out), int64(len(out)), "respaced"); err != nil || bytes.Equal(out, page) {
+		t.Fatalf("respaced page: %v", err)
+	}
+	return out
 }
