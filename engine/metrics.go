@@ -48,6 +48,11 @@ type MetricsSink interface {
 	// room, and such a page reaches the store only if a save writes it
 	// again. Also counted in Evicted.
 	RemoteUploadEvicted(pages int64)
+	// RemoteUploadRetried counts one failed upload attempt that will be
+	// retried (the store unreachable, a server error, the credentials or
+	// bucket refused): a rate above zero says uploads are not getting
+	// through.
+	RemoteUploadRetried()
 }
 
 // UsageSink is a MetricsSink that also shows the page cache's accounting
@@ -94,6 +99,9 @@ func (NopMetrics) RemoteQueue(depth int64) {}
 
 // RemoteUploadEvicted does nothing.
 func (NopMetrics) RemoteUploadEvicted(pages int64) {}
+
+// RemoteUploadRetried does nothing.
+func (NopMetrics) RemoteUploadRetried() {}
 
 var _ MetricsSink = NopMetrics{}
 

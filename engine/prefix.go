@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
@@ -96,9 +97,10 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
 		adm.settle(err)
 		if err == nil {
-			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			stored := res.Prefix.Stored() // without the pages that failed
+			e.pages.Add(r.Namespace, stored...)
 			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
-				e.tier.saved(r.Namespace, res.Prefix.Keys)
+				e.tier.saved(r.Namespace, stored)
 			}
 		}
 	case *LoadPrefixRequest:
@@ -239,7 +241,8 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	path, fsys := n.PagePath(key), e.store.FS()
 	gone := func() bool {
 		_, err := fsys.Lstat(path)
-		return vfs.IsNotExist(err)
+		// ENOTDIR: its fan-out directory is not one (a stray file).
+		return vfs.IsNotExist(err) || errors.Is(err, syscall.ENOTDIR)
 	}
 	e.pages.RemoveIfGone(ns, key, gone)
 	if gone() {

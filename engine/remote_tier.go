@@ -159,6 +159,10 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
 	}
+	if err := e.checkRemote(st); err != nil { // remote_check.go
+		st.Close()
+		return nil, fmt.Errorf("%w: Remote: %w", ErrConfig, err)
+	}
 	t := &tier{e: e, st: st, window: rc.Store.Concurrency, fetchPages: rc.FetchPages}
 	if t.window == 0 {
 		t.window = 16 // remote.Config's default Concurrency
@@ -177,7 +181,7 @@ func newTier(e *Engine, rc *RemoteTier) (*tier, error) {
 	t.up, err = remote.NewUploader(st, remote.UploaderConfig{
 		Workers: rc.UploadWorkers, QueueLen: rc.UploadQueue,
 		BackoffMin: rc.UploadBackoffMin, BackoffMax: rc.UploadBackoffMax,
-		StatFirst: true, OnDone: t.uploaded,
+		StatFirst: true, OnDone: t.uploaded, OnRetry: e.uploadRetried(),
 	})
 	if err != nil {
 		st.Close()

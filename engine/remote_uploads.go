@@ -125,6 +125,7 @@ func (t *tier) queueUpload(p *uploads.Pending) error {
 	fsys := t.e.store.FS()
 	verify := remote.VerifyManifest(nil)
 	var wait func(context.Context) error
+	var stored func(context.Context, remote.Object) error
 	if p.IsManifest() {
 		wait = func(ctx context.Context) error {
 			for _, pg := range p.Pages {
@@ -140,10 +141,11 @@ func (t *tier) queueUpload(p *uploads.Pending) error {
 			return t.manifestReady(ctx, p.NS, p.Keys)
 		}
 	} else {
-		verify = remote.VerifyPage(p.Key.String(), nil)
+		// a corrupt stored page is replaced (remote_check.go)
+		verify, stored = remote.VerifyPage(p.Key.String(), nil), t.storedPage(p.Key)
 	}
 	path, size, mtime := p.Path, p.Info.Size(), p.Info.ModTime()
-	return t.up.Enqueue(remote.Upload{Name: p.Object, Size: size, Wait: wait, Verify: verify, Open: func() (remote.ReadAtCloser, error) {
+	return t.up.Enqueue(remote.Upload{Name: p.Object, Size: size, Wait: wait, Verify: verify, Stored: stored, Open: func() (remote.ReadAtCloser, error) {
 		p.MarkStarted()
 		f, err := fsys.Open(path)
 		if err != nil {
@@ -237,6 +239,8 @@ func (t *tier) uploaded(r remote.UploadResult) {
 		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
 	case !r.Created:
 		res = labels.RemoteExisted
+	case r.Replaced:
+		t.e.logSafe(slog.LevelWarn, "kvpersist: replaced a stored page object that did not verify", "object", r.Name)
 	}
 	if m := t.metrics(); m != nil {
 		m.Remote(labels.RemoteUpload, res, r.Bytes, d)

@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -12,7 +14,10 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
 // The --remote forms of ls, du, verify and gc: the same questions asked of
@@ -457,9 +462,60 @@ type remoteVerifyReport struct {
 	// remote gc meanwhile); not problems.
 	Vanished []string `json:"vanished"`
 	Skipped  []string `json:"skipped"`
+	// Repaired: with --repair-from, each corrupt page object and what
+	// became of it.
+	Repaired []remoteRepair `json:"repaired,omitempty"`
 }
 
-func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, workers int, asJSON bool) error {
+// remoteRepair is one corrupt page object that --repair-from tried to
+// replace with the local page at From.
+type remoteRepair struct {
+	Object   string `json:"object"`
+	From     string `json:"from"`
+	Replaced bool   `json:"replaced"`
+	Err      string `json:"error,omitempty"`
+}
+
+// repairPages replaces each corrupt page object of rep (corrupt-page
+// problems) with the page of the same key under root, when that local
+// page verifies and the object still does not (remote.Store.RepairPage).
+func repairPages(ctx context.Context, s *remote.Store, root string, rep *remoteVerifyReport) error {
+	st, err := store.Open(root, store.Options{})
+	if err != nil {
+		return err
+	}
+	for _, p := range rep.Problems {
+		if p.Kind != remote.ProblemCorruptPage {
+			continue
+		}
+		r := remoteRepair{Object: p.Name}
+		k, kerr := layout.ParsePageKey(path.Base(p.Name))
+		n, nerr := st.Namespace(p.Namespace)
+		if err := errors.Join(kerr, nerr); err != nil {
+			r.Err = err.Error()
+			rep.Repaired = append(rep.Repaired, r)
+			continue
+		}
+		r.From = n.PagePath(k)
+		f, err := vfs.OpenRegular(vfs.Default, r.From)
+		if err == nil {
+			var fi os.FileInfo
+			if fi, err = f.Stat(); err == nil {
+				r.Replaced, err = s.RepairPage(ctx, p.Namespace, k.String(), f, fi.Size())
+			}
+			f.Close()
+		}
+		if err != nil {
+			r.Err = err.Error()
+		} else if !r.Replaced {
+			r.Err = "the stored object verifies now: kept"
+		}
+		rep.Repaired = append(rep.Repaired, r)
+	}
+	return nil
+}
+
+func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, workers int, asJSON bool, repairFrom string) error {
 	s, names, skipped, err := c.openRemote(ctx, cmd, r, args, "temp-grace", "no-lock")
 	if err != nil {
 		return err
@@ -482,6 +538,11 @@ func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remote
 		rep.Skipped = append(rep.Skipped, vr.Unknown...)
 	}
 	rep.Clean = len(rep.Problems) == 0
+	if repairFrom != "" && !rep.Clean {
+		if err := repairPages(ctx, s, repairFrom, &rep); err != nil {
+			return fmt.Errorf("verify --remote --repair-from: %s", quote(err.Error()))
+		}
+	}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
 			return fmt.Errorf("writing JSON: %w", err)
@@ -502,6 +563,13 @@ func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remote
 			fmt.Fprintf(w, "%s:\n", nounCount(len(rep.Problems), "problem"))
 			for _, p := range rep.Problems {
 				fmt.Fprintf(w, "  %-14s %s\n      %s\n", p.Kind, quote(p.Name), quote(p.Detail))
+			}
+		}
+		for _, rp := range rep.Repaired {
+			if rp.Replaced {
+				fmt.Fprintf(w, "repaired %s from %s\n", quote(rp.Object), quote(rp.From))
+			} else {
+				fmt.Fprintf(w, "not repaired %s: %s\n", quote(rp.Object), quote(rp.Err))
 			}
 		}
 	}

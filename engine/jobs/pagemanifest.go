@@ -84,6 +84,9 @@ func writePages(ctx context.Context, cfg *Config, ns *store.Namespace, spec *wri
 	if err := savePages(ctx, cfg, ns, ps, res, &pm, nil); err != nil {
 		return err
 	}
+	if res.FailedErr != nil { // a manifest names every page: none may fail
+		return res.FailedErr
+	}
 	list := &layout.PageList{Identity: spec.Identity, PageTokens: p, Tokens: len(spec.Tokens), Keys: keys}
 	meta := make(layout.Meta, len(h.Meta)+1)
 	for k, v := range h.Meta {

@@ -2,6 +2,7 @@ package jobs
 
 import (
 	"fmt"
+	"slices"
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -44,6 +45,28 @@ type PrefixResult struct {
 	// source had but could not make local (jobs.SourcePage.Err). The
 	// pages before it are loaded and counted in Tokens. nil otherwise.
 	Stop error
+	// Failed, for a save: the keys of the pages it could not store
+	// because their fan-out directory's path (pages/<xx>) is not a
+	// directory (a stray file or symlink there, never replaced nor
+	// followed), a per-page failure: the save's other pages are written
+	// and counted, and Keys still lists every page. FailedErr names the
+	// first such path. Both nil when every page was stored.
+	Failed    []layout.PageKey
+	FailedErr error
+}
+
+// Stored is a save's keys without Failed: the pages on disk after it.
+func (r *PrefixResult) Stored() []layout.PageKey {
+	if len(r.Failed) == 0 {
+		return r.Keys
+	}
+	out := make([]layout.PageKey, 0, len(r.Keys)-len(r.Failed))
+	for _, k := range r.Keys {
+		if !slices.Contains(r.Failed, k) {
+			out = append(out, k)
+		}
+	}
+	return out
 }
 
 func pageTokens(p int) int {

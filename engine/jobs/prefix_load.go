@@ -35,7 +35,7 @@ func openPage(cfg *Config, path string) (*readio.Source, *layout.Snapshot, error
 	if err != nil {
 		return nil, nil, err
 	}
-	snap, err := layout.Decode(f, path)
+	snap, err := layout.DecodePage(f, path)
 	if err == nil && snap.Page == nil {
 		err = fmt.Errorf("%w: %s is not a page file (formatVersion %d)", layout.ErrInvalidHeader, path, snap.Header.FormatVersion)
 	}
@@ -268,11 +268,6 @@ func (l *prefixLoad) batch(ctx context.Context, pg SourcePage) error {
 			if i == 0 && errors.Is(err, ErrMismatch) {
 				return err // the request's: nothing written
 			}
-			if errors.Is(err, errFanout) {
-				if err := fail(err); err != nil {
-					return err
-				}
-			}
 			break
 		}
 		found = append(found, fp)
@@ -327,13 +322,9 @@ func (l *prefixLoad) batch(ctx context.Context, pg SourcePage) error {
 	return nil
 }
 
-// errFanout: a fan-out directory of pages/ is not a real directory; the
-// prefix ends before its pages (or the load fails, at its first batch).
-var errFanout = errors.New("page directory refused")
-
 // open opens and checks page i (handed over as pg, or its local file):
 // an error ends the prefix there, and is recorded in l.res unless it is
-// the request's (ErrMismatch at page 0: the load fails) or errFanout.
+// the request's (ErrMismatch at page 0: the load fails).
 func (l *prefixLoad) open(i int, pg SourcePage) (foundPage, error) {
 	ns, key := l.ch.NS, l.ch.Keys[i]
 	path := ns.PagePath(key)
@@ -349,11 +340,15 @@ func (l *prefixLoad) open(i int, pg SourcePage) (foundPage, error) {
 		dir := filepath.Dir(path)
 		derr, ok := l.fans[dir]
 		if !ok {
-			derr = checkDir(l.cfg.fs(), dir)
+			derr = ns.Store().CheckRealDir(dir)
 			l.fans[dir] = derr
 		}
 		if derr != nil {
-			return fp, fmt.Errorf("%w: jobs: load prefix: %w", errFanout, derr)
+			// Not a directory: no page of this fan-out can be stored
+			// here, so the page is missing and the prefix ends.
+			k := key
+			l.res.Missing, l.res.Stop = &k, fmt.Errorf("jobs: load prefix: page %s: %w", key, derr)
+			return fp, l.res.Stop
 		}
 		fp.src, fp.snap, err = openPage(l.cfg, path)
 	}
@@ -399,7 +394,7 @@ func (l *prefixLoad) openHanded(path string, pg SourcePage) (foundPage, error) {
 	fp := foundPage{snap: pg.Head, handed: true, verified: pg.Verified}
 	if fp.snap == nil {
 		var err error
-		if fp.snap, err = layout.Decode(pg.File, path); err != nil {
+		if fp.snap, err = layout.DecodePage(pg.File, path); err != nil {
 			return fp, fmt.Errorf("%w: page %s: %w", ErrCorrupt, path, err)
 		}
 	}

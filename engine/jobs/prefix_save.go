@@ -3,6 +3,7 @@ package jobs
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
@@ -189,7 +190,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 			progress(d)
 		}
 	}
-	made := map[string]bool{} // fan-out directories created or checked
+	made := map[string]bool{}     // fan-out directories created or checked
+	badDirs := map[string]error{} // fan-out paths that are not directories
 	// newDirs: fan-out directories fsynced at the end: of new pages, and of
 	// reused ones found after their early fsync was handed.
 	newDirs := map[string]bool{}
@@ -216,11 +218,22 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		path := pl.ws.Path
 		dir := filepath.Dir(path)
 		if !made[dir] {
-			if err = ns.CreateFanout(dir); err != nil { // synced below
+			if err = ns.CreateFanout(dir); errors.Is(err, store.ErrNamespace) {
+				// Not a directory: this fan-out's pages fail, the others
+				// are still written (see PrefixResult.Failed).
+				badDirs[dir], err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err), nil
+			} else if err != nil { // synced below
 				err = fmt.Errorf("jobs: save prefix: page directory %s: %w", dir, err)
 				break
 			}
 			made[dir] = true
+		}
+		if berr := badDirs[dir]; berr != nil {
+			res.Failed = append(res.Failed, key)
+			if res.FailedErr == nil {
+				res.FailedErr = berr
+			}
+			continue
 		}
 		m.LogicalBytes += pl.size - pl.dataStart
 		var reuse, exists bool
@@ -333,6 +346,9 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 	var end int64
 	if pl.js, pl.dataStart, end, err = planSingle(path, pl.h, pl.slots); err != nil {
 		return nil, err
+	}
+	if len(pl.js) > layout.MaxPageHeaderLen { // no reader would take it
+		return nil, fmt.Errorf("%w: save prefix %s: page header of %d bytes exceeds %d", ErrInvalidRequest, path, len(pl.js), layout.MaxPageHeaderLen)
 	}
 	pl.size = pl.dataStart + end
 	for _, t := range pl.h.Caches[0].Tensors {

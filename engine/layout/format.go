@@ -41,6 +41,13 @@ const (
 	// MaxHeaderLen caps the header JSON, in bytes, so that a corrupt length
 	// cannot make a reader allocate gigabytes.
 	MaxHeaderLen = 64 << 20
+	// MaxPageHeaderLen caps a page file's header JSON, in bytes (DecodePage;
+	// a save refuses a page whose header would exceed it). A page's header
+	// is a few KiB (its token ids, up to MaxPageTokens, and one entry per
+	// tensor: about 60 KiB for 4,096 tokens and 256 tensors); 1 MiB leaves
+	// room for thousands of tensors while bounding what one page file can
+	// make a reader allocate.
+	MaxPageHeaderLen = 1 << 20
 	// MaxRank caps the number of axes of a tensor.
 	MaxRank = 16
 	// MaxSnapshotBytes caps a snapshot's total logical bytes (the sum of

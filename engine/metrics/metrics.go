@@ -135,6 +135,7 @@ type Recorder struct {
 	remoteMiss    atomic.Int64 // pages
 	uploadQueue   atomic.Int64 // uploads waiting or in flight (a gauge)
 	uploadEvicted atomic.Int64 // pages evicted with their upload pending
+	uploadRetried atomic.Int64 // failed upload attempts, retried
 	remoteUsed    atomic.Bool  // a remote method was called: export the remote families
 }
 
@@ -287,6 +288,19 @@ func (r *Recorder) RemoteUploadEvicted(pages int64) {
 	r.uploadEvicted.Add(pages)
 }
 
+// RemoteUploadRetried counts one failed upload attempt that the uploader
+// retries (kvpersist_remote_upload_failed_attempts_total): the store
+// unreachable, a server error, or the credentials or bucket refused. A
+// rate above zero says uploads are not getting through; the engine's log
+// says why.
+func (r *Recorder) RemoteUploadRetried() {
+	if r == nil {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.uploadRetried.Add(1)
+}
+
 // Bytes adds bytes written to disk (new data and headers), reused (dedup:
 // blocks or pages already stored) and read from disk into destinations.
 func (r *Recorder) Bytes(written, reused, read int64) {
@@ -392,13 +406,15 @@ var (
 		"Uploads to the object store waiting or in flight.", nil, nil)
 	descUploadEvicted = prometheus.NewDesc("kvpersist_remote_upload_evicted_pages_total",
 		"Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).", nil, nil)
+	descUploadRetried = prometheus.NewDesc("kvpersist_remote_upload_failed_attempts_total",
+		"Upload attempts to the object store that failed and are retried (unreachable, server error, credentials or bucket refused).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descReadAsync, descLookup,
 		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
-		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted} {
+		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted, descUploadRetried} {
 		ch <- d
 	}
 }
@@ -515,6 +531,7 @@ func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prome
 	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteMiss.Load()), "miss")
 	emit(descUploadQueue, prometheus.GaugeValue, float64(r.uploadQueue.Load()))
 	emit(descUploadEvicted, prometheus.CounterValue, float64(r.uploadEvicted.Load()))
+	emit(descUploadRetried, prometheus.CounterValue, float64(r.uploadRetried.Load()))
 }
 
 // Snapshot is the recorder's figures as a plain struct (JSON-ready, field
@@ -551,6 +568,9 @@ type RemoteSnapshot struct {
 	// UploadEvictedPages: pages evicted while their upload was pending
 	// (kvpersist_remote_upload_evicted_pages_total).
 	UploadEvictedPages int64 `json:"uploadEvictedPages"`
+	// UploadFailedAttempts: upload attempts that failed and were retried
+	// (kvpersist_remote_upload_failed_attempts_total).
+	UploadFailedAttempts int64 `json:"uploadFailedAttempts"`
 }
 
 // RemoteCount is kvpersist_remote_ops_total for one op and result.
@@ -675,5 +695,6 @@ func (r *Recorder) Snapshot() Snapshot {
 	s.Remote.LookupHitPages, s.Remote.LookupMissPages = r.remoteHit.Load(), r.remoteMiss.Load()
 	s.Remote.UploadQueueDepth = r.uploadQueue.Load()
 	s.Remote.UploadEvictedPages = r.uploadEvicted.Load()
+	s.Remote.UploadFailedAttempts = r.uploadRetried.Load()
 	return s
 }

@@ -54,6 +54,17 @@ var (
 	ErrClosed = errors.New("remote: uploader closed")
 	// ErrAbandoned: Close's context ended with uploads not finished.
 	ErrAbandoned = errors.New("remote: uploads abandoned")
+	// ErrCredentials: the store refused the credentials: an access key
+	// it does not know (S3 InvalidAccessKeyId), a signature that does
+	// not match (a wrong secret key: SignatureDoesNotMatch), or an
+	// invalid or expired session token.
+	ErrCredentials = errors.New("remote: credentials refused")
+	// ErrNoBucket: the bucket does not exist (S3 NoSuchBucket).
+	ErrNoBucket = errors.New("remote: bucket does not exist")
+	// ErrAccessDenied: the store denied the request (S3 AccessDenied, or
+	// a 403 without a code: HEAD responses carry none): the credentials
+	// lack a permission, or (on HEAD) are wrong.
+	ErrAccessDenied = errors.New("remote: access denied")
 )
 
 // OpError names the request kind and object of a failed request.

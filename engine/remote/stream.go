@@ -14,7 +14,7 @@ import (
 // MaxStreamHeaderBytes caps the prefix and header a PageStream keeps in
 // memory (a page's header is a few KiB); a larger one is verified by
 // reading it back instead.
-const MaxStreamHeaderBytes = 1 << 20
+const MaxStreamHeaderBytes = layout.PrefixLen + layout.MaxPageHeaderLen
 
 // PageStream is a fetch destination for one page object that verifies the
 // page from the bytes in hand, so that it need not be read back: every

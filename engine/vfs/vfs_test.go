@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -59,6 +60,85 @@ func TestLockExclusionAndCancel(t *testing.T) {
 	if _, err := fsys.Lock(context.Background(), filepath.Join(t.TempDir(), "missing"), false, false); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("lock of a missing file without create: %v, want fs.ErrNotExist", err)
 	}
+}
+
+// TestLockAndOpenRegularRefuseSpecialFiles: Lock (with and without create)
+// and OpenRegular neither block on a FIFO nor follow a symlink nor take a
+// directory: each fails at once with an error naming the path (ErrNotRegular
+// for the FIFO and the directory, ELOOP for the symlink), and the
+// symlink's target is left as it was. SyncDir of a FIFO or of a symlink to
+// a file fails at once with ENOTDIR.
+func TestLockAndOpenRegularRefuseSpecialFiles(t *testing.T) {
+	dir := t.TempDir()
+	target := filepath.Join(dir, "target")
+	if err := os.WriteFile(target, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fifo, link, sub := filepath.Join(dir, "fifo"), filepath.Join(dir, "link"), filepath.Join(dir, "dir")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(sub, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		path string
+		want error
+	}{{fifo, vfs.ErrNotRegular}, {link, syscall.ELOOP}, {sub, vfs.ErrNotRegular}} {
+		for _, op := range []string{"lock", "lock-create", "open", "syncdir"} {
+			want := tc.want
+			if op == "syncdir" {
+				if tc.path == sub {
+					continue // a directory: what SyncDir is for
+				}
+				want = syscall.ENOTDIR // O_DIRECTORY (a symlink is followed, to a file)
+			}
+			if tc.path == sub && op == "lock-create" {
+				want = syscall.EISDIR // open(O_CREAT) of a directory
+			}
+			done := make(chan error, 1)
+			go func() {
+				var err error
+				switch op {
+				case "syncdir":
+					err = vfs.Default.SyncDir(tc.path)
+				case "open":
+					var f vfs.File
+					if f, err = vfs.OpenRegular(vfs.Default, tc.path); err == nil {
+						f.Close()
+					}
+				default:
+					var unlock func() error
+					if unlock, err = vfs.Default.Lock(context.Background(), tc.path, true, op == "lock-create"); err == nil {
+						unlock()
+					}
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if !errors.Is(err, want) || !strings.Contains(err.Error(), tc.path) {
+					t.Errorf("%s %s: %v, want an error wrapping %v naming the path", op, tc.path, err, want)
+				}
+			case <-time.After(10 * time.Second): // a hang detector
+				w, _ := os.OpenFile(fifo, os.O_WRONLY|syscall.O_NONBLOCK, 0) // unblock it
+				<-done
+				w.Close()
+				t.Fatalf("%s %s blocked", op, tc.path)
+			}
+		}
+	}
+	if b, err := os.ReadFile(target); err != nil || string(b) != "x" {
+		t.Fatalf("symlink target: %q %v", b, err)
+	}
+	f, err := vfs.OpenRegular(vfs.Default, target)
+	if err != nil {
+		t.Fatalf("OpenRegular of a regular file: %v", err)
+	}
+	f.Close()
 }
 
 // TestOpenRefusesSymlinkAndDoesNotBlockOnFIFO: Open does not follow a final

@@ -3,7 +3,10 @@ package testutil
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
+
+	"github.com/minio/minio-go/v7"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -110,4 +113,20 @@ func ObjectNames(tb TB, s *remote.Store, ns string) []string {
 		out = append(out, o.Name)
 	}
 	return out
+}
+
+// ObjectBytes reads object name of s whole, with a plain GET of the
+// client (no verification).
+func ObjectBytes(tb TB, s *remote.Store, name string) []byte {
+	tb.Helper()
+	o, err := s.Client().GetObject(context.Background(), s.Bucket(), name, minio.GetObjectOptions{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer o.Close()
+	b, err := io.ReadAll(o)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
 }
