@@ -5,7 +5,7 @@ PKGS    := ./...
 # Fuzz time per target for `make fuzz`.
 FUZZTIME ?= 60s
 
-.PHONY: test vet weed race demo bench soak fuzz fmt clean readme-check readme-samples
+.PHONY: test vet weed race demo bench soak fuzz fmt clean docs-check docs-samples readme-check readme-samples
 
 ## test: vet, then every test with the race detector (short soak, crash and
 ## fuzz-seed runs included). CI runs this. The object-store tests need the
@@ -24,20 +24,30 @@ vet:
 weed:
 	$(GO) run ./internal/seaweedfs/cmd/weed-ensure
 
-## readme-check: the README's "Operating a store" transcripts equal what
-## the commands print on a fresh store (also part of `test`, through go test).
-readme-check:
-	$(GO) test -count=1 -run '^TestREADMESamples$$' ./cmd/kvpersist
+## docs-check: the docs' transcripts (README.md's "Command line",
+## docs/operating.md) equal what the commands print on a fresh store, the
+## README's Go sketches equal the examples, and README.md and
+## ARCHITECTURE.md stay within their size budgets, links and set-up
+## commands hold (also part of `test`).
+docs-check:
+	$(GO) test -count=1 -run '^TestDocSamples$$' ./cmd/kvpersist
+	$(GO) test -count=1 -run 'README|Example' ./engine
+	$(GO) test -count=1 .
 
-## readme-samples: regenerate those transcripts in README.md.
-readme-samples:
-	./scripts/readme-samples.sh
+## docs-samples: regenerate those transcripts.
+docs-samples:
+	./scripts/doc-samples.sh
 
-## demo: the main job (same as the README's first command).
+# The former names of docs-check and docs-samples.
+readme-check: docs-check
+readme-samples: docs-samples
+
+## demo: the main job (the README's first set-up command).
 demo:
 	$(GO) run ./cmd/kvpersist demo
 
-## bench: the benchmark suite against the machine's limits (see README).
+## bench: the benchmark suite against the machine's limits
+## (docs/performance.md).
 bench:
 	./bench/run.sh
 

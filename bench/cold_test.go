@@ -15,8 +15,8 @@ import (
 	"unsafe"
 
 	"github.com/kvpersist/kvpersist/engine"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 	"golang.org/x/sys/unix"
 )
@@ -26,8 +26,8 @@ import (
 var directDepths = []int{1, 4, 16, 32}
 
 // directRequestBytes is the size in bytes of one request of the cold
-// limit (and of the engine: jobs.ReadChunkBytes).
-const directRequestBytes = jobs.ReadChunkBytes
+// limit (and of the engine: readio.ReadChunkBytes).
+const directRequestBytes = readio.ReadChunkBytes
 
 // extent is a run of bytes of a file: the unit the limits read.
 type extent struct {
@@ -342,7 +342,7 @@ func BenchmarkRestoreCold(b *testing.B) {
 
 // BenchmarkReadDepth: the cold single-file and block restores of 1 GiB at
 // engine ReadDepths 1 to 32, each beside the same O_DIRECT limit: the
-// measurement behind jobs.DefaultReadDepth. Not part of make bench.
+// measurement behind readio.DefaultReadDepth. Not part of make bench.
 func BenchmarkReadDepth(b *testing.B) {
 	w := getWorkload(b, benchModel, benchTokens[len(benchTokens)-1])
 	for _, lay := range []layout.Layout{layout.Single, layout.Blocks} {
@@ -364,16 +364,9 @@ func benchRestoreCold(b *testing.B, w *workload, lay layout.Layout, depth int) {
 		b.Fatal(err)
 	}
 	defer closeEngine(b, e)
-	snap, err := e.Stat(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
-	path, err := e.Path(s.ref)
-	if err != nil {
-		b.Fatal(err)
-	}
+	snap, path := snapshotAt(b, e, s.ref)
 	c := newColdState(b, snap, path, int64(w.logical))
-	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Verify: true, Expect: snap.Header}
+	req := &engine.ReadRequest{Ref: s.ref, Dest: w.dest, Expect: snap.Header}
 	c.evict(b)
 	if n, err := residentPages(c.files); err != nil || n > len(c.files) {
 		b.Fatalf("after evicting: %d pages of the snapshot still cached (%v)", n, err)

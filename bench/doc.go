@@ -1,5 +1,5 @@
-// Package bench is kvpersist's benchmark suite against the machine's limits
-// (issue 4). It has no API: everything is in its _test.go files.
+// Package bench is kvpersist's benchmark suite against the machine's
+// limits. It has no API: everything is in its _test.go files.
 //
 // Every benchmark runs one engine operation on Llama-3.1-8B geometry
 // (32 layers, 8 KV heads, head_dim 128, bf16, capacity-padded views as
@@ -31,6 +31,11 @@
 // whose object-store tier is a SeaweedFS it starts: the cost of
 // write-behind (descriptors, uploads-journal records) on a save's ack.
 //
+// BenchmarkRestorePartlyCached restores a snapshot whose file is in the
+// page cache except one range in twelve, against reads of each 1 MiB range
+// the faster way (buffered when cached, else O_DIRECT).
+//
 // Run it with ./bench/run.sh (make bench), which writes
-// bench/results/<date>-<hostname>.txt.
+// bench/results/<date>-<hostname>.txt and ends with the table
+// bench/benchtable prints of it: every row's x-limit against its target.
 package bench

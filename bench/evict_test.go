@@ -14,7 +14,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
-// The page cache's eviction (issue 13): 10,000 page files evicted by the
+// The page cache's eviction: 10,000 page files evicted by the
 // engine against readdir + unlink of the same files.
 
 const (

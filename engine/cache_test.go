@@ -71,7 +71,7 @@ func loadPages(t testing.TB, e *Engine, ns string, toks []uint32) int {
 	t.Helper()
 	c, _ := cacheOf(kvgen.Tiny, cMax, true)
 	bufs, dest := paddedDest(kvgen.Tiny, cMax, func(n int) []byte { return make([]byte, n) })
-	r := e.Do(bg, &LoadPrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP, Verify: true})
+	r := e.Do(bg, &LoadPrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: cP})
 	if r.Err != nil || r.Prefix.Stop != nil {
 		t.Fatalf("load of %d tokens from %s: %v (stop %v)", len(toks), ns, r.Err, r.Prefix.Stop)
 	}
@@ -219,7 +219,7 @@ func TestCacheAccountingEqualsDisk(t *testing.T) {
 		}
 	}
 	dest := destOf(kvgen.Tiny, 320)
-	mustDo(t, e2, &ReadRequest{Ref: refOf("b", "named"), Dest: dest, Verify: true})
+	mustDo(t, e2, &ReadRequest{Ref: refOf("b", "named"), Dest: dest})
 	// A page removed behind the engine's back; a collect resyncs.
 	keys, _, _ := layout.PageChain("tiny", cP, convTokens(128, 128, 1))
 	if err := os.Remove(testutil.PagePath(filepath.Join(root, "a"), keys[0])); err != nil {
@@ -354,7 +354,7 @@ func TestCacheNoSpace(t *testing.T) {
 		t.Fatalf("metrics: refused %v, save jobs %d", s.refused, s.jobs[labels.KindSave])
 	}
 	dest := destOf(kvgen.Tiny, 4*cP)
-	mustDo(t, e, &ReadRequest{Ref: refOf("p", "named"), Dest: dest, Verify: true})
+	mustDo(t, e, &ReadRequest{Ref: refOf("p", "named"), Dest: dest})
 	// Without the snapshot its pages may go.
 	mustDo(t, e, &DeleteRequest{Ref: refOf("p", "named")})
 	mustSavePages(t, e, "p", convTokens(0, 2*cP, 3))
@@ -617,7 +617,7 @@ func TestCacheManifestOfAnotherEngine(t *testing.T) {
 		t.Fatalf("a save needing the named pages evicted: %v", r.Err)
 	}
 	dest := destOf(kvgen.Tiny, 4*cP)
-	mustDo(t, writer, &ReadRequest{Ref: refOf("p", "keep"), Dest: dest, Verify: true})
+	mustDo(t, writer, &ReadRequest{Ref: refOf("p", "keep"), Dest: dest})
 	checkAccounting(t, evictor, root)
 }
 

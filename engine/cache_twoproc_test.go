@@ -238,7 +238,7 @@ func TestCacheTwoProcessEviction(t *testing.T) {
 	for i := range dest {
 		dest[i] = make([]byte, cache.Model.KVHeads*named*cache.Model.HeadDim*cache.Model.ItemSize)
 	}
-	if r := e.Do(context.Background(), &engine.ReadRequest{Ref: engine.Ref{Namespace: "p", Name: "keep"}, Dest: dest, Verify: true}); r.Err != nil {
+	if r := e.Do(context.Background(), &engine.ReadRequest{Ref: engine.Ref{Namespace: "p", Name: "keep"}, Dest: dest}); r.Err != nil {
 		t.Fatalf("the named snapshot after the other process's evictions: %v", r.Err)
 	}
 	for i := range dest {
@@ -280,7 +280,7 @@ func cpLoadPartial(t *testing.T, e *engine.Engine, cache *kvgen.Cache, prompt []
 		shape := []int{1, m.KVHeads, n, m.HeadDim}
 		dest[i] = jobs.TensorSpec{DType: m.DType, View: gather.View{Base: bufs[i], Shape: shape, Strides: gather.RowMajor(shape), ItemSize: m.ItemSize}}
 	}
-	r := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: "p", Identity: cpIdentity, Tokens: prompt, Dest: dest, PageTokens: cpPage, Verify: true})
+	r := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: "p", Identity: cpIdentity, Tokens: prompt, Dest: dest, PageTokens: cpPage})
 	if r.Err != nil || r.Prefix.Stop != nil {
 		t.Fatalf("load beside the evictor: %v (stop %v)", r.Err, errors.Unwrap(r.Prefix.Stop))
 	}

@@ -344,7 +344,9 @@ func (e *Engine) settle(j *job, res *Result, ran bool) {
 	s.bytesReadAsync.Add(res.Metrics.AsyncReadBytes)
 	if res.Err != nil {
 		s.failed.Add(1)
-		e.logSafe(slog.LevelWarn, "kvpersist: job failed", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "err", res.Err)
+		// Debug, not Warn: the error is the ack's, and the caller decides
+		// whether it is worth a warning (a miss is often not).
+		e.logSafe(slog.LevelDebug, "kvpersist: job failed", "id", j.id, "kind", j.kind, "ref", j.ref.String(), "err", res.Err)
 	} else {
 		e.logSafe(slog.LevelDebug, "kvpersist: job done", "id", j.id, "kind", j.kind, "ref", j.ref.String(),
 			"written", res.Metrics.WrittenBytes, "reused", res.Metrics.ReusedBytes, "read", res.Metrics.ReadBytes,

@@ -29,10 +29,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/events"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
@@ -73,28 +75,32 @@ type Config struct {
 	NoSync bool
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
-	// means jobs.DefaultTempGrace (10 minutes). The page cache removes temp
-	// page files older than TempGrace at New and in the background, and
-	// counts the younger ones within the capacity (pagecache.Options).
+	// means jobs.DefaultTempGrace (10 minutes), jobs.NoTempGrace none.
+	// The page cache removes temp page files older than TempGrace at New
+	// and in the background, and counts the younger ones within the
+	// capacity (pagecache.Options).
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
-	// Logger receives job events at debug level and failures at warn;
-	// nil means slog.Default().
+	// Logger receives job events at debug level, failed jobs included (a
+	// job's error is its Result's, never also a warning), and at warn
+	// level only what no ack reports (background eviction, checkpoints,
+	// uploads); nil means slog.Default().
 	Logger *slog.Logger
 	// Metrics, when set, counts every finished job (kind, outcome, latency,
 	// bytes): usually a *metrics.Recorder, registered in the scheduler's
-	// Prometheus registry. nil: none.
+	// Prometheus registry, whose cache gauges New points at this engine's
+	// Usage (UsageSink). nil: none.
 	Metrics MetricsSink
 	// ReadDepth is how many read requests one restore keeps in flight;
-	// default jobs.DefaultReadDepth (see jobs.ReadExtents). NoDirect turns
+	// default readio.DefaultReadDepth (see readio.Read). NoDirect turns
 	// O_DIRECT reads off (by default they are used where the file system
 	// supports them, with a buffered fallback).
 	ReadDepth int
 	NoDirect  bool
 	// NoAsyncReads turns the asynchronous O_DIRECT reads off: the engine
 	// then waits for the disk in preads, each holding a Go scheduler P
-	// while it blocks (see jobs.AsyncReads). By default the first cold
+	// while it blocks (see readio.AsyncReads). By default the first cold
 	// read sets up one Linux AIO context, shared by every read until
 	// Close; if that fails (no AIO, seccomp, aio-max-nr), preads are used,
 	// logged once.
@@ -153,6 +159,14 @@ type Config struct {
 	// namespace name; a namespace absent or with 0 has none. A namespace
 	// within its quota is never evicted for another namespace's save.
 	QuotaBytes map[string]int64
+
+	// Events, when set, publishes the prefix cache's pages as KV events
+	// in vLLM's wire format over ZMQ, for the fleet's routers (PUB and
+	// replay endpoints, topic, medium, locality, data-parallel rank: see
+	// events.Config and docs/format/kv-events.md). New announces the pages
+	// on disk in the background once the index is rebuilt; AnnounceSnapshot
+	// does it on request. nil: none.
+	Events *events.Config
 }
 
 // Engine runs jobs against one store. It is safe for concurrent use.
@@ -187,6 +201,7 @@ type Engine struct {
 	tierOnce sync.Once
 	pc       *pagecache.Cache // the bounded page cache: accounting, eviction, checkpoints
 	pcOnce   sync.Once
+	ev       *engineEvents // the KV events publisher; nil without Config.Events (events.go)
 }
 
 type stats struct {
@@ -236,8 +251,8 @@ func New(cfg Config) (*Engine, error) {
 	if err := jobs.CheckBlockBytes(cfg.BlockBytes); err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrConfig, err)
 	}
-	if cfg.ReadDepth < 0 || cfg.ReadDepth > jobs.MaxReadDepth {
-		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, jobs.MaxReadDepth)
+	if cfg.ReadDepth < 0 || cfg.ReadDepth > readio.MaxReadDepth {
+		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, readio.MaxReadDepth)
 	}
 	if err := cacheLimits(cfg).Check(); err != nil {
 		return nil, configError(err)
@@ -255,6 +270,16 @@ func New(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: root %s: %w", cfg.Root, err)
 	}
+	ev, err := openEvents(cfg)
+	if err != nil {
+		return nil, err
+	}
+	started := false
+	defer func() {
+		if !started && ev != nil {
+			_ = ev.pub.Close()
+		}
+	}()
 	// The prefix cache's index, from the page files' names.
 	pages, pst, err := pageindex.Build(st)
 	if err != nil {
@@ -264,6 +289,7 @@ func New(cfg Config) (*Engine, error) {
 		cfg.Logger.Warn("kvpersist: entries under pages/ that are not page files", "count", len(pst.Skipped), "first", pst.Skipped[0])
 	}
 	e := &Engine{
+		ev:      ev,
 		pages:   pages,
 		cfg:     cfg,
 		store:   st,
@@ -331,10 +357,15 @@ func New(cfg Config) (*Engine, error) {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
-		e.tier.resume() // the uploads an earlier engine left pending (remote_journal.go)
+		e.tier.resume() // the uploads an earlier engine left pending (remote_uploads.go)
+	}
+	if s, ok := cfg.Metrics.(UsageSink); ok {
+		s.SetUsage(e.Usage)
 	}
 	d := newDispatcher(e)
 	go d.run()
+	started = true
+	e.startEventsSnapshot()
 	return e, nil
 }
 
@@ -673,6 +704,7 @@ func (e *Engine) Close(ctx context.Context) error {
 			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
 		}
 	})
+	e.closeEvents() // after the page cache: its last removals are offered
 	// The pool's workers exit once released; wait for them only while ctx
 	// allows (every job has been acked by now).
 	switch perr := e.pool.ReleaseContext(ctx); {
@@ -700,9 +732,9 @@ func (e *Engine) Do(ctx context.Context, req Request) Result {
 
 // newAsyncReads is the engine's asynchronous O_DIRECT reads (nil: preads),
 // closed by Close once no job runs.
-func newAsyncReads(cfg Config) *jobs.AsyncReads {
+func newAsyncReads(cfg Config) *readio.AsyncReads {
 	if cfg.NoDirect || cfg.NoAsyncReads {
 		return nil
 	}
-	return jobs.NewAsyncReads(cfg.Logger)
+	return readio.NewAsyncReads(cfg.Logger)
 }

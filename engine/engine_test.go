@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
 
@@ -52,7 +53,7 @@ func TestSubmitWriteReadCollect(t *testing.T) {
 		}
 
 		dest := destOf(m, T)
-		rj := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: w.Header})
+		rj := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: dest, Expect: w.Header})
 		r := ackOK(t, rj)
 		if r.Kind != KindRead || r.Ref != ref || r.Header == nil || r.ID == wj.ID {
 			t.Fatalf("read result: id %d kind %v ref %v header %v", r.ID, r.Kind, r.Ref, r.Header)
@@ -110,7 +111,7 @@ func TestAckMultiplex(t *testing.T) {
 	for i := range 12 {
 		ref := refOf("mux", "w"+string(rune('a'+i)))
 		d := destOf(m, 40)
-		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d, Verify: true}, AckTo(acks))
+		j := mustSubmit(t, e, bg, &ReadRequest{Ref: ref, Dest: d}, AckTo(acks))
 		ids[j.ID], dests[j.ID] = "read "+ref.String(), d
 	}
 	for range 12 {
@@ -198,7 +199,7 @@ func TestNewConfig(t *testing.T) {
 		{Root: t.TempDir(), Mailbox: -1},
 		{Root: t.TempDir(), BlockBytes: 1000},
 		{Root: t.TempDir(), ReadDepth: -1},
-		{Root: t.TempDir(), ReadDepth: jobs.MaxReadDepth + 1},
+		{Root: t.TempDir(), ReadDepth: readio.MaxReadDepth + 1},
 	} {
 		if e, err := New(cfg); !errors.Is(err, ErrConfig) {
 			if e != nil {

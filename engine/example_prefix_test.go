@@ -22,7 +22,9 @@ func Example_prefixCache() {
 		log.Fatal(err)
 	}
 	defer os.RemoveAll(root)
-	e, err := engine.New(engine.Config{Root: root})
+
+	// README:begin (README.md, "Prefix cache", shows the lines up to README:end)
+	e, err := engine.New(engine.Config{Root: root}) // the store's directory on the SSD
 	if err != nil {
 		log.Fatal(err)
 	}
@@ -32,7 +34,6 @@ func Example_prefixCache() {
 		}
 	}()
 
-	// README:begin (README.md, "Prefix cache", shows the lines up to README:end)
 	// One layer's K and V, [1, kv_heads 2, tokens, head_dim 16] bf16 views
 	// of buffers with room for 1,024 tokens (strides in elements).
 	const heads, capTokens, headDim = 2, 1024, 16
@@ -69,16 +70,19 @@ func Example_prefixCache() {
 		log.Fatal(err)
 	}
 	k2, v2 := make([]byte, len(k)), make([]byte, len(v))
+	// Verified per tensor by default (NoVerify opts out): a corrupt page
+	// ends the prefix there, with res.Prefix.Stop saying why.
 	res = e.Do(ctx, &engine.LoadPrefixRequest{
-		Namespace: ns, Identity: identity, Tokens: prompt, PageTokens: 256, Verify: true,
+		Namespace: ns, Identity: identity, Tokens: prompt, PageTokens: 256,
 		Dest: []engine.TensorSpec{{DType: "bfloat16", View: view(k2, len(prompt))},
 			{DType: "bfloat16", View: view(v2, len(prompt))}},
 	})
 	if res.Err != nil {
 		log.Fatal(res.Err)
 	}
-	// Tokens [0, res.Prefix.Tokens) of k2 and v2 now hold the stored KV;
-	// the caller prefills the rest of the prompt.
+	// Tokens [0, res.Prefix.Tokens) of k2 and v2 now hold the stored KV,
+	// verified against its hashes (NoVerify opts out); the caller
+	// prefills the rest of the prompt.
 	fmt.Println("lookup:", n, "tokens; loaded:", res.Prefix.Tokens, "tokens")
 	// README:end
 

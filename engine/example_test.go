@@ -83,7 +83,7 @@ func Example() {
 	for i, t := range snap.Header.Slots() {
 		dest[i] = make([]byte, t.Bytes)
 	}
-	res = e.Do(ctx, &engine.ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: snap.Header})
+	res = e.Do(ctx, &engine.ReadRequest{Ref: ref, Dest: dest, Expect: snap.Header})
 	if res.Err != nil {
 		log.Fatal(res.Err) // errors.Is(res.Err, engine.ErrCorrupt), engine.ErrMissingBlock, ...
 	}

@@ -35,7 +35,7 @@ func TestIdentityOnEveryLayout(t *testing.T) {
 		}
 		for _, id := range []string{"", "tiny/bf16/tp0"} {
 			dest := destOf(m, T)
-			r := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Identity: id})
+			r := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Identity: id})
 			if r.Err != nil {
 				t.Fatalf("%s: read naming %q: %v", lay, id, r.Err)
 			}

@@ -78,7 +78,7 @@ func bunRead(t testing.TB, e *Engine, ref Ref) ([][]byte, *layout.Snapshot, Resu
 	for i, tn := range snap.Header.Slots() {
 		dest[i] = bytes.Repeat([]byte{0x5A}, int(tn.Bytes))
 	}
-	res := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: snap.Header})
+	res := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Expect: snap.Header})
 	return dest, snap, res
 }
 
@@ -185,7 +185,7 @@ func TestLegacyStrictValidation(t *testing.T) {
 					for i, w := range bunWant(t, ref) {
 						dest[i] = make([]byte, len(w))
 					}
-					if res := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true}); !errors.Is(res.Err, c.want) {
+					if res := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest}); !errors.Is(res.Err, c.want) {
 						t.Fatalf("read %s: %v, want %v", ref, res.Err, c.want)
 					}
 					continue
@@ -298,7 +298,7 @@ func TestOrderMigrate(t *testing.T) {
 	for i, w := range want {
 		dest[i] = make([]byte, len(w))
 	}
-	rd := mustSubmit(t, e, bg, &ReadRequest{Ref: bunSingle, Dest: dest, Verify: true})
+	rd := mustSubmit(t, e, bg, &ReadRequest{Ref: bunSingle, Dest: dest})
 	// Another namespace is not in the migrate's scope.
 	data := []byte("0123456789abcdef")
 	other := &WriteRequest{Ref: Ref{Namespace: "other", Name: "x"}, Layout: layout.Single, Caches: []jobs.EntrySpec{{Tensors: []jobs.TensorSpec{{

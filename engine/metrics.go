@@ -48,6 +48,18 @@ type MetricsSink interface {
 	// room, and such a page reaches the store only if a save writes it
 	// again. Also counted in Evicted.
 	RemoteUploadEvicted(pages int64)
+	// RemoteUploadRetried counts one failed upload attempt that will be
+	// retried (the store unreachable, a server error, the credentials or
+	// bucket refused): a rate above zero says uploads are not getting
+	// through.
+	RemoteUploadRetried()
+}
+
+// UsageSink is a MetricsSink that also shows the page cache's accounting
+// (*metrics.Recorder's cache gauges): engine.New hands it the engine's
+// Usage, so the gauges need no wiring by the embedder.
+type UsageSink interface {
+	SetUsage(usage func() Usage)
 }
 
 // NopMetrics is a MetricsSink that records nothing. Embed it in a sink of
@@ -87,6 +99,9 @@ func (NopMetrics) RemoteQueue(depth int64) {}
 
 // RemoteUploadEvicted does nothing.
 func (NopMetrics) RemoteUploadEvicted(pages int64) {}
+
+// RemoteUploadRetried does nothing.
+func (NopMetrics) RemoteUploadRetried() {}
 
 var _ MetricsSink = NopMetrics{}
 

@@ -170,7 +170,7 @@ func TestMetricsScrapedAfterKnownJobs(t *testing.T) {
 	for i := range ld {
 		ld[i] = engine.TensorSpec{DType: m.DType, View: dest[i]}
 	}
-	lr := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: "ns", Identity: identity, Tokens: a, Dest: ld, PageTokens: p, Verify: true})
+	lr := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: "ns", Identity: identity, Tokens: a, Dest: ld, PageTokens: p})
 	if lr.Err != nil || lr.Prefix.Tokens != 48 {
 		t.Fatalf("load: %+v %v", lr.Prefix, lr.Err)
 	}

@@ -31,7 +31,7 @@ func TestOrderReadAfterWrite(t *testing.T) {
 	w := mustSubmit(t, e, bg, writeReq(p, c64, layout.Blocks, 4096))
 	h.await(t, "enter write a/p", 2)
 	dest := destOf(m, 64)
-	r := mustSubmit(t, e, bg, &ReadRequest{Ref: p, Dest: dest, Verify: true})
+	r := mustSubmit(t, e, bg, &ReadRequest{Ref: p, Dest: dest})
 	// A read submitted later, of another path, runs now: by then the
 	// dispatcher has considered the read of a/p and left it waiting.
 	ackOK(t, mustSubmit(t, e, bg, &ReadRequest{Ref: other, Dest: destOf(m, 40)}))
@@ -114,8 +114,8 @@ func TestOrderParallel(t *testing.T) {
 
 	rr := h.hold(t, "read a/p")
 	d1, d2 := destOf(m, 40), destOf(m, 40)
-	r1 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "p"), Dest: d1, Verify: true})
-	r2 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "p"), Dest: d2, Verify: true})
+	r1 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "p"), Dest: d1})
+	r2 := mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", "p"), Dest: d2})
 	h.await(t, "enter read a/p", 2)
 	rr()
 	ackOK(t, r1)
@@ -221,7 +221,7 @@ func TestOrderReadPriority(t *testing.T) {
 	w := mustSubmit(t, e, bg, writeReq(refOf("a", "w"), c, layout.Single, 0)) // submitted first
 	var reads []*Job
 	for _, n := range names {
-		reads = append(reads, mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", n), Dest: destOf(m, 40), Verify: true}))
+		reads = append(reads, mustSubmit(t, e, bg, &ReadRequest{Ref: refOf("a", n), Dest: destOf(m, 40)}))
 	}
 	if s := e.Stats(); s.Queued != nReads+1 || s.Running != 1 {
 		t.Fatalf("Stats while held: %+v", s)

@@ -25,8 +25,8 @@ func TestLargeJobUsesWholePool(t *testing.T) {
 	for i, req := range []Request{
 		writeReq(refOf("big", "single"), cl, layout.Single, 0),
 		writeReq(refOf("big", "blk"), ct, layout.Blocks, 0),
-		&ReadRequest{Ref: refOf("big", "single"), Dest: destOf(llama, 8), Verify: true},
-		&ReadRequest{Ref: refOf("big", "blk"), Dest: destOf(tiny, 600), Verify: true},
+		&ReadRequest{Ref: refOf("big", "single"), Dest: destOf(llama, 8)},
+		&ReadRequest{Ref: refOf("big", "blk"), Dest: destOf(tiny, 600)},
 	} {
 		// A block read asks for helpers twice: to open and size every
 		// block, then to read them.
@@ -98,7 +98,7 @@ func TestPoolFullOfParents(t *testing.T) {
 				})
 				wg.Go(func() {
 					dest := destOf(k.m, k.tokens)
-					r := e.Do(bg, &ReadRequest{Ref: refOf("src", fmt.Sprint(i)), Dest: dest, Verify: true})
+					r := e.Do(bg, &ReadRequest{Ref: refOf("src", fmt.Sprint(i)), Dest: dest})
 					if r.Err != nil {
 						errs <- r.Err
 						return

@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/pagecache"
+	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -52,8 +54,10 @@ var (
 // beside writes and reads (two saves of one page write the same bytes; the
 // later rename wins). A load has a read's priority.
 
-// preparePrefix validates a prefix request's namespace on the submitting
-// goroutine and scopes the job to it. ok is false for other requests.
+// preparePrefix validates a prefix request's namespace name on the
+// submitting goroutine (ErrPath) and scopes the job to it. ok is false for
+// other requests. The namespace is resolved, once, by the job
+// (jobs.SavePrefix, jobs.LoadPrefix).
 func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
 	var ns string
 	switch r := req.(type) {
@@ -70,108 +74,54 @@ func (e *Engine) preparePrefix(j *job, req Request) (ok bool, err error) {
 	default:
 		return false, nil
 	}
-	if _, err := e.nsDir(ns); err != nil {
-		return true, err
+	if err := layout.ValidName("namespace", ns); err != nil {
+		return true, fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	j.ref = Ref{Namespace: ns}
 	j.ns = []string{ns}
 	return true, nil
 }
 
-// nsDir resolves a namespace's directory: ErrPath for an invalid name or a
-// namespace directory that is a symlink or not a directory.
-func (e *Engine) nsDir(ns string) (string, error) {
-	n, err := e.store.Namespace(ns)
-	if err != nil {
-		return "", fmt.Errorf("%w: %w", ErrPath, err)
-	}
-	if err := n.Check(); err != nil {
-		return "", fmt.Errorf("%w: %w", ErrPath, err)
-	}
-	return n.Dir(), nil
-}
-
-// executePrefix runs a prefix job and keeps the index current: a save's
-// keys are added once durable; a load adds the pages it found and removes
-// the first one it found missing (removed behind the index's back) if it
-// is still absent (pageindex.Index.RemoveIfGone).
+// executePrefix runs a prefix job, one call into jobs each, and keeps the
+// index current: a save's keys are added once durable; a load adds the
+// pages it found and removes the first one it found missing (removed
+// behind the index's back) if it is still absent
+// (pageindex.Index.RemoveIfGone). A namespace directory that is a symlink
+// or not a directory is ErrPath, as at Submit for other jobs.
 func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Request, res *Result) (ok bool, err error) {
 	switch r := req.(type) {
 	case *SavePrefixRequest:
-		if _, err = e.nsDir(r.Namespace); err != nil {
-			return true, err
-		}
-		// Checked and keyed first, so that the page cache can reserve
-		// room for the new pages before any file is created (admit).
-		var plan *jobs.PagePlan
-		if plan, err = jobs.PlanPrefixSave(r); err != nil {
-			return true, err
-		}
-		err = e.pc.Admit(ctx, r.Namespace, plan.Keys, plan.Parents, plan.FileBytes, func() error {
-			var serr error
-			res.Prefix, res.Metrics, serr = jobs.SavePlannedPrefix(ctx, cfg, plan) // keyed once
-			return serr
-		})
+		// The page cache reserves room for the new pages before the save
+		// creates any file (jobs.Admission: the one call back).
+		adm := &pageAdmission{pc: e.pc}
+		cfg.Admission = adm
+		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
+		adm.settle(err)
 		if err == nil {
-			e.pages.Add(r.Namespace, res.Prefix.Keys...)
+			stored := res.Prefix.Stored() // without the pages that failed
+			e.pages.Add(r.Namespace, stored...)
 			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
-				e.tier.saved(r.Namespace, res.Prefix.Keys)
+				e.tier.saved(r.Namespace, stored)
 			}
 		}
 	case *LoadPrefixRequest:
-		// ErrPath for a namespace that is not a real directory, as for
-		// saves (LoadPrefix itself would say ErrInvalidRequest).
-		if _, err = e.nsDir(r.Namespace); err != nil {
-			return true, err
+		// The load's page source pins the prompt's stored pages for the
+		// load's duration (a bad request pins nothing: the load reports
+		// it) and, with the remote tier, fetches the remote pages after
+		// the local prefix, handing each to the load once published
+		// (remote_fetch.go); finish releases the pins and joins the
+		// fetch.
+		src := e.newLoadSource()
+		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r, src)
+		var loaded []layout.PageKey
+		if res.Prefix != nil {
+			loaded = res.Prefix.Keys
 		}
-		// The pages of the prompt that are stored are pinned for the
-		// load's duration (a bad request pins nothing: the load reports it).
-		// Pages the read-through fetches are pinned at their commit, and
-		// the chain's pins are extended over them before the load reads;
-		// all are released when the load ends.
-		// The prompt's page keys, hashed once for the pins, the
-		// read-through and the load (nil for a bad identity or page
-		// size: the load reports it).
-		keys, _, kerr := layout.PageChain(r.Identity, pageTokensOf(r.PageTokens), r.Tokens)
-		var pins *pagecache.LoadPins
-		if kerr == nil {
-			pins = e.pc.PinChain(r.Namespace, keys)
-			defer func() {
-				var loaded []layout.PageKey
-				if res.Prefix != nil {
-					loaded = res.Prefix.Keys
-				}
-				pins.Done(loaded, err == nil)
-			}()
-		}
-		var verified func(layout.PageKey) bool
-		var sc *jobs.PrefixScatter
-		if e.tier != nil { // read-through: remote pages into the local tier first
-			// The fetched pages that begin the chain are scattered into
-			// the destinations as they are published (a request that
-			// fails the load's checks scatters nothing: the load says why).
-			if kerr == nil {
-				sc, _ = jobs.NewPrefixScatter(cfg, r, keys)
-			}
-			var held []layout.PageKey
-			var fetched map[layout.PageKey]bool
-			res.Remote, held, fetched = e.tier.readThrough(ctx, r.Namespace, r.Identity, r.PageTokens, r.Tokens, keys, sc)
-			if len(fetched) > 0 {
-				// Verified by the fetch a moment ago: not hashed again.
-				verified = func(k layout.PageKey) bool { return fetched[k] }
-			}
-			if pins != nil {
-				pins.Hold(held)
-				pins.Extend()
-			} else {
-				e.pc.Unpin(r.Namespace, held...)
-			}
-		}
-		res.Prefix, res.Metrics, err = jobs.LoadPrefixScattered(ctx, cfg, r, keys, verified, sc)
+		res.Remote = src.finish(loaded, err == nil)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
-				e.dropCorruptPage(ctx, cfg, r, keys, res.Prefix.Tokens)
+				e.dropCorruptPage(ctx, cfg, r, src.ch.Keys, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
 				e.forgetIfGone(r.Namespace, *k)
@@ -180,7 +130,38 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 	default:
 		return false, nil
 	}
+	if errors.Is(err, store.ErrNamespace) {
+		err = fmt.Errorf("%w: %w", ErrPath, err)
+	}
 	return true, err
+}
+
+// pageAdmission is a page save's jobs.Admission: the page cache's
+// reservation for its pages (pagecache.Cache.Reserve), settled by the engine
+// once the save returned.
+type pageAdmission struct {
+	pc   *pagecache.Cache
+	a    *pagecache.Admission
+	keys []layout.PageKey
+}
+
+// Admit reserves room for the save's pages (see pagecache.Cache.Reserve).
+func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
+	a, err := pa.pc.Reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
+	if err != nil {
+		a.Release()
+		return err
+	}
+	pa.a, pa.keys = a, keys
+	return nil
+}
+
+// settle ends the reservation once the save returned with err (nothing
+// when the save was refused before it was admitted).
+func (pa *pageAdmission) settle(err error) {
+	if pa.a != nil {
+		pa.a.Settle(err)
+	}
 }
 
 func pageTokensOf(p int) int {
@@ -261,7 +242,8 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	path, fsys := n.PagePath(key), e.store.FS()
 	gone := func() bool {
 		_, err := fsys.Lstat(path)
-		return vfs.IsNotExist(err)
+		// ENOTDIR: its fan-out directory is not one (a stray file).
+		return vfs.IsNotExist(err) || errors.Is(err, syscall.ENOTDIR)
 	}
 	e.pages.RemoveIfGone(ns, key, gone)
 	if gone() {
@@ -287,59 +269,73 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 // Errors: ErrPath (invalid namespace), layout.ErrIdentity,
 // layout.ErrPageTokens.
 func (e *Engine) Lookup(namespace, identity string, pageTokens int, tokens []uint32) (int, error) {
+	pageTokens, start, err := e.lookupStart(namespace, pageTokens)
+	if err != nil {
+		return 0, err
+	}
+	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
+	e.lookupDone(namespace, start, n, last, len(tokens), err)
+	return n, err
+}
+
+// lookupStart checks a lookup's namespace and returns its page size (0:
+// layout.DefaultPageTokens) and its start time (zero without
+// Config.Metrics).
+func (e *Engine) lookupStart(namespace string, pageTokens int) (int, time.Time, error) {
 	if err := layout.ValidName("namespace", namespace); err != nil {
-		return 0, fmt.Errorf("%w: %w", ErrPath, err)
+		return 0, time.Time{}, fmt.Errorf("%w: %w", ErrPath, err)
 	}
 	if pageTokens == 0 {
 		pageTokens = layout.DefaultPageTokens
 	}
-	m := e.cfg.Metrics
 	var start time.Time
-	if m != nil {
+	if e.cfg.Metrics != nil {
 		start = time.Now()
 	}
-	n, last, err := e.pages.LookupDeepest(namespace, identity, pageTokens, tokens)
+	return pageTokens, start, nil
+}
+
+// lookupDone records a lookup that found n of total tokens, last its
+// deepest page: the access to last, and with Config.Metrics the job and
+// its tokens hit and missed.
+func (e *Engine) lookupDone(namespace string, start time.Time, n int, last layout.PageKey, total int, err error) {
 	if n > 0 {
 		e.pc.TouchLookup(namespace, last)
 	}
-	if m != nil {
+	if m := e.cfg.Metrics; m != nil {
 		m.Job(labels.KindLookup, labels.OutcomeOf(err), time.Since(start), true)
 		if err == nil {
-			m.Lookup(int64(n), int64(len(tokens)-n))
+			m.Lookup(int64(n), int64(total-n))
 		}
 	}
-	return n, err
 }
 
 // executeWrite runs a write. A layout.Pages write's pages go through the
-// page cache's reservation (admit) like a prefix save's, are indexed once
-// durable, and stay pinned for as long as the manifest exists; a write of
-// another layout over a page manifest drops that manifest's pins.
+// page cache's reservation (its jobs.Admission) like a prefix save's, are
+// indexed once durable, and stay pinned for as long as the manifest
+// exists; a write of another layout over a page manifest drops that
+// manifest's pins.
 func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.WriteRequest, res *Result) error {
-	write := func() (err error) {
-		res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	adm := &pageAdmission{pc: e.pc}
+	if w.Layout == layout.Pages {
+		cfg.Admission = adm
+	}
+	var err error
+	res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	adm.settle(err)
+	if err != nil {
 		return err
 	}
 	if w.Layout != layout.Pages {
-		err := write()
-		if err == nil {
-			e.pc.SetManifest(w.Namespace, w.Name, nil)
-		}
-		return err
+		e.pc.SetManifest(w.Namespace, w.Name, nil)
+		return nil
 	}
-	plan, perr := planPagesWrite(w)
-	if perr != nil {
-		return write() // the write refuses the request, naming the problem
+	e.pages.Add(w.Namespace, adm.keys...)
+	e.pc.SetManifest(w.Namespace, w.Name, adm.keys)
+	if e.tier != nil { // the pages, then the manifest (remote_tier.go)
+		e.tier.manifestWritten(w.Ref, adm.keys)
 	}
-	err := e.pc.Admit(ctx, w.Namespace, plan.Keys, plan.Parents, plan.FileBytes, write)
-	if err == nil {
-		e.pages.Add(w.Namespace, plan.Keys...)
-		e.pc.SetManifest(w.Namespace, w.Name, plan.Keys)
-		if e.tier != nil { // the pages, then the manifest (remote_tier.go)
-			e.tier.manifestWritten(w.Ref, plan.Keys)
-		}
-	}
-	return err
+	return nil
 }
 
 // resyncAfterCollect resyncs the page cache's accounting of the collected

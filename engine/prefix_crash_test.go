@@ -84,7 +84,7 @@ func cpCheckAcked(t *testing.T, root string, cache *kvgen.Cache, a string) {
 			Shape: shape, Strides: gather.RowMajor(shape), ItemSize: 2}}
 	}
 	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{Root: root, NoSync: true}, &jobs.LoadPrefixRequest{
-		Namespace: "p", Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage, Verify: true})
+		Namespace: "p", Identity: cpIdentity, Tokens: cpTokens(c)[:n], Dest: dest, PageTokens: cpPage}, nil)
 	if err != nil || res.Tokens != n {
 		t.Fatalf("acked save %s loads %+v %v", a, res, err)
 	}

@@ -89,7 +89,7 @@ func TestEnginePrefixConcurrentOverlappingSaves(t *testing.T) {
 	wg.Go(func() {
 		for i := range 6 {
 			_, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-			if r := e.Do(bg, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: convs[i%2], Dest: dest, PageTokens: 64, Verify: true}); r.Err != nil || r.Prefix.Stop != nil {
+			if r := e.Do(bg, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: convs[i%2], Dest: dest, PageTokens: 64}); r.Err != nil || r.Prefix.Stop != nil {
 				t.Errorf("load: %v %+v", r.Err, r.Prefix)
 			}
 		}
@@ -100,7 +100,7 @@ func TestEnginePrefixConcurrentOverlappingSaves(t *testing.T) {
 			t.Fatalf("conversation %d: Lookup %d %v, want 300", ci, got, err)
 		}
 		bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: convs[ci], Dest: dest, PageTokens: 64, Verify: true})
+		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: convs[ci], Dest: dest, PageTokens: 64})
 		if r.Prefix.Tokens != 300 {
 			t.Fatalf("conversation %d: loaded %+v", ci, r.Prefix)
 		}

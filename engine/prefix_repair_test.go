@@ -33,7 +33,7 @@ func TestEnginePrefixCorruptPageIsRemovedAndRewritten(t *testing.T) {
 	flipLastByte(t, path)
 
 	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-	r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true})
+	r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
 	if r.Prefix.Tokens != 128 || r.Prefix.Stop == nil {
 		t.Fatalf("load over the corrupt page: %+v", r.Prefix)
 	}
@@ -48,7 +48,7 @@ func TestEnginePrefixCorruptPageIsRemovedAndRewritten(t *testing.T) {
 		t.Fatalf("save after the removal: %+v, want page 2 written again", res.Prefix)
 	}
 	bufs, dest = paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-	r = mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true})
+	r = mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
 	if r.Prefix.Tokens != 300 || r.Prefix.Stop != nil {
 		t.Fatalf("load after the repair: %+v", r.Prefix)
 	}

@@ -103,7 +103,7 @@ func TestEnginePrefixSaveLookupLoad(t *testing.T) {
 			t.Fatalf("Lookup of %d tokens: %d %v, want %d", len(tc.prompt), got, err, tc.want)
 		}
 		bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: tc.prompt, Dest: dest, PageTokens: 64, Verify: true})
+		r := mustDo(t, e, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: tc.prompt, Dest: dest, PageTokens: 64})
 		if r.Kind != KindLoadPrefix || r.Prefix.Tokens != tc.want {
 			t.Fatalf("load of %d tokens: %+v", len(tc.prompt), r.Prefix)
 		}
@@ -124,7 +124,7 @@ func TestEnginePrefixSaveLookupLoad(t *testing.T) {
 		t.Fatalf("stale index: %d", got)
 	}
 	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-	r := mustDo(t, e2, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64, Verify: true})
+	r := mustDo(t, e2, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
 	if r.Prefix.Tokens != 128 || r.Prefix.Missing == nil {
 		t.Fatalf("load after removal: %+v", r.Prefix)
 	}
@@ -192,7 +192,7 @@ func TestEnginePrefixAckInvariant(t *testing.T) {
 				var req Request
 				if i%3 == 2 {
 					_, dest := paddedDest(m, 256, func(n int) []byte { return a.alloc(r, n) })
-					req = &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 32, Verify: true}
+					req = &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 32}
 				} else {
 					c := kvgen.NewCache(m, len(toks), true, func(n int) []byte { return a.alloc(r, n) })
 					req = &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 32}
@@ -250,7 +250,7 @@ func TestEnginePagesLayout(t *testing.T) {
 	}
 	// Resume by name: every slot (the token ids attachment too) reads back.
 	dest := destOf(m, T)
-	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Verify: true, Identity: "tiny"})
+	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Identity: "tiny"})
 	equalSlots(t, "pages read", dest, want)
 	// The prefix cache sees the same pages.
 	if n, _ := e.Lookup("conv", "tiny", 64, toks); n != T {
@@ -261,14 +261,14 @@ func TestEnginePagesLayout(t *testing.T) {
 		t.Fatalf("prefix save after a named save: %+v", s.Prefix)
 	}
 	bufs, pd := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
-	if r := mustDo(t, e, &LoadPrefixRequest{Namespace: "conv", Identity: "tiny", Tokens: toks, Dest: pd, PageTokens: 64, Verify: true}); r.Prefix.Tokens != T {
+	if r := mustDo(t, e, &LoadPrefixRequest{Namespace: "conv", Identity: "tiny", Tokens: toks, Dest: pd, PageTokens: 64}); r.Prefix.Tokens != T {
 		t.Fatalf("prefix load: %+v", r.Prefix)
 	}
 	checkLoaded(t, c, bufs, 320, T)
 	// Collect keeps the pages; the snapshot still reads back.
 	mustDo(t, e, &CollectRequest{Namespaces: []string{"conv"}})
 	dest = destOf(m, T)
-	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest, Verify: true})
+	mustDo(t, e, &ReadRequest{Ref: ref, Dest: dest})
 	equalSlots(t, "pages read after collect", dest, want)
 	// A page gone: every cache slot fails with ErrMissingPage; the
 	// attachment is still read.
@@ -276,7 +276,7 @@ func TestEnginePagesLayout(t *testing.T) {
 		t.Fatal(err)
 	}
 	dest = destOf(m, T)
-	r := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest, Verify: true})
+	r := e.Do(bg, &ReadRequest{Ref: ref, Dest: dest})
 	var re *jobs.ReadError
 	if !errors.As(r.Err, &re) || !errors.Is(r.Err, jobs.ErrMissingPage) || len(re.Slots) != 2*m.Layers {
 		t.Fatalf("read with a page missing: %v", r.Err)
@@ -297,5 +297,32 @@ func TestEnginePagesLayout(t *testing.T) {
 		if r := e.Do(bg, bad); !errors.Is(r.Err, jobs.ErrInvalidRequest) {
 			t.Fatalf("%s: %v", name, r.Err)
 		}
+	}
+}
+
+// TestEnginePrefixSymlinkedNamespace: a prefix save or load whose
+// namespace directory is a symlink (it could lead outside the root) is
+// accepted at Submit (the name is valid) and acked with ErrPath, nothing
+// written through the link.
+func TestEnginePrefixSymlinkedNamespace(t *testing.T) {
+	e := newEngine(t, Config{Workers: 1})
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 128, false)
+	toks := prefixTokens(128, 7)
+	outside := t.TempDir()
+	if err := os.Symlink(outside, filepath.Join(e.Root(), "link")); err != nil {
+		t.Fatal(err)
+	}
+	bg := context.Background()
+	if r := e.Do(bg, &SavePrefixRequest{Namespace: "link", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64}); !errors.Is(r.Err, ErrPath) {
+		t.Fatalf("save into a symlinked namespace: %v, want ErrPath", r.Err)
+	}
+	bufs, dest := paddedDest(m, 128, func(n int) []byte { return make([]byte, n) })
+	if r := e.Do(bg, &LoadPrefixRequest{Namespace: "link", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64}); !errors.Is(r.Err, ErrPath) {
+		t.Fatalf("load from a symlinked namespace: %v, want ErrPath", r.Err)
+	}
+	checkLoaded(t, c, bufs, 128, 0)
+	if ents, err := os.ReadDir(outside); err != nil || len(ents) != 0 {
+		t.Fatalf("the link's target holds %d entries (%v), want none", len(ents), err)
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -24,10 +23,10 @@ import (
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the
-// local index lacks (or lists though its file is gone) is looked up
-// (StatAll, Store.Concurrency HEADs per round trip) and, when the store holds them all, fetched FetchPages at a
-// time through the bounded page cache exactly as a LoadPrefix read-through
-// fetches (pagecache.Cache.AdmitHeld around fetchPage: room reserved first,
+// local index lacks (or lists though its file is gone) is looked up and,
+// when the store holds them all, fetched by the tier's one fetcher, the
+// LoadPrefix read-through's (lookup, fetchRun: remote_fetch.go;
+// pagecache.Cache.AdmitHeld around fetchPage: room reserved first,
 // verified against the manifest's key chain, published atomically, committed
 // pinned; the manifest's pages already local are pinned first). Only when
 // every page is local is a fetched manifest published (publishManifest:
@@ -99,18 +98,18 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 }
 
 // fetchNamedPages fetches the pages of pl that the local index lacks or
-// whose file is gone (readNamed). Nothing is fetched unless the store
-// holds every one of them (a missing page is ErrMissingPage, found by the
-// HEADs). The pages of pl already local are pinned first (held, as a
-// LoadPrefix pins its local prefix), so the room made for the fetched
-// pages is never theirs: the read needs them too.
+// whose file is gone (readNamed), through the tier's one fetcher: lookup
+// of them all, then a fetchRun that stops at the first failure. Nothing
+// is fetched unless the store holds every one of them (a missing page is
+// ErrMissingPage, found by the lookup). The pages of pl already local are
+// pinned first (held, as a LoadPrefix pins its local prefix), so the room
+// made for the fetched pages is never theirs: the read needs them too.
 func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []layout.PageKey, err error) {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		return nil, err
 	}
 	var fetch []int // positions in pl.Keys
-	var names []string
 	for i, k := range pl.Keys {
 		if t.e.pages.Has(ns, k) {
 			pinned, err := t.e.pc.PinStored(ctx, ns, k)
@@ -131,85 +130,39 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 			}
 			t.e.forgetIfGone(ns, k)
 		}
-		name, err := t.st.PageName(ns, k.String())
-		if err != nil {
-			return held, err
-		}
 		fetch = append(fetch, i)
-		names = append(names, name)
 	}
 	if len(fetch) == 0 {
 		return held, nil
 	}
-	objs := make([]remote.Object, 0, len(names))
-	for w := 0; w < len(names); w += t.window {
-		got, err := t.st.StatAll(ctx, names[w:min(len(names), w+t.window)])
-		rep.PagesAsked += len(got)
-		if err != nil {
-			return held, err
+	objs, err := t.lookup(ctx, ns, pl.Keys, fetch, rep)
+	if err != nil {
+		return held, err
+	}
+	for a, pos := range fetch {
+		if a >= len(objs) || objs[a].Name == "" {
+			name, _ := t.st.PageName(ns, pl.Keys[pos].String())
+			return held, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, name)
 		}
-		for i, o := range got {
-			if o.Name == "" {
-				return held, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, names[w+i])
-			}
-			rep.PagesFound++
-			t.markKnown(ns, pl.Keys[fetch[w+i]])
-		}
-		objs = append(objs, got...)
+		rep.PagesFound++
+		t.markKnown(ns, pl.Keys[pos])
 	}
 	if err := t.prepareDirs(ctx, n, pl.Keys, fetch); err != nil {
 		return held, err
 	}
-	parent := func(i int) layout.PageKey {
-		if i == 0 {
-			return layout.PageRoot(pl.Identity, pl.PageTokens)
+	// The manifest names keys, not token ids: the chain (key =
+	// SHA-256(parent ‖ tokens), parent = the key before) fixes the tokens;
+	// verifyPage leaves them unchecked (nil).
+	want := func(pos int) *layout.Page {
+		parent := layout.PageRoot(pl.Identity, pl.PageTokens)
+		if pos > 0 {
+			parent = pl.Keys[pos-1]
 		}
-		return pl.Keys[i-1]
+		return &layout.Page{Key: pl.Keys[pos], Parent: parent, Identity: pl.Identity, PageTokens: pl.PageTokens}
 	}
-	var mu sync.Mutex
-	var wg sync.WaitGroup
-	var first error
-	slots := make(chan struct{}, t.fetchPages) // pages fetched at once
-	for f, pos := range fetch {
-		slots <- struct{}{}
-		mu.Lock()
-		stop := first != nil
-		mu.Unlock()
-		if stop {
-			<-slots
-			break
-		}
-		wg.Go(func() {
-			defer func() { <-slots }()
-			// The manifest names keys, not token ids: the chain (key =
-			// SHA-256(parent ‖ tokens), parent = the key before) fixes the
-			// tokens; verifyPage leaves them unchecked (nil).
-			want := &layout.Page{Key: pl.Keys[pos], Parent: parent(pos), Identity: pl.Identity, PageTokens: pl.PageTokens}
-			var size int64
-			h, err := t.e.pc.AdmitHeld(ctx, ns, pl.Keys[pos:pos+1], []layout.PageKey{want.Parent},
-				func(int) (int64, error) { return objs[f].Size, nil },
-				func() error {
-					var err error
-					size, err = t.fetchPage(ctx, n, want, objs[f], func() {}, nil)
-					return err
-				})
-			mu.Lock()
-			defer mu.Unlock()
-			held = append(held, h...)
-			if err != nil && first == nil {
-				first = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, pl.Keys[pos], ns, err)
-			}
-			if err == nil && size > 0 {
-				rep.PagesFetched++
-				rep.BytesFetched += size
-			}
-		})
-	}
-	wg.Wait()
-	if first != nil {
-		t.e.logSafe(slog.LevelWarn, "kvpersist: remote page of a named snapshot not fetched", "namespace", ns, "err", first)
-	}
-	return held, first
+	fr := t.startFetch(ctx, n, want, fetch, objs, false, true)
+	fetched, first := fr.wait(rep, pl.Keys)
+	return append(held, fetched...), first
 }
 
 // publishManifest publishes the verified bytes of a fetched manifest as

@@ -412,7 +412,7 @@ func (s *soak) one(e *engine.Engine, rng *rand.Rand, closing *atomic.Bool,
 		}
 	case k < 96: // read
 		op := &soakOp{kind: engine.KindRead, path: path, canceled: canceled, closing: closing}
-		req := &engine.ReadRequest{Ref: p.ref, Verify: rng.IntN(4) != 0}
+		req := &engine.ReadRequest{Ref: p.ref, NoVerify: rng.IntN(4) == 0}
 		tokens := soakTokens[rng.IntN(len(soakTokens))] // a guess
 		if v, ok := s.lastTokens.Load(path); ok && rng.IntN(3) > 0 {
 			tokens = v.(int) // the version the read will likely meet

@@ -439,6 +439,12 @@ func TestOrphansTempsAndGC(t *testing.T) {
 	if len(rep2.Problems) != len(orphans) {
 		t.Errorf("with --temp-grace 2h: %d problems, want %d orphans", len(rep2.Problems), len(orphans))
 	}
+	// --temp-grace none: the young temp file is stale too.
+	var rep3 verifyReport
+	runJSON(t, exitProblems, &rep3, "verify", "--temp-grace", "none", root)
+	if got := keys(problemsOf(t, rep3)); !slices.Contains(got, jobs.ProblemStaleTemp+" "+young) || len(got) != len(want)+1 {
+		t.Errorf("with --temp-grace none: problems %q, want those of the default and %s", got, young)
+	}
 
 	// du: what gc would free is the orphans' bytes.
 	var du duReport
@@ -466,6 +472,11 @@ func TestOrphansTempsAndGC(t *testing.T) {
 	out := mustRun(t, exitOK, "gc", "--dry-run", root)
 	if !strings.Contains(out, "would delete "+stale) || !strings.Contains(out, "dry run: nothing was deleted") {
 		t.Errorf("gc --dry-run text:\n%s", out)
+	}
+	var none gcReport
+	runJSON(t, exitOK, &none, "gc", "--dry-run", "--temp-grace", "none", root)
+	if none.TempRemoved != 2 || !slices.Contains(none.Deleted, young) {
+		t.Errorf("gc --dry-run --temp-grace none: %d temps, deleted %q, want both temp files", none.TempRemoved, none.Deleted)
 	}
 
 	var real gcReport

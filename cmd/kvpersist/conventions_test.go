@@ -10,8 +10,6 @@ import (
 	"strings"
 	"syscall"
 	"testing"
-
-	"github.com/kvpersist/kvpersist/engine/store"
 )
 
 // A usage error says what is wrong on its first line, then prints the
@@ -28,7 +26,9 @@ func TestUsageErrorFirstLine(t *testing.T) {
 		{[]string{"synth", "--root", root}, `kvpersist synth: required flag(s) "name" not set`},
 		{[]string{"ls", root, root}, "kvpersist ls: accepts 1 arg(s), received 2"},
 		{[]string{"verify"}, "kvpersist verify: accepts 1 arg(s), received 0"},
-		{[]string{"gc", "--temp-grace", "-1s", root}, "kvpersist gc: --temp-grace and --block-grace must not be negative"},
+		{[]string{"gc", "--block-grace", "-1s", root}, "kvpersist gc: --block-grace must not be negative"},
+		{[]string{"gc", "--temp-grace", "-1s", root}, `kvpersist gc: invalid argument "-1s" for "--temp-grace" flag: must not be negative ("none" keeps no temp file back)`},
+		{[]string{"verify", "--temp-grace", "0", root}, `kvpersist verify: invalid argument "0" for "--temp-grace" flag: 0 is not a grace: say "none" to keep no temp file back (the default is 10m0s)`},
 		{[]string{"demo", "snapshots", "--tokens", "2048,4096x"}, `kvpersist: --tokens: "4096x" is not a positive integer`},
 		{[]string{"bogus"}, `kvpersist: unknown command "bogus" for "kvpersist"`},
 		{[]string{}, "kvpersist: no command given"},
@@ -67,8 +67,8 @@ func TestHelpOnStdout(t *testing.T) {
 	}
 }
 
-// A failed job is reported once: the command's error line, not also the
-// engine's "job failed" warning.
+// A failed job is reported once: the command's error line, and the engine
+// logs no warning of its own for it (the CLI does not filter its log).
 func TestFailedJobReportedOnce(t *testing.T) {
 	root := t.TempDir()
 	code, out, errs := cliRun(t, "synth", "--root", root, "--name", "x", "--no-sync", "--block-bytes", "1000")
@@ -148,14 +148,7 @@ func TestExitStatusesOfTheBinary(t *testing.T) {
 		t.Errorf("ls with two roots: exit %d", got)
 	}
 
-	st, err := store.Open(root, store.Options{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	ns, err := st.Namespace("a")
-	if err != nil {
-		t.Fatal(err)
-	}
+	ns := namespaceOf(t, root, "a")
 	unlock, err := ns.Lock(context.Background(), false) // shared: gc needs it exclusively
 	if err != nil {
 		t.Fatal(err)

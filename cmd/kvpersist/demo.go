@@ -43,45 +43,45 @@ allocating, when the two need more memory than the machine has available
 	keep := fs.Bool("keep", false, "keep the store (and every turn's manifest) at the end")
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tmpfs only; numbers then flatter the disk)")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		m, err := kvgen.ModelByName(*model)
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		turns, err := parseInts(*tokenList)
 		if err != nil {
-			return c.fail("--tokens: %v", err)
+			return fmt.Errorf("--tokens: %w", err)
 		}
 		for i := 1; i < len(turns); i++ {
 			if turns[i] < turns[i-1] {
-				return c.fail("--tokens must not shrink: %d after %d", turns[i], turns[i-1])
+				return fmt.Errorf("--tokens must not shrink: %d after %d", turns[i], turns[i-1])
 			}
 		}
 		if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
-			return c.fail("--block-bytes: %v", err)
+			return fmt.Errorf("--block-bytes: %w", err)
 		}
 		if err := layout.ValidName("namespace", *nsName); err != nil {
-			return c.fail("--ns: %v", err)
+			return fmt.Errorf("--ns: %w", err)
 		}
 		ns := *nsName
 		last := turns[len(turns)-1]
 		// The cache, and the largest turn's restore buffers.
-		if code := c.checkMemory("demo", cacheAllocBytes(m, last)+int64(m.CacheBytes(last))+int64(last*kvgen.IDSize)); code != exitOK {
-			return code
+		if err := c.checkMemory("demo", cacheAllocBytes(m, last)+int64(m.CacheBytes(last))+int64(last*kvgen.IDSize)); err != nil {
+			return err
 		}
 		dir := *root
 		if dir != "" && !*reuse {
 			// The store may be the operator's: never overwrite or delete
 			// snapshots the demo did not write.
 			if _, err := os.Lstat(filepath.Join(dir, ns)); err == nil {
-				return c.fail("namespace %s already exists in %s: the demo would overwrite its snapshots; pick another --ns, or pass --reuse-ns", ns, dir)
+				return fmt.Errorf("namespace %s already exists in %s: the demo would overwrite its snapshots; pick another --ns, or pass --reuse-ns", ns, dir)
 			} else if !errors.Is(err, iofs.ErrNotExist) {
-				return c.fail("%v", err)
+				return err
 			}
 		}
 		if dir == "" {
 			if dir, err = os.MkdirTemp("", "kvpersist-demo-"); err != nil {
-				return c.fail("%v", err)
+				return err
 			}
 			if !*keep {
 				defer os.RemoveAll(dir)
@@ -89,7 +89,7 @@ allocating, when the two need more memory than the machine has available
 		}
 		e, err := engine.New(engine.Config{Root: dir, Workers: *workers, BlockBytes: *blockBytes, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		defer e.Close(context.Background())
 
@@ -125,14 +125,12 @@ allocating, when the two need more memory than the machine has available
 		for i, t := range turns {
 			name := fmt.Sprintf("turn-%02d", i+1)
 			if err := row(fmt.Sprint(i+1), layout.Blocks, t, name); err != nil {
-				fmt.Fprintf(c.stderr, "kvpersist demo: %v\n", err)
-				return exitProblems
+				return problemsError{fmt.Errorf("demo: %w", err)}
 			}
 			names = append(names, name)
 		}
 		if err := row(fmt.Sprint(len(turns)), layout.Single, last, "final-single"); err != nil {
-			fmt.Fprintf(c.stderr, "kvpersist demo: %v\n", err)
-			return exitProblems
+			return problemsError{fmt.Errorf("demo: %w", err)}
 		}
 		tw.Flush()
 
@@ -141,27 +139,26 @@ allocating, when the two need more memory than the machine has available
 		if !*keep {
 			for _, n := range names[:len(names)-1] {
 				if r := e.Do(ctx, &engine.DeleteRequest{Ref: engine.Ref{Namespace: ns, Name: n}}); r.Err != nil {
-					return c.fail("delete %s: %v", n, r.Err)
+					return fmt.Errorf("delete %s: %w", n, r.Err)
 				}
 			}
 		}
 		col := e.Do(ctx, &engine.CollectRequest{Namespaces: []string{ns}}) // the demo's namespace only
 		if col.Err != nil {
-			return c.fail("collect: %v", col.Err)
+			return fmt.Errorf("collect: %w", col.Err)
 		}
 		cm := col.Metrics.Collect
 		fmt.Fprintf(c.stdout, "collect of namespace %s: %d manifests scanned, %d blocks kept, %d deleted, %s freed in %v\n",
 			ns, cm.ManifestsScanned, cm.BlocksKept, cm.BlocksDeleted, humanBytes(cm.BytesFreed), col.Metrics.Elapsed.Round(time.Millisecond))
 		final := names[len(names)-1]
 		if _, _, err := restoreAndCompare(ctx, c, e, engine.Ref{Namespace: ns, Name: final}, cache.ViewsAt(last)); err != nil {
-			fmt.Fprintf(c.stderr, "kvpersist demo: after collect: %v\n", err)
-			return exitProblems
+			return problemsError{fmt.Errorf("demo: after collect: %w", err)}
 		}
 		fmt.Fprintf(c.stdout, "after collect, %s restores bit-exact and verified. Every byte of every restore matched.\n", final)
 		if *root != "" || *keep {
 			fmt.Fprintf(c.stdout, "the store is kept in %s (kvpersist ls / du / verify %s)\n", dir, dir)
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }
@@ -179,7 +176,7 @@ func restoreAndCompare(ctx context.Context, c *cli, e *engine.Engine, ref engine
 		dest[i] = make([]byte, t.Bytes)
 	}
 	start := time.Now()
-	r := e.Do(ctx, &engine.ReadRequest{Ref: ref, Dest: dest, Verify: true, Expect: snap.Header})
+	r := e.Do(ctx, &engine.ReadRequest{Ref: ref, Dest: dest, Expect: snap.Header})
 	elapsed := time.Since(start)
 	if r.Err != nil {
 		return 0, 0, fmt.Errorf("restore: %w", r.Err)

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"strconv"
 	"strings"
@@ -49,13 +50,13 @@ single-file layouts, then collect).`,
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tmpfs only; numbers then flatter the disk)")
 	exact := fs.Bool("bytes", false, "print sizes as byte counts")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		tt, err := parseInts(*turnTokens)
 		if err != nil || len(tt) > 2 {
 			if err == nil {
 				err = errors.New("want MIN,MAX or one number")
 			}
-			return c.usageError(cmd, "--turn-tokens: %v", err)
+			return usage(cmd, "--turn-tokens: %v", err)
 		}
 		lo, hi := tt[0], tt[len(tt)-1]
 		err = demo.Run(ctx, demo.Options{
@@ -67,14 +68,13 @@ single-file layouts, then collect).`,
 		}, c.stdout)
 		switch {
 		case err == nil:
-			return exitOK
+			return nil
 		case errors.Is(err, demo.ErrInvalidOptions):
-			return c.usageError(cmd, "%s", strings.TrimPrefix(err.Error(), "demo: "))
+			return usage(cmd, "%s", strings.TrimPrefix(err.Error(), "demo: "))
 		case errors.Is(err, demo.ErrMismatch):
-			c.fail("demo: %v", err)
-			return exitProblems
+			return problemsError{fmt.Errorf("demo: %w", err)}
 		default:
-			return c.fail("demo: %v", err)
+			return fmt.Errorf("demo: %w", err)
 		}
 	})
 	cmd.AddCommand(c.demoSnapshotsCommand())

@@ -197,26 +197,26 @@ usage or I/O errors.`,
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
 	var lim limitFlags
 	lim.register(fs)
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		if rf.on {
 			if lim.capacity != "" || lim.headroom != "" || len(lim.quotas) > 0 {
-				return c.usageError(cmd, "--capacity, --quota and --headroom are for a local store, not --remote")
+				return usage(cmd, "--capacity, --quota and --headroom are for a local store, not --remote")
 			}
 			return c.runRemoteDu(ctx, cmd, rf, args, *grace, *asJSON, *exact)
 		}
 		if msg := rf.check(cmd); msg != "" {
-			return c.usageError(cmd, "%s", msg)
+			return usage(cmd, "%s", msg)
 		}
 		if fs.Changed("grace") {
-			return c.usageError(cmd, "--grace needs --remote")
+			return usage(cmd, "--grace needs --remote")
 		}
 		if err := lim.parse(); err != nil {
-			return c.usageError(cmd, "%v", err)
+			return usage(cmd, "%v", err)
 		}
 		root := args[0]
 		st, listings, skipped, err := listStore(ctx, root)
 		if err != nil {
-			return c.fail("du: %s", quote(err.Error()))
+			return fmt.Errorf("du: %s", quote(err.Error()))
 		}
 		hasPages := false
 		for _, ns := range listings {
@@ -225,7 +225,7 @@ usage or I/O errors.`,
 		rep := duReport{Root: root, Namespaces: []duRow{}, Total: duRow{Namespace: "TOTAL"}, Skipped: skipped}
 		cache, _, cr, err := lim.measureCache(st, listings, time.Now())
 		if err != nil {
-			return c.fail("du: %s", quote(err.Error()))
+			return fmt.Errorf("du: %s", quote(err.Error()))
 		}
 		rep.Cache = cr
 		for i, ns := range listings {
@@ -240,7 +240,7 @@ usage or I/O errors.`,
 		}
 		if *asJSON {
 			if err := c.writeJSON(rep); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			size := sizer(*exact)
@@ -268,9 +268,9 @@ usage or I/O errors.`,
 			}
 		}
 		if rep.Total.Unreadable > 0 || badRecency(cache) {
-			return exitProblems
+			return errProblems
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }

@@ -72,45 +72,41 @@ file (or remote manifest), 2 on usage or I/O errors.`,
 	del := fs.Bool("delete", false, "with --remote: delete (without it gc --remote is a dry run)")
 	dryRun := fs.Bool("dry-run", false, "delete nothing; list what would be deleted")
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, dryRun, deleted, blocksDeleted, bytesFreed, tempRemoved, blocksKept, manifestsScanned, namespaces, unreadable, unsweptNamespaces, skipped}")
-	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "keep temp files younger than this (they may belong to a running write); 0 removes every temp file")
+	tempGrace := addTempGrace(fs, jobs.DefaultTempGrace, "keep temp files younger than this (they may belong to a running write); none removes every temp file")
 	blockGrace := fs.Duration("block-grace", 0, "keep unreferenced blocks younger than this (for writers that do not take the namespace lock)")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		if rf.on {
 			return c.runRemoteGC(ctx, cmd, rf, args, *grace, *del, *asJSON)
 		}
 		if msg := rf.check(cmd); msg != "" {
-			return c.usageError(cmd, "%s", msg)
+			return usage(cmd, "%s", msg)
 		}
 		if fs.Changed("grace") || fs.Changed("delete") {
-			return c.usageError(cmd, "--grace and --delete need --remote (a local gc deletes unless --dry-run)")
+			return usage(cmd, "--grace and --delete need --remote (a local gc deletes unless --dry-run)")
 		}
 		return c.runGC(ctx, cmd, args[0], *dryRun, *asJSON, *tempGrace, *blockGrace)
 	})
 	return cmd
 }
 
-func (c *cli) runGC(ctx context.Context, cmd *cobra.Command, root string, dryRun, asJSON bool, tempGrace, blockGrace time.Duration) int {
-	if tempGrace < 0 || blockGrace < 0 {
-		return c.usageError(cmd, "--temp-grace and --block-grace must not be negative")
+func (c *cli) runGC(ctx context.Context, cmd *cobra.Command, root string, dryRun, asJSON bool, tempGrace, blockGrace time.Duration) error {
+	if blockGrace < 0 {
+		return usage(cmd, "--block-grace must not be negative")
 	}
 	// engine.New creates a missing root: check first that it is one.
 	if _, err := store.Open(root, store.Options{}); err != nil {
-		return c.fail("gc: %s", quote(err.Error()))
+		return fmt.Errorf("gc: %s", quote(err.Error()))
 	}
-	tg := tempGrace
-	if tg == 0 {
-		tg = -1 // jobs: negative removes every temp file; 0 would mean the default
-	}
-	e, err := engine.New(engine.Config{Root: root, TempGrace: tg, BlockGrace: blockGrace, Logger: c.log, FS: c.lockNoticeFS()})
+	e, err := engine.New(engine.Config{Root: root, TempGrace: tempGrace, BlockGrace: blockGrace, Logger: c.log, FS: c.lockNoticeFS()})
 	if err != nil {
-		return c.fail("gc: %v", err)
+		return fmt.Errorf("gc: %w", err)
 	}
 	res := e.Do(ctx, &engine.CollectRequest{DryRun: dryRun})
 	if err := e.Close(context.Background()); err != nil {
 		c.log.Warn("closing the engine", "err", err)
 	}
 	if res.Err != nil {
-		return c.fail("gc %s: %v", root, res.Err)
+		return fmt.Errorf("gc %s: %w", root, res.Err)
 	}
 	cm := res.Metrics.Collect
 	rep := gcReport{Root: root, DryRun: dryRun, Deleted: gcList(cm.Deleted),
@@ -119,7 +115,7 @@ func (c *cli) runGC(ctx context.Context, cmd *cobra.Command, root string, dryRun
 		Unreadable: gcList(cm.Unreadable), UnsweptNamespaces: gcList(cm.UnsweptNamespaces), Skipped: gcList(cm.Skipped)}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
 	} else {
 		w := c.stdout
@@ -147,9 +143,9 @@ func (c *cli) runGC(ctx context.Context, cmd *cobra.Command, root string, dryRun
 		}
 	}
 	if len(rep.UnsweptNamespaces) > 0 || len(rep.Unreadable) > 0 {
-		return exitProblems
+		return errProblems
 	}
-	return exitOK
+	return nil
 }
 
 func gcList(s []string) []string {

@@ -253,23 +253,23 @@ passed, 1 when one failed, 2 on usage or I/O errors.`,
 	fs := cmd.Flags()
 	asJSON := fs.Bool("json", false, "print the prefix fields, the header as stored (\"header\"), the caller metadata and the tensor rows as JSON")
 	withBlocks := fs.Bool("blocks", false, "also list every block (SHA-256, bytes and, for formatVersion 8, xxh3-64) of every tensor of a manifest")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		path := args[0]
 		rep, ioErr := inspectFile(vfs.Default, path, *withBlocks)
 		if ioErr != nil {
-			return c.fail("inspect %s", quote(fmt.Sprintf("%s: %v", path, ioErr)))
+			return fmt.Errorf("inspect %s", quote(fmt.Sprintf("%s: %v", path, ioErr)))
 		}
 		if *asJSON {
 			if err := c.writeJSON(rep); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			printInspect(c, rep)
 		}
 		if !rep.Verified {
-			return exitProblems
+			return errProblems
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }

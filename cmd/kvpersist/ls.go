@@ -169,32 +169,32 @@ The arguments are then namespaces; none means every namespace under
 	cmd.Args = rf.args(cobra.ExactArgs(1))
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, snapshots: [{namespace, name, path, layout, legacy, tensors, logicalBytes, fileBytes, modified, error}], pages: [{namespace, pages, unreadable, tokens, logicalBytes, fileBytes, files}], skipped}")
 	pages := fs.Bool("pages", false, "also list every page file of the prefix page cache: key (first 16 hex digits), parent, tokens, bytes, identity")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		if rf.on {
 			return c.runRemoteLs(ctx, cmd, rf, args, *asJSON, *pages)
 		}
 		if msg := rf.check(cmd); msg != "" {
-			return c.usageError(cmd, "%s", msg)
+			return usage(cmd, "%s", msg)
 		}
 		return c.runLs(ctx, args[0], *asJSON, *pages)
 	})
 	return cmd
 }
 
-func (c *cli) runLs(ctx context.Context, root string, asJSON, pageFiles bool) int {
+func (c *cli) runLs(ctx context.Context, root string, asJSON, pageFiles bool) error {
 	st, names, skipped, err := openStore(root)
 	if err != nil {
-		return c.fail("ls: %s", quote(err.Error()))
+		return fmt.Errorf("ls: %s", quote(err.Error()))
 	}
 	rep := lsReport{Root: root, Snapshots: []lsRow{}, Skipped: skipped}
 	bad := 0
 	for _, n := range names {
 		if err := ctx.Err(); err != nil {
-			return c.fail("ls: %v", err)
+			return fmt.Errorf("ls: %w", err)
 		}
 		ns, err := listNamespace(st, n)
 		if err != nil {
-			return c.fail("ls: %s", quote(err.Error()))
+			return fmt.Errorf("ls: %s", quote(err.Error()))
 		}
 		rep.Skipped = append(rep.Skipped, ns.SkippedPaths()...)
 		for _, s := range ns.Snapshots {
@@ -219,7 +219,7 @@ func (c *cli) runLs(ctx context.Context, root string, asJSON, pageFiles bool) in
 	}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
 	} else {
 		tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
@@ -248,9 +248,9 @@ func (c *cli) runLs(ctx context.Context, root string, asJSON, pageFiles bool) in
 		}
 	}
 	if bad > 0 {
-		return exitProblems
+		return errProblems
 	}
-	return exitOK
+	return nil
 }
 
 // printPages prints ls's page cache lines (and --pages tables).

@@ -7,7 +7,8 @@
 // unswept, the demo found a mismatch); 2 usage or I/O error (and refusals,
 // such as synth asking for more memory than the machine has); 130 when
 // interrupted (SIGINT or SIGTERM: the command stops at its next
-// cancellation point; a second signal kills the process at once).
+// cancellation point, or is ended windDown after the signal if it has not
+// stopped by then; a second signal kills the process at once).
 package main
 
 import (
@@ -21,6 +22,7 @@ import (
 	"strconv"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/spf13/cobra"
 )
@@ -37,59 +39,130 @@ const (
 type cli struct {
 	stdout, stderr io.Writer
 	// log prints warnings (a lock wait, an I/O error met by verify) on
-	// stderr; it is also the engine's Logger, minus job failures, which
-	// each command reports itself (once).
+	// stderr; it is also the engine's Logger (which logs a failed job at
+	// debug level only: each command reports its failure itself, once).
 	log *slog.Logger
 	tty bool // stderr is a terminal: show progress bars
 }
 
-// exitError ends a command with an exit status; whatever explains it has
-// already been printed.
-type exitError struct{ code int }
+// Errors a command body returns, and the exit status run maps each to:
+//   - nil: 0;
+//   - exitStatus: that status, nothing more printed (the command's report
+//     said what is wrong): errProblems (1), errReported (2);
+//   - problemsError: 1, its message printed after "kvpersist: ";
+//   - usageError: 2, its reason then the command's usage printed;
+//   - any other error: 2, printed after "kvpersist: ".
+//
+// Whatever the error, 130 when the command's context ended (an interrupt).
 
-func (e exitError) Error() string { return fmt.Sprintf("exit status %d", e.code) }
+// exitStatus ends a command whose report has already said what is wrong.
+type exitStatus int
+
+func (s exitStatus) Error() string { return fmt.Sprintf("exit status %d", int(s)) }
+
+const (
+	errProblems = exitStatus(exitProblems) // the store has problems, reported
+	errReported = exitStatus(exitUsage)    // an I/O error, reported
+)
+
+// problemsError is a problem found (exit 1) that no report printed.
+type problemsError struct{ err error }
+
+func (e problemsError) Error() string { return e.err.Error() }
+func (e problemsError) Unwrap() error { return e.err }
+
+// usageError is a usage error found by a command body (a flag value out of
+// range); run prints its reason, then the command's usage.
+type usageError struct {
+	cmd *cobra.Command
+	msg string
+}
+
+func (e usageError) Error() string { return e.msg }
+
+// commandError marks an error returned by a command body (see runs), apart
+// from those cobra returns for the flags and arguments it refused.
+type commandError struct{ err error }
+
+func (e commandError) Error() string { return e.err.Error() }
+func (e commandError) Unwrap() error { return e.err }
+
+// windDown is how long a command may take to stop after SIGINT or SIGTERM
+// before the process exits 130 without it: a wait that cannot be cancelled
+// (an open(2) of a FIFO where a lock file belongs) must not make the
+// signal look ignored. Ending the process there is as safe as a kill,
+// which every file kvpersist publishes (by rename) survives.
+const windDown = 5 * time.Second
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	// After the first signal, restore the default handling so that a
 	// second one kills the process instead of being swallowed while the
-	// command winds down. The goroutine ends with the first signal or with
-	// the process.
+	// command winds down, and end the process if the command has not
+	// stopped within windDown. The goroutine ends with the process.
 	go func() {
 		<-ctx.Done()
 		stop()
+		time.Sleep(windDown)
+		fmt.Fprintf(os.Stderr, "kvpersist: interrupted; the command did not stop within %v\n", windDown)
+		os.Exit(exitInterrupted)
 	}()
 	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr, isTerminal(os.Stderr)))
 }
 
 // run runs the command line args and returns the exit status. An ended ctx
-// (an interrupt) turns a failed command's status into 130.
+// (an interrupt) makes it 130 whatever the command's outcome.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer, tty bool) int {
 	c := &cli{stdout: stdout, stderr: stderr, tty: tty,
-		log: slog.New(dropJobFailures{slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn})})}
+		log: slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
 	root := c.rootCommand()
 	root.SetArgs(args)
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	cmd, err := root.ExecuteContextC(ctx)
-	code := exitOK
-	var ee exitError
-	switch {
-	case err == nil:
-	case errors.As(err, &ee):
-		code = ee.code
-	default: // cobra's: a flag, argument count or command it refused
-		if cmd == nil {
-			cmd = root
-		}
-		fmt.Fprintf(stderr, "%s: %v\n\n", cmd.CommandPath(), err)
-		fmt.Fprint(stderr, cmd.UsageString())
-		code = exitUsage
+	if cmd == nil {
+		cmd = root
 	}
-	if code != exitOK && ctx.Err() != nil {
+	code := c.exitCode(cmd, err)
+	if ctx.Err() != nil {
 		return exitInterrupted
 	}
 	return code
+}
+
+// exitCode prints what err says (once) and returns its exit status: the one
+// place a command's error becomes one.
+func (c *cli) exitCode(cmd *cobra.Command, err error) int {
+	var (
+		ce commandError
+		st exitStatus
+		pe problemsError
+		ue usageError
+	)
+	switch {
+	case err == nil:
+		return exitOK
+	case !errors.As(err, &ce): // cobra's: a flag, argument count or command it refused
+		c.printUsage(cmd, err.Error())
+		return exitUsage
+	case errors.As(err, &st):
+		return int(st)
+	case errors.As(err, &pe):
+		fmt.Fprintf(c.stderr, "kvpersist: %v\n", pe.err)
+		return exitProblems
+	case errors.As(err, &ue):
+		c.printUsage(ue.cmd, ue.msg)
+		return exitUsage
+	default:
+		fmt.Fprintf(c.stderr, "kvpersist: %v\n", ce.err)
+		return exitUsage
+	}
+}
+
+// printUsage prints a usage error: its reason first, then cmd's usage.
+func (c *cli) printUsage(cmd *cobra.Command, reason string) {
+	fmt.Fprintf(c.stderr, "%s: %s\n\n", cmd.CommandPath(), reason)
+	fmt.Fprint(c.stderr, cmd.UsageString())
 }
 
 // rootCommand builds the command tree.
@@ -120,7 +193,7 @@ I/O error, 130 interrupted (a second interrupt kills at once).`,
 
 // command is the shape every subcommand is built from: use is "NAME ARGS",
 // doc the long help (may be empty), example one or more lines (without
-// indentation), body the command, returning its exit status.
+// indentation).
 func (c *cli) command(use, short, doc, example string, args cobra.PositionalArgs) *cobra.Command {
 	long := short
 	if doc != "" {
@@ -132,50 +205,20 @@ func (c *cli) command(use, short, doc, example string, args cobra.PositionalArgs
 	}
 }
 
-// runs sets cmd's RunE to body, whose exit status becomes an exitError.
-func runs(cmd *cobra.Command, body func(ctx context.Context, args []string) int) {
+// runs sets cmd's RunE to body; run maps body's error to the exit status
+// (exitCode).
+func runs(cmd *cobra.Command, body func(ctx context.Context, args []string) error) {
 	cmd.RunE = func(cmd *cobra.Command, args []string) error {
-		if code := body(cmd.Context(), args); code != exitOK {
-			return exitError{code}
+		if err := body(cmd.Context(), args); err != nil {
+			return commandError{err}
 		}
 		return nil
 	}
 }
 
-// usageError is a usage error found by a command body (a flag value out of
-// range): it prints the reason and the command's usage, and returns 2.
-func (c *cli) usageError(cmd *cobra.Command, format string, a ...any) int {
-	fmt.Fprintf(c.stderr, "%s: %s\n\n", cmd.CommandPath(), fmt.Sprintf(format, a...))
-	fmt.Fprint(c.stderr, cmd.UsageString())
-	return exitUsage
-}
-
-func (c *cli) fail(format string, a ...any) int {
-	fmt.Fprintf(c.stderr, "kvpersist: "+format+"\n", a...)
-	return exitUsage
-}
-
-// dropJobFailures is the CLI's log handler: it passes every record but the
-// engine's "job failed" warning, since each command reports its failed job
-// itself, once.
-type dropJobFailures struct{ slog.Handler }
-
-// engineJobFailed is the message engine logs a failed job with (dispatch.go).
-const engineJobFailed = "kvpersist: job failed"
-
-func (h dropJobFailures) Handle(ctx context.Context, r slog.Record) error {
-	if r.Message == engineJobFailed {
-		return nil
-	}
-	return h.Handler.Handle(ctx, r)
-}
-
-func (h dropJobFailures) WithAttrs(as []slog.Attr) slog.Handler {
-	return dropJobFailures{h.Handler.WithAttrs(as)}
-}
-
-func (h dropJobFailures) WithGroup(name string) slog.Handler {
-	return dropJobFailures{h.Handler.WithGroup(name)}
+// usage is a usage error of cmd found by its body (exit 2).
+func usage(cmd *cobra.Command, format string, a ...any) error {
+	return usageError{cmd, fmt.Sprintf(format, a...)}
 }
 
 func humanBytes(n int64) string {

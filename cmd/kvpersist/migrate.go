@@ -29,17 +29,17 @@ func (c *cli) migrateCommand() *cobra.Command {
 	workers := fs.Int("workers", 0, "pool size (default GOMAXPROCS)")
 	noSync := fs.Bool("no-sync", false, "skip fsync (tests and tmpfs only)")
 	quiet := fs.Bool("quiet", false, "print only failures and the summary")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		src, dst := args[0], args[1]
 		if err := jobs.CheckMigrateRoots(src, dst); err != nil {
-			return c.fail("migrate: %v", err)
+			return fmt.Errorf("migrate: %w", err)
 		}
 		if st, err := vfs.Default.Lstat(src); err != nil || !st.IsDir() {
-			return c.fail("migrate: source root %s is not a directory", src)
+			return fmt.Errorf("migrate: source root %s is not a directory", src)
 		}
 		if *blockBytes != 0 {
 			if err := jobs.CheckBlockBytes(*blockBytes); err != nil {
-				return c.fail("--block-bytes: %v", err)
+				return fmt.Errorf("--block-bytes: %w", err)
 			}
 		}
 		var namespaces []string
@@ -48,11 +48,11 @@ func (c *cli) migrateCommand() *cobra.Command {
 				namespaces = append(namespaces, strings.TrimSpace(n))
 			}
 		}
-		// Failures are reported below, per snapshot (c.log drops the engine's
-		// own warning for the failed job).
+		// Failures are reported below, per snapshot (the engine logs a
+		// failed job at debug level only).
 		e, err := engine.New(engine.Config{Root: dst, Workers: *workers, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		defer e.Close(context.Background())
 
@@ -78,7 +78,7 @@ func (c *cli) migrateCommand() *cobra.Command {
 			if len(rep.Items) > 0 {
 				printMigrateReport(c, rep, *quiet)
 			}
-			return c.fail("migrate: %v", res.Err)
+			return fmt.Errorf("migrate: %w", res.Err)
 		}
 		printMigrateReport(c, rep, *quiet)
 		m := res.Metrics
@@ -86,10 +86,9 @@ func (c *cli) migrateCommand() *cobra.Command {
 			len(rep.Items), rep.Migrated, rep.Skipped, rep.Failed,
 			humanBytes(m.LogicalBytes), humanBytes(m.WrittenBytes), humanBytes(m.ReusedBytes), len(rep.Ignored))
 		if rep.Failed > 0 {
-			fmt.Fprintf(c.stderr, "kvpersist: migrate: %d snapshot(s) failed (listed above); their sources are unchanged\n", rep.Failed)
-			return exitProblems
+			return problemsError{fmt.Errorf("migrate: %d snapshot(s) failed (listed above); their sources are unchanged", rep.Failed)}
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }

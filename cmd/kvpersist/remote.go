@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
+	"path"
 	"strconv"
 	"strings"
 	"text/tabwriter"
@@ -12,7 +14,10 @@ import (
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
+	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
 // The --remote forms of ls, du, verify and gc: the same questions asked of
@@ -112,22 +117,22 @@ func (c *cli) remoteNamespaces(ctx context.Context, s *remote.Store, args []stri
 	return s.Namespaces(ctx)
 }
 
-// openRemote runs check, open and remoteNamespaces, printing what fails;
-// code is exitOK when the command can go on.
-func (c *cli) openRemote(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, localOnly ...string) (s *remote.Store, names, skipped []string, code int) {
+// openRemote runs check, open and remoteNamespaces; the command goes on
+// when err is nil.
+func (c *cli) openRemote(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, localOnly ...string) (s *remote.Store, names, skipped []string, err error) {
 	if msg := r.check(cmd, localOnly...); msg != "" {
-		return nil, nil, nil, c.usageError(cmd, "%s", msg)
+		return nil, nil, nil, usage(cmd, "%s", msg)
 	}
-	s, err := r.open()
+	s, err = r.open()
 	if err != nil {
-		return nil, nil, nil, c.fail("%s --remote: %s", cmd.Name(), quote(err.Error()))
+		return nil, nil, nil, fmt.Errorf("%s --remote: %s", cmd.Name(), quote(err.Error()))
 	}
 	names, skipped, err = c.remoteNamespaces(ctx, s, args)
 	if err != nil {
 		s.Close()
-		return nil, nil, nil, c.fail("%s --remote: %s", cmd.Name(), quote(err.Error()))
+		return nil, nil, nil, fmt.Errorf("%s --remote: %s", cmd.Name(), quote(err.Error()))
 	}
-	return s, names, skipped, exitOK
+	return s, names, skipped, nil
 }
 
 // ls --remote
@@ -161,17 +166,17 @@ type remoteLsReport struct {
 	Skipped   []string           `json:"skipped"` // objects kvpersist does not write: never touched
 }
 
-func (c *cli) runRemoteLs(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, asJSON, pageFiles bool) int {
-	s, names, skipped, code := c.openRemote(ctx, cmd, r, args)
-	if code != exitOK {
-		return code
+func (c *cli) runRemoteLs(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, asJSON, pageFiles bool) error {
+	s, names, skipped, err := c.openRemote(ctx, cmd, r, args)
+	if err != nil {
+		return err
 	}
 	defer s.Close()
 	rep := remoteLsReport{Target: r.target(), Manifests: []remoteLsManifest{}, Pages: []remoteLsPages{}, Skipped: nonNil(skipped)}
 	for _, ns := range names {
 		objs, err := s.List(ctx, ns)
 		if err != nil {
-			return c.fail("ls --remote: %s", quote(err.Error()))
+			return fmt.Errorf("ls --remote: %s", quote(err.Error()))
 		}
 		pr := remoteLsPages{Namespace: ns}
 		if pageFiles {
@@ -197,9 +202,9 @@ func (c *cli) runRemoteLs(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 	}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
-		return exitOK
+		return nil
 	}
 	tw := tabwriter.NewWriter(c.stdout, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "NAMESPACE\tMANIFEST\tBYTES\tMODIFIED")
@@ -223,7 +228,7 @@ func (c *cli) runRemoteLs(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 	for _, sk := range rep.Skipped {
 		fmt.Fprintf(c.stdout, "skipped (not a kvpersist object): %s\n", quote(sk))
 	}
-	return exitOK
+	return nil
 }
 
 // du --remote and gc --remote: both are a remote collect, du's always a
@@ -298,25 +303,25 @@ func nonNil(s []string) []string {
 }
 
 // checkGrace refuses a grace period under the library's minimum.
-func (c *cli) checkGrace(cmd *cobra.Command, grace time.Duration) int {
+func (c *cli) checkGrace(cmd *cobra.Command, grace time.Duration) error {
 	if grace < time.Minute {
-		return c.usageError(cmd, "--grace %v: the minimum is 1m (machines may be uploading pages for a manifest to come)", grace)
+		return usage(cmd, "--grace %v: the minimum is 1m (machines may be uploading pages for a manifest to come)", grace)
 	}
-	return exitOK
+	return nil
 }
 
-func (c *cli) runRemoteDu(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, grace time.Duration, asJSON, exact bool) int {
-	if code := c.checkGrace(cmd, grace); code != exitOK {
-		return code
+func (c *cli) runRemoteDu(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, grace time.Duration, asJSON, exact bool) error {
+	if err := c.checkGrace(cmd, grace); err != nil {
+		return err
 	}
-	s, names, skipped, code := c.openRemote(ctx, cmd, r, args)
-	if code != exitOK {
-		return code
+	s, names, skipped, err := c.openRemote(ctx, cmd, r, args)
+	if err != nil {
+		return err
 	}
 	defer s.Close()
 	rep, err := remoteCollect(ctx, s, names, grace, true)
 	if err != nil {
-		return c.fail("du --remote: %s", quote(err.Error()))
+		return fmt.Errorf("du --remote: %s", quote(err.Error()))
 	}
 	rep.Target, rep.Skipped = r.target(), append(skipped, rep.Skipped...)
 	rep.Skipped = nonNil(rep.Skipped)
@@ -328,7 +333,7 @@ func (c *cli) runRemoteDu(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 	}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
 	} else {
 		size := humanBytes
@@ -356,21 +361,21 @@ func (c *cli) runRemoteDu(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 		}
 	}
 	if bad > 0 {
-		return exitProblems
+		return errProblems
 	}
-	return exitOK
+	return nil
 }
 
-func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, grace time.Duration, del, asJSON bool) int {
-	if code := c.checkGrace(cmd, grace); code != exitOK {
-		return code
+func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, grace time.Duration, del, asJSON bool) error {
+	if err := c.checkGrace(cmd, grace); err != nil {
+		return err
 	}
 	if del && cmd.Flags().Changed("dry-run") {
-		return c.usageError(cmd, "--delete and --dry-run contradict each other")
+		return usage(cmd, "--delete and --dry-run contradict each other")
 	}
-	s, names, skipped, code := c.openRemote(ctx, cmd, r, args, "temp-grace", "block-grace")
-	if code != exitOK {
-		return code
+	s, names, skipped, err := c.openRemote(ctx, cmd, r, args, "temp-grace", "block-grace")
+	if err != nil {
+		return err
 	}
 	defer s.Close()
 	rep, err := remoteCollect(ctx, s, names, grace, !del)
@@ -386,12 +391,12 @@ func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 		}
 	}
 	if err != nil {
-		return c.fail("gc --remote: %s", quote(err.Error()))
+		return fmt.Errorf("gc --remote: %s", quote(err.Error()))
 	}
 	rep.Target, rep.Skipped = r.target(), nonNil(append(skipped, rep.Skipped...))
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
 	}
 	bad := 0
@@ -431,9 +436,9 @@ func (c *cli) runRemoteGC(ctx context.Context, cmd *cobra.Command, r *remoteFlag
 		}
 	}
 	if bad > 0 {
-		return exitProblems
+		return errProblems
 	}
-	return exitOK
+	return nil
 }
 
 // verify --remote
@@ -457,19 +462,70 @@ type remoteVerifyReport struct {
 	// remote gc meanwhile); not problems.
 	Vanished []string `json:"vanished"`
 	Skipped  []string `json:"skipped"`
+	// Repaired: with --repair-from, each corrupt page object and what
+	// became of it.
+	Repaired []remoteRepair `json:"repaired,omitempty"`
 }
 
-func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, workers int, asJSON bool) int {
-	s, names, skipped, code := c.openRemote(ctx, cmd, r, args, "temp-grace", "no-lock")
-	if code != exitOK {
-		return code
+// remoteRepair is one corrupt page object that --repair-from tried to
+// replace with the local page at From.
+type remoteRepair struct {
+	Object   string `json:"object"`
+	From     string `json:"from"`
+	Replaced bool   `json:"replaced"`
+	Err      string `json:"error,omitempty"`
+}
+
+// repairPages replaces each corrupt page object of rep (corrupt-page
+// problems) with the page of the same key under root, when that local
+// page verifies and the object still does not (remote.Store.RepairPage).
+func repairPages(ctx context.Context, s *remote.Store, root string, rep *remoteVerifyReport) error {
+	st, err := store.Open(root, store.Options{})
+	if err != nil {
+		return err
+	}
+	for _, p := range rep.Problems {
+		if p.Kind != remote.ProblemCorruptPage {
+			continue
+		}
+		r := remoteRepair{Object: p.Name}
+		k, kerr := layout.ParsePageKey(path.Base(p.Name))
+		n, nerr := st.Namespace(p.Namespace)
+		if err := errors.Join(kerr, nerr); err != nil {
+			r.Err = err.Error()
+			rep.Repaired = append(rep.Repaired, r)
+			continue
+		}
+		r.From = n.PagePath(k)
+		f, err := vfs.OpenRegular(vfs.Default, r.From)
+		if err == nil {
+			var fi os.FileInfo
+			if fi, err = f.Stat(); err == nil {
+				r.Replaced, err = s.RepairPage(ctx, p.Namespace, k.String(), f, fi.Size())
+			}
+			f.Close()
+		}
+		if err != nil {
+			r.Err = err.Error()
+		} else if !r.Replaced {
+			r.Err = "the stored object verifies now: kept"
+		}
+		rep.Repaired = append(rep.Repaired, r)
+	}
+	return nil
+}
+
+func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remoteFlags, args []string, workers int, asJSON bool, repairFrom string) error {
+	s, names, skipped, err := c.openRemote(ctx, cmd, r, args, "temp-grace", "no-lock")
+	if err != nil {
+		return err
 	}
 	defer s.Close()
 	rep := remoteVerifyReport{Target: r.target(), Problems: []remoteVerifyProblem{}, Vanished: []string{}, Skipped: nonNil(skipped)}
 	for _, ns := range names {
 		vr, err := s.Verify(ctx, ns, remote.VerifyOptions{Workers: workers})
 		if err != nil {
-			return c.fail("verify --remote: %s", quote(err.Error()))
+			return fmt.Errorf("verify --remote: %s", quote(err.Error()))
 		}
 		rep.Checked.Namespaces++
 		rep.Checked.Manifests += vr.Manifests
@@ -482,9 +538,14 @@ func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remote
 		rep.Skipped = append(rep.Skipped, vr.Unknown...)
 	}
 	rep.Clean = len(rep.Problems) == 0
+	if repairFrom != "" && !rep.Clean {
+		if err := repairPages(ctx, s, repairFrom, &rep); err != nil {
+			return fmt.Errorf("verify --remote --repair-from: %s", quote(err.Error()))
+		}
+	}
 	if asJSON {
 		if err := c.writeJSON(rep); err != nil {
-			return c.fail("writing JSON: %v", err)
+			return fmt.Errorf("writing JSON: %w", err)
 		}
 	} else {
 		w := c.stdout
@@ -504,9 +565,16 @@ func (c *cli) runRemoteVerify(ctx context.Context, cmd *cobra.Command, r *remote
 				fmt.Fprintf(w, "  %-14s %s\n      %s\n", p.Kind, quote(p.Name), quote(p.Detail))
 			}
 		}
+		for _, rp := range rep.Repaired {
+			if rp.Replaced {
+				fmt.Fprintf(w, "repaired %s from %s\n", quote(rp.Object), quote(rp.From))
+			} else {
+				fmt.Fprintf(w, "not repaired %s: %s\n", quote(rp.Object), quote(rp.Err))
+			}
+		}
 	}
 	if !rep.Clean {
-		return exitProblems
+		return errProblems
 	}
-	return exitOK
+	return nil
 }

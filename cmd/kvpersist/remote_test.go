@@ -5,11 +5,13 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/internal/faultproxy"
 	"github.com/kvpersist/kvpersist/internal/seaweedfs"
@@ -141,6 +143,25 @@ func TestRemoteCommands(t *testing.T) {
 			t.Errorf("problem %+v", pr)
 		}
 	}
+	// verify --remote --repair-from ROOT: the corrupt page is replaced by
+	// the local page of its key (which verifies); orphan-2 has none there
+	// and stays, as does the unreadable manifest (not a page).
+	runJSON(t, exitProblems, &vr, cmd("verify", direct, "--repair-from", root)...)
+	local := testutil.PagePath(filepath.Join(root, "ns"), mustPageKey(t, keys["turn-1"][0]))
+	repaired := map[string]remoteRepair{}
+	for _, r := range vr.Repaired {
+		repaired[r.Object] = r
+	}
+	if r, o := repaired[bad], repaired[orphan2]; len(vr.Repaired) != 2 || !r.Replaced || r.From != local || o.Replaced || o.Err == "" {
+		t.Fatalf("verify --remote --repair-from: %+v", vr.Repaired)
+	}
+	if got := testutil.ObjectBytes(t, s, bad); !bytes.Equal(got, objs[bad]) {
+		t.Fatalf("the repaired object: %d bytes, not the page uploaded (%d bytes)", len(got), len(objs[bad]))
+	}
+	runJSON(t, exitProblems, &vr, cmd("verify", direct)...)
+	if len(vr.Problems) != 2 || vr.Problems[0].Name == bad || vr.Problems[1].Name == bad {
+		t.Fatalf("verify --remote after the repair: %+v", vr.Problems)
+	}
 	out = mustRun(t, exitProblems, cmd("gc", ahead, "--delete")...)
 	if !strings.Contains(out, "not collected (a manifest is unreadable") || strings.Contains(out, "deleted "+orphan2) {
 		t.Fatalf("gc --remote with an unreadable manifest:\n%s", out)
@@ -159,6 +180,7 @@ func TestRemoteCommands(t *testing.T) {
 		{cmd("gc", direct, "--delete", "--dry-run"), "kvpersist gc: --delete and --dry-run contradict each other"},
 		{cmd("gc", direct, "--grace", "10s"), "kvpersist gc: --grace 10s: the minimum is 1m (machines may be uploading pages for a manifest to come)"},
 		{cmd("verify", direct, "--no-lock"), "kvpersist verify: --no-lock applies to a local ROOT, not with --remote"},
+		{[]string{"verify", "--repair-from", root, root}, "kvpersist verify: --repair-from needs --remote"},
 		{[]string{"gc", "--delete", root}, "kvpersist gc: --grace and --delete need --remote (a local gc deletes unless --dry-run)"},
 		{[]string{"ls", "--remote", "--endpoint", "s3.example.com:9000", "--insecure", "--bucket", "b"},
 			`kvpersist: ls --remote: remote: invalid config: Endpoint "http://s3.example.com:9000": plain http is allowed only for a loopback host`},
@@ -170,6 +192,16 @@ func TestRemoteCommands(t *testing.T) {
 			t.Errorf("%q: exit %d, stdout %q, stderr first line:\n%s\nwant:\n%s", c.args, code, stdout, first, c.first)
 		}
 	}
+}
+
+// mustPageKey parses a page key (64 lowercase hex digits).
+func mustPageKey(t *testing.T, s string) layout.PageKey {
+	t.Helper()
+	k, err := layout.ParsePageKey(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return k
 }
 
 // remotePage is the object name of page key in namespace ns.

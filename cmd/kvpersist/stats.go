@@ -51,7 +51,7 @@ func (l *limitFlags) parse() error {
 			return fmt.Errorf("--quota %q: want NAMESPACE=SIZE", q)
 		}
 		if err := layout.ValidName("namespace", ns); err != nil {
-			return fmt.Errorf("--quota %q: %v", q, err)
+			return fmt.Errorf("--quota %q: %w", q, err)
 		}
 		if _, dup := l.quotaBytes[ns]; dup {
 			return fmt.Errorf("--quota: namespace %q given twice", ns)
@@ -232,7 +232,7 @@ Then, for the whole store: the allocated bytes of every page file against
 evicts first), and with --headroom the file system's available bytes
 (statvfs f_bavail x f_frsize) against it. Without Prometheus, this is the
 operator's view of the page cache; a running engine exports the same
-figures as metrics (kvpersist_cache_used_bytes, ...; see the README).
+figures as metrics (kvpersist_cache_used_bytes, ...; see docs/operating.md).
 Temp files under pages/ (saves in progress, or left by a crash until gc
 removes them) are counted apart and not in ALLOCATED. A recency checkpoint
 that does not decode is ignored, as the engine ignores it, and reported.
@@ -246,18 +246,18 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 	asJSON := fs.Bool("json", false, "print a JSON report: {root, capacityBytes, headroomBytes, usedBytes, overCapacityBytes, fileSystem, namespaces: [row], total: row, skipped}, byte counts exact, times RFC 3339")
 	exact := fs.Bool("bytes", false, "print exact byte counts instead of KiB/MiB/GiB")
 	lim.register(fs)
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		if err := lim.parse(); err != nil {
-			return c.usageError(cmd, "%v", err)
+			return usage(cmd, "%v", err)
 		}
 		root := args[0]
 		st, listings, skipped, err := listStore(ctx, root)
 		if err != nil {
-			return c.fail("stats: %s", quote(err.Error()))
+			return fmt.Errorf("stats: %s", quote(err.Error()))
 		}
 		rows, total, cr, err := lim.measureCache(st, listings, time.Now())
 		if err != nil {
-			return c.fail("stats: %s", quote(err.Error()))
+			return fmt.Errorf("stats: %s", quote(err.Error()))
 		}
 		rep := statsReport{Root: root, cacheReport: cr, Namespaces: rows, Total: total, Skipped: skipped}
 		if rep.Skipped == nil {
@@ -265,7 +265,7 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 		}
 		if *asJSON {
 			if err := c.writeJSON(rep); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			size := sizer(*exact)
@@ -290,9 +290,9 @@ Exit status: 0, 1 when some page file or recency checkpoint is unreadable,
 			}
 		}
 		if total.Unreadable > 0 || badRecency(rows) {
-			return exitProblems
+			return errProblems
 		}
-		return exitOK
+		return nil
 	})
 	return cmd
 }

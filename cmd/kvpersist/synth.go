@@ -37,24 +37,24 @@ says so.`,
 	noSync := fs.Bool("no-sync", false, "skip fsync (tests and tmpfs only)")
 	_ = cmd.MarkFlagRequired("root")
 	_ = cmd.MarkFlagRequired("name")
-	runs(cmd, func(ctx context.Context, args []string) int {
+	runs(cmd, func(ctx context.Context, args []string) error {
 		m, err := kvgen.ModelByName(*model)
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		l, err := layout.ParseLayout(*lay)
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		if *tokens <= 0 {
-			return c.usageError(cmd, "--tokens must be positive, not %d", *tokens)
+			return usage(cmd, "--tokens must be positive, not %d", *tokens)
 		}
-		if code := c.checkMemory("synth", cacheAllocBytes(m, *tokens)); code != exitOK {
-			return code
+		if err := c.checkMemory("synth", cacheAllocBytes(m, *tokens)); err != nil {
+			return err
 		}
 		e, err := engine.New(engine.Config{Root: *root, NoSync: *noSync, Logger: c.log, FS: c.lockNoticeFS()})
 		if err != nil {
-			return c.fail("%v", err)
+			return err
 		}
 		defer e.Close(context.Background())
 		cache := kvgen.NewCache(m, *tokens, true, nil)
@@ -62,11 +62,11 @@ says so.`,
 		res := e.Do(ctx, &engine.WriteRequest{Ref: engine.Ref{Namespace: *ns, Name: *name}, Layout: l,
 			Meta: meta, Caches: caches, Attachments: atts, BlockBytes: *blockBytes})
 		if res.Err != nil {
-			return c.fail("synth: %v", res.Err)
+			return fmt.Errorf("synth: %w", res.Err)
 		}
 		fmt.Fprintf(c.stdout, "wrote %s/%s: %s layout, %d tokens, %s logical, %s written, %s reused\n",
 			*ns, *name, l, *tokens, humanBytes(res.Metrics.LogicalBytes), humanBytes(res.Metrics.WrittenBytes), humanBytes(res.Metrics.ReusedBytes))
-		return exitOK
+		return nil
 	})
 	return cmd
 }

@@ -85,15 +85,15 @@ func memAvailable() (int64, error) {
 
 // checkMemory refuses (exit 2) when need bytes exceed the memory available;
 // when that cannot be read (not Linux) it does not refuse.
-func (c *cli) checkMemory(what string, need int64) int {
+func (c *cli) checkMemory(what string, need int64) error {
 	avail, err := memAvailable()
 	if err != nil {
 		c.log.Debug("memory available unknown; not checked", "err", err)
-		return exitOK
+		return nil
 	}
 	if need > avail {
-		return c.fail("%s: needs %s (%d bytes) of memory for the cache it builds, the machine has %s available (MemAvailable); use fewer --tokens or a smaller --model",
+		return fmt.Errorf("%s: needs %s (%d bytes) of memory for the cache it builds, the machine has %s available (MemAvailable); use fewer --tokens or a smaller --model",
 			what, humanBytes(need), need, humanBytes(avail))
 	}
-	return exitOK
+	return nil
 }

@@ -16,7 +16,7 @@ type verifyReport struct {
 	Clean  bool   `json:"clean"`
 	// Problems, by kind (io-error, unreadable, corrupt-tensor,
 	// corrupt-block, block-xxh3, corrupt-page, missing-block, missing-page,
-	// block-size, stale-temp, orphan-block), then path.
+	// not-a-directory, block-size, stale-temp, orphan-block), then path.
 	Problems []jobs.VerifyProblem `json:"problems"`
 	Checked  jobs.VerifyChecked   `json:"checked"`
 	// Notes say what was not checked and why (e.g. orphans of a namespace
@@ -65,7 +65,9 @@ block whose bytes match its name: the manifest is bad, its verified
 restore fails; remove or re-save the manifest, never the block),
 corrupt-page (a file under pages/ that decodes but is not the page its
 name says), missing-block, missing-page (a page a page manifest names is
-not stored), block-size, orphan-block, stale-temp, io-error.
+not stored), not-a-directory (a file or symlink at pages/<xx> or
+blocks/<xx>, where a fan-out directory belongs), block-size, orphan-block,
+stale-temp, io-error.
 
 With --remote, verify checks the object-store tier instead: it fetches
 every object of each namespace (--workers at a time, each through a temp
@@ -76,6 +78,10 @@ manifest names is stored and that its pages form its chain (parent keys,
 identity, page size, token count). Problem kinds: corrupt-page,
 unreadable (a manifest), missing-page, broken-chain. Objects deleted by a
 remote gc while verify runs are listed as vanished, not as problems.
+With --repair-from ROOT, each corrupt-page object is then replaced by the
+page of the same key in the local store ROOT (a machine that holds it),
+if that page verifies and the object still does not; good objects are
+never replaced. A save of an engine holding the page repairs it too.
 
 Exit status: 0 when clean, 1 when problems were found, 2 on usage or I/O
 errors (io-error problems included; with --remote, a request that fails
@@ -86,24 +92,24 @@ after the client's retries).`,
 	rf := addRemoteFlags(fs)
 	cmd.Args = rf.args(cobra.ExactArgs(1))
 	asJSON := fs.Bool("json", false, "print a JSON report: {target, clean, problems: [{kind, path, detail}], checked, notes, skipped}")
-	tempGrace := fs.Duration("temp-grace", jobs.DefaultTempGrace, "report temp files older than this as stale (0: every temp file)")
+	tempGrace := addTempGrace(fs, jobs.DefaultTempGrace, "report temp files older than this as stale")
 	noLock := fs.Bool("no-lock", false, "do not wait for the namespace lock (writes in progress may then show as orphan blocks)")
 	workers := fs.Int("workers", runtime.GOMAXPROCS(0), "goroutines re-hashing in parallel")
-	runs(cmd, func(ctx context.Context, args []string) int {
-		if *workers < 1 || *tempGrace < 0 {
-			return c.usageError(cmd, "--workers must be at least 1 and --temp-grace not negative")
+	repairFrom := fs.String("repair-from", "", "with --remote: replace each corrupt page object with the page of the same key under this local store ROOT, when that page verifies")
+	runs(cmd, func(ctx context.Context, args []string) error {
+		if *workers < 1 {
+			return usage(cmd, "--workers must be at least 1")
 		}
 		if rf.on {
-			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON)
+			return c.runRemoteVerify(ctx, cmd, rf, args, *workers, *asJSON, *repairFrom)
 		}
 		if msg := rf.check(cmd); msg != "" {
-			return c.usageError(cmd, "%s", msg)
+			return usage(cmd, "%s", msg)
+		}
+		if *repairFrom != "" {
+			return usage(cmd, "--repair-from needs --remote")
 		}
 		target := args[0]
-		tg := *tempGrace
-		if tg == 0 {
-			tg = -1 // jobs: negative reports every temp file; 0 would mean the default
-		}
 		var bar *progress
 		defer func() {
 			if bar != nil {
@@ -114,7 +120,7 @@ after the client's retries).`,
 		if *workers == 1 {
 			cfg.Spawn = nil
 		}
-		res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: tg,
+		res, err := jobs.VerifyStore(ctx, cfg, &jobs.VerifySpec{Target: target, TempGrace: *tempGrace,
 			OnPlan:     func(total int64) { bar = c.progress(total, "verify") },
 			OnProgress: func(n int64) { bar.Add(n) },
 			OnLockWait: func(nsDir string) {
@@ -122,7 +128,7 @@ after the client's retries).`,
 			},
 		})
 		if err != nil {
-			return c.fail("verify: %s", quote(err.Error()))
+			return fmt.Errorf("verify: %s", quote(err.Error()))
 		}
 		r := &verifyReport{Target: target, Problems: res.Problems, Checked: res.Checked, Notes: res.Notes, Skipped: res.Skipped}
 		for _, p := range r.Problems {
@@ -142,17 +148,17 @@ after the client's retries).`,
 		r.Clean = len(r.Problems) == 0
 		if *asJSON {
 			if err := c.writeJSON(r); err != nil {
-				return c.fail("writing JSON: %v", err)
+				return fmt.Errorf("writing JSON: %w", err)
 			}
 		} else {
 			printVerify(c, r)
 		}
-		exit := exitOK
+		var exit error
 		for _, p := range r.Problems {
 			if p.Kind == jobs.ProblemIO {
-				return exitUsage
+				return errReported
 			}
-			exit = exitProblems
+			exit = errProblems
 		}
 		return exit
 	})

@@ -145,19 +145,7 @@ func writeTiny(t *testing.T, path string, lay layout.Layout) (*kvgen.Cache, *lay
 
 func flipByte(t *testing.T, path string, off int64) {
 	t.Helper()
-	f, err := os.OpenFile(path, os.O_RDWR, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	b := make([]byte, 1)
-	if _, err := f.ReadAt(b, off); err != nil {
-		t.Fatal(err)
-	}
-	b[0] ^= 0x10
-	if _, err := f.WriteAt(b, off); err != nil {
-		t.Fatal(err)
-	}
+	testutil.FlipByte(t, path, off)
 }
 
 func readErr(t *testing.T, err error) *jobs.ReadError {

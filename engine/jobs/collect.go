@@ -17,6 +17,10 @@ import (
 // another process). See store.DefaultTempGrace.
 const DefaultTempGrace = store.DefaultTempGrace
 
+// NoTempGrace, as a TempGrace, makes every temp file stale whatever its
+// age (collect removes them, verify reports them): see store.NoTempGrace.
+const NoTempGrace = store.NoTempGrace
+
 // ErrRoot: the collect root does not exist, is not a directory, or is a
 // namespace directory rather than the root above namespaces (store.ErrRoot).
 var ErrRoot = store.ErrRoot

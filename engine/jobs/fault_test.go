@@ -144,7 +144,7 @@ func fxReadVerify(t testing.TB, path string, want [][]byte) {
 		sizes[i] = len(want[i])
 	}
 	gs, dest := guardedDests(sizes)
-	if _, _, err := readAt(context.Background(), &jobs.Config{NoSync: true}, path, &jobs.ReadRequest{Dest: dest, Verify: true}); err != nil {
+	if _, _, err := readAt(context.Background(), &jobs.Config{NoSync: true}, path, &jobs.ReadRequest{Dest: dest}); err != nil {
 		t.Fatalf("read %s: %v", path, err)
 	}
 	checkGuards(t, gs)
@@ -416,7 +416,7 @@ func TestFaultInjection(t *testing.T) {
 			},
 			job: func(cfg *jobs.Config, root string) (jobs.Metrics, error) {
 				gs, dest := guardedDests(sizesOf(wantPrev))
-				_, m, err := readAt(ctx, cfg, filepath.Join(root, "ns", name), &jobs.ReadRequest{Dest: dest, Verify: true})
+				_, m, err := readAt(ctx, cfg, filepath.Join(root, "ns", name), &jobs.ReadRequest{Dest: dest})
 				for i, g := range gs {
 					if k := g.intact(); k >= 0 {
 						return m, fmt.Errorf("destination %d: guard byte %d overwritten", i, k)

@@ -37,7 +37,7 @@ const (
 
 // fzFlag bits of FuzzReadHeader's flags argument.
 const (
-	fzVerify  = 1 << iota // ReadRequest.Verify
+	fzVerify  = 1 << iota // verify (ReadRequest.NoVerify unset)
 	fzHelpers             // two helper goroutines
 )
 
@@ -220,7 +220,7 @@ func FuzzReadHeader(f *testing.F) {
 			sizes = append(sizes, int(tn.Bytes))
 		}
 		_, dest := guardedDests(sizes)
-		if _, _, err := readAt(ctx, &jobs.Config{NoSync: true}, p, &jobs.ReadRequest{Dest: dest, Verify: true}); err != nil {
+		if _, _, err := readAt(ctx, &jobs.Config{NoSync: true}, p, &jobs.ReadRequest{Dest: dest}); err != nil {
 			f.Fatalf("seed %d does not read back: %v", i, err)
 		}
 	}
@@ -239,7 +239,7 @@ func FuzzReadHeader(f *testing.F) {
 		if err != nil {
 			// Read must reject it the same way, touching nothing.
 			gs, dest := guardedDests([]int{16, 0})
-			if _, _, rerr := readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest, Verify: true}); rerr == nil || errors.Is(rerr, jobs.ErrPanic) {
+			if _, _, rerr := readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest}); rerr == nil || errors.Is(rerr, jobs.ErrPanic) {
 				t.Fatalf("Load failed (%v) but Read returned %v", err, rerr)
 			}
 			for _, g := range gs {
@@ -270,7 +270,7 @@ func FuzzReadHeader(f *testing.F) {
 			}
 		}
 		gs, dest := guardedDests(sizes)
-		_, _, err = readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest, Verify: flags&fzVerify != 0})
+		_, _, err = readAt(ctx, cfg, path, &jobs.ReadRequest{Dest: dest, NoVerify: flags&fzVerify == 0})
 		checkGuards(t, gs)
 		if errors.Is(err, jobs.ErrPanic) {
 			t.Fatalf("Read panicked: %v", err)

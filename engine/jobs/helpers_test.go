@@ -121,7 +121,7 @@ func readBack(t testing.TB, cfg *jobs.Config, path string, verify bool) ([][]byt
 	for i, tn := range snap.Header.Slots() {
 		dest[i] = make([]byte, tn.Bytes)
 	}
-	s, m, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: verify})
+	s, m, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, NoVerify: !verify})
 	return dest, s, m, err
 }
 

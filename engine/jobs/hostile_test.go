@@ -99,7 +99,7 @@ func legacyManifest(t *testing.T, h *layout.Header) []byte {
 // readGuarded reads path into guarded buffers of the given sizes.
 func readGuarded(cfg *jobs.Config, path string, sizes []int, verify bool, expect *layout.Header) ([]guarded, [][]byte, error) {
 	gs, dest := guardedDests(sizes)
-	_, _, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, Verify: verify, Expect: expect})
+	_, _, err := readAt(context.Background(), cfg, path, &jobs.ReadRequest{Dest: dest, NoVerify: !verify, Expect: expect})
 	return gs, dest, err
 }
 

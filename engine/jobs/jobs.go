@@ -10,7 +10,7 @@
 // even when the pool is full. The exceptions wait on the disk, not the
 // CPU: a block Write runs up to 32 fdatasync waiters (and as many directory
 // fsync waiters), and a Read tops the pool's helpers up with goroutines of
-// its own to keep Config.ReadDepth requests in flight (ReadExtents); both
+// its own to keep Config.ReadDepth requests in flight (readio.Read); both
 // are joined before the job returns. The engine (package engine) schedules
 // them; tools and tests may call them directly, with the same request types
 // (WriteRequest, ReadRequest, ...; request.go), naming snapshots by Ref
@@ -28,8 +28,10 @@ import (
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/scratch"
 )
 
 // Spawn runs fn on another goroutine if one is free now and reports whether
@@ -64,20 +66,26 @@ type Config struct {
 	// Logger receives debug events; nil means slog.Default().
 	Logger *slog.Logger
 	// ReadDepth is how many read requests one read keeps in flight (see
-	// ReadExtents); 0 means DefaultReadDepth, at most MaxReadDepth.
+	// readio.Read); 0 means readio.DefaultReadDepth, at most
+	// readio.MaxReadDepth.
 	ReadDepth int
 	// NoDirect turns O_DIRECT reads off (buffered reads only).
 	NoDirect bool
-	// Async, when non-nil, issues the O_DIRECT reads of ReadExtents
+	// Async, when non-nil, issues the O_DIRECT reads of readio.Read
 	// asynchronously (Linux AIO: a goroutine waiting for the disk holds
 	// no P, so hashing gets every core); its owner closes it after the
 	// last read. nil: preads.
-	Async *AsyncReads
+	Async *readio.AsyncReads
 	// Durable, when non-nil, remembers the page files known durable, so
 	// that a prefix save that reuses one does not fsync its directory
 	// again (see DurablePages); nil: every reused page's directory is
 	// fsynced.
 	Durable DurablePages
+	// Admission, when non-nil, is told the pages of a page save
+	// (SavePrefix, a Write in the Pages layout) before any of their files
+	// is created, so that room is made for them (see Admission); nil:
+	// none.
+	Admission Admission
 }
 
 // DurablePages remembers, per namespace (by name) and page key, the
@@ -108,6 +116,19 @@ func (c *Config) fs() vfs.FS {
 // store package decides what NoSync and NoLock mean.
 func (c *Config) storeOptions() store.Options {
 	return store.Options{FS: c.fs(), NoSync: c.NoSync, NoLock: c.NoLock}
+}
+
+// reads is the configuration of this job's reads (package readio).
+func (c *Config) reads() *readio.Config {
+	return &readio.Config{FS: c.FS, ReadDepth: c.ReadDepth, NoDirect: c.NoDirect, Async: c.Async,
+		Spawn: c.Spawn, Helpers: c.Helpers, Logger: c.Logger}
+}
+
+// addReads adds st's counts to m's read counters.
+func (m *Metrics) addReads(st readio.Stats) {
+	m.ReadBytes += st.Bytes
+	m.DirectReadBytes += st.DirectBytes
+	m.AsyncReadBytes += st.AsyncBytes
 }
 
 func (c *Config) helpers() int {
@@ -168,14 +189,14 @@ var (
 	// caller expected (see ReadRequest.Expect).
 	ErrMismatch = errors.New("snapshot differs from expected")
 	// ErrCorrupt: a tensor or block failed verification.
-	ErrCorrupt = errors.New("data failed verification")
+	ErrCorrupt = readio.ErrCorrupt
 	// ErrMissingBlock: a block named by a manifest does not exist.
 	ErrMissingBlock = errors.New("missing block")
 	// ErrBlockSize: a block file's size differs from its manifest entry
 	// (truncated, or with trailing bytes).
-	ErrBlockSize = errors.New("block file size mismatch")
+	ErrBlockSize = readio.ErrShort
 	// ErrPanic: a job panicked; the panic was recovered.
-	ErrPanic = errors.New("job panicked")
+	ErrPanic = readio.ErrPanic
 )
 
 // Block size bounds, in bytes.
@@ -199,31 +220,6 @@ func CheckBlockBytes(n int) error {
 	return nil
 }
 
-// scratchPools hands out reusable byte buffers by power-of-two size class,
-// so scratch is bounded by (participating goroutines × class size) and is
-// reused across jobs instead of growing to the largest tensor ever seen.
-var scratchPools [40]sync.Pool
-
-func getScratch(n int) *[]byte {
-	class := 0
-	for 1<<class < n {
-		class++
-	}
-	if b, ok := scratchPools[class].Get().(*[]byte); ok {
-		return b
-	}
-	b := make([]byte, 1<<class)
-	return &b
-}
-
-func putScratch(b *[]byte) {
-	class := 0
-	for 1<<class < len(*b) {
-		class++
-	}
-	scratchPools[class].Put(b)
-}
-
 // parallel runs fn(i) for i in [0, n): the calling goroutine works through
 // the indices itself, helped by up to cfg.helpers() goroutines that Spawn
 // grants right now. It returns when every started goroutine has finished
@@ -237,12 +233,12 @@ func parallel(ctx context.Context, cfg *Config, n, scratchBytes int, fn func(i i
 			if scratchBytes == 0 {
 				return nil
 			}
-			return *getScratch(scratchBytes)
+			return *scratch.Get(scratchBytes)
 		},
 		fn,
-		func(scratch []byte, _ bool) error {
-			if scratch != nil {
-				putScratch(&scratch)
+		func(buf []byte, _ bool) error {
+			if buf != nil {
+				scratch.Put(&buf)
 			}
 			return nil
 		})

@@ -208,7 +208,7 @@ type migrateCandidate struct {
 // kvpersist's format under cfg.Root (see MigrateRequest), one snapshot at a
 // time: decode and validate the legacy header, skip it if the destination
 // already holds it, restore every tensor into memory with verification
-// (Read with Verify: Bun.hash per tensor, SHA-256 per block), write it with
+// (Read verifies: Bun.hash per tensor, SHA-256 per block), write it with
 // its caller metadata unchanged (Write for a single file or a re-cut
 // manifest; for a manifest with its boundaries kept, the source's blocks are
 // stored under kvpersist's fan-out and the manifest published after them,
@@ -440,7 +440,7 @@ func migrateOne(ctx context.Context, cfg *Config, spec *migrateSpec, it *Migrate
 	for i, t := range slots {
 		bufs[i] = make([]byte, t.Bytes)
 	}
-	rsnap, rm, err := read(ctx, cfg, &readSpec{Path: it.Src, ReadRequest: &ReadRequest{Dest: bufs, Verify: true, Expect: snap.Header}})
+	rsnap, rm, err := read(ctx, cfg, &readSpec{Path: it.Src, ReadRequest: &ReadRequest{Dest: bufs, Expect: snap.Header}})
 	if err != nil {
 		fail(err)
 		return

@@ -71,8 +71,8 @@ func TestPrefixHostilePageEndsPrefix(t *testing.T) {
 			tc.plant(t, page1, testutil.PagePath(ons, ores.Keys[1]))
 			bufs, dest := c.dests(1024)
 			lr, _, err := jobs.LoadPrefix(t.Context(), inRoot(withHelpers(2), ns), &jobs.LoadPrefixRequest{
-				Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-			})
+				Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
+			}, nil)
 			if err != nil {
 				t.Fatalf("load failed for a bad page (it should end the prefix): %v", err)
 			}
@@ -111,8 +111,8 @@ func TestPrefixLoadRefusesSharedDestinations(t *testing.T) {
 		bufs, dest := c.dests(768)
 		tc.edit(bufs, dest)
 		_, _, err := jobs.LoadPrefix(t.Context(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:100], Dest: dest, PageTokens: 256, Verify: true,
-		})
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:100], Dest: dest, PageTokens: 256,
+		}, nil)
 		if !errors.Is(err, jobs.ErrDestination) || !strings.Contains(err.Error(), "destination 1 and destination 2") {
 			t.Fatalf("%s: got %v, want ErrDestination naming destinations 1 and 2", tc.name, err)
 		}
@@ -164,7 +164,7 @@ func TestReadRefusesSharedDestinations(t *testing.T) {
 	}
 	dest := destFor(snap.Header, 0x77)
 	dest[3] = dest[0][:len(dest[3])] // slots 0 and 3 have the same size
-	_, _, err = readAt(t.Context(), noSync(), path, &jobs.ReadRequest{Dest: dest, Verify: true})
+	_, _, err = readAt(t.Context(), noSync(), path, &jobs.ReadRequest{Dest: dest})
 	if !errors.Is(err, jobs.ErrDestination) || !strings.Contains(err.Error(), snap.Header.SlotName(0)) || !strings.Contains(err.Error(), snap.Header.SlotName(3)) {
 		t.Fatalf("got %v, want ErrDestination naming slots 0 and 3", err)
 	}
@@ -196,8 +196,8 @@ func TestPrefixFirstPageOtherShapesNamesTheAxis(t *testing.T) {
 	}
 	bufs, dest := c.dests(768)
 	_, _, err = jobs.LoadPrefix(t.Context(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-		Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-	})
+		Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
+	}, nil)
 	if !errors.Is(err, jobs.ErrMismatch) {
 		t.Fatalf("got %v, want ErrMismatch", err)
 	}

@@ -7,6 +7,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/scratch"
 )
 
 // RemoveCorruptPage removes the page file of key from the prefix cache of
@@ -54,8 +55,8 @@ func RemoveCorruptPage(ctx context.Context, cfg *Config, namespace string, key l
 		}
 	}
 	v := &verifier{cfg: cfg, spec: &VerifySpec{}}
-	buf := getScratch(verifyPiece)
-	defer putScratch(buf)
+	buf := scratch.Get(verifyPiece)
+	defer scratch.Put(buf)
 	_, nt, err := v.checkPage(ctx, &verifyTask{path: path, want: key.String(), page: true}, *buf)
 	if err != nil {
 		return false, fmt.Errorf("jobs: remove corrupt page: %w", err)

@@ -58,12 +58,18 @@ type LoadPrefixRequest struct {
 	// (gather.CheckDisjoint), else ErrDestination.
 	Dest       []TensorSpec
 	PageTokens int // 0 means layout.DefaultPageTokens (256)
-	// Verify checks every tensor of every page against its xxh3-64; a page
-	// that fails ends the prefix there (PrefixResult.Stop).
-	Verify bool
+	// NoVerify skips hashing the pages' tensors. The zero value verifies
+	// every tensor of every page against its xxh3-64: a page that fails
+	// ends the prefix there: PrefixResult.Tokens stops before it and
+	// PrefixResult.Stop wraps ErrCorrupt (the destination's tokens from
+	// that page on may hold partial data; see LoadPrefix). With NoVerify
+	// a flipped byte in a page is loaded as good KV (headers, keys and
+	// token ids are still checked): set it only where a wrong byte cannot
+	// reach a model.
+	NoVerify bool
 	// Progress, when non-nil, is called with n > 0 each time one page
 	// tensor of n bytes has been read into its destination (and verified,
-	// with Verify); a tensor that fails is not counted. When every page
+	// unless NoVerify); a tensor that fails is not counted. When every page
 	// found loads, the calls add up to the loaded tokens' bytes of every
 	// tensor. It may be called from several of the load's goroutines at
 	// once (it must be safe for concurrent use and quick), never after

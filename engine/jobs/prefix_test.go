@@ -7,7 +7,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -159,8 +158,8 @@ func savePrefix(t *testing.T, cfg *jobs.Config, ns string, c *conv, n, p int) *j
 func loadPrefix(t *testing.T, cfg *jobs.Config, ns string, toks []uint32, dest []jobs.TensorSpec, p int, verify bool) *jobs.PrefixResult {
 	t.Helper()
 	res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, Verify: verify,
-	})
+		Namespace: filepath.Base(ns), Identity: "tiny/bf16", Tokens: toks, Dest: dest, PageTokens: p, NoVerify: !verify,
+	}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -389,8 +388,8 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 	for _, tc := range cases {
 		bufs, dest := c.dests(768)
 		_, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256, Verify: true,
-		})
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: tc.edit(dest), PageTokens: 256,
+		}, nil)
 		if !errors.Is(err, tc.want) {
 			t.Fatalf("%s: got %v, want %v", tc.name, err, tc.want)
 		}
@@ -402,7 +401,7 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 		{Namespace: "ns", Identity: "other", Tokens: c.tokens, Dest: dest, PageTokens: 256},
 		{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 128},
 	} {
-		lr, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp)
+		lr, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp, nil)
 		if err != nil || lr.Tokens != 0 {
 			t.Fatalf("identity %q P %d: %+v %v", sp.Identity, sp.PageTokens, lr, err)
 		}
@@ -412,7 +411,7 @@ func TestPrefixLoadChecksFirst(t *testing.T) {
 		{Namespace: "ns", Identity: "x", Tokens: c.tokens, Dest: dest, PageTokens: 100},
 		{Namespace: "ns", Identity: "x", Dest: dest},
 	} {
-		if _, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp); !errors.Is(err, jobs.ErrInvalidRequest) {
+		if _, _, err := jobs.LoadPrefix(context.Background(), inRoot(noSync(), ns), sp, nil); !errors.Is(err, jobs.ErrInvalidRequest) {
 			t.Fatalf("%+v: %v", sp, err)
 		}
 	}
@@ -552,8 +551,8 @@ func TestPrefixLoadFaults(t *testing.T) {
 			ffs.Inject(testutil.Fault{Op: op, Nth: nth, Err: syscall.EIO})
 			bufs, dest := c.dests(768)
 			res, _, err := jobs.LoadPrefix(context.Background(), inRoot(&jobs.Config{FS: ffs}, ns), &jobs.LoadPrefixRequest{
-				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-			})
+				Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256,
+			}, nil)
 			hit := len(ffs.Injected()) > 0
 			if !hit {
 				if err != nil || res.Tokens != 600 {
@@ -626,8 +625,8 @@ func TestPrefixProgress(t *testing.T) {
 		sum, calls = 0, 0
 		bufs, dest := c.dests(768)
 		res, _, err := jobs.LoadPrefix(context.Background(), inRoot(cfg, ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Verify: true, Progress: progress,
-		})
+			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens[:600], Dest: dest, PageTokens: 256, Progress: progress,
+		}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -635,43 +634,6 @@ func TestPrefixProgress(t *testing.T) {
 		if want := int64(600) * perToken; res.Tokens != 600 || sum != want || calls != 3*pTensors {
 			t.Fatalf("load: %d tokens, progress %d bytes in %d calls, want %d in %d", res.Tokens, sum, calls, want, 3*pTensors)
 		}
-	}
-}
-
-// TestPrefixLoadVerifiedSkipsOnlyNamedPages: LoadPrefixVerified hashes
-// every page except those its verified callback names. Pages 1 and 2 of
-// four carry a flipped tensor byte: naming page 1 verified lets the load
-// read through it (the flipped byte is loaded: it was not hashed) and stop
-// at page 2, which was hashed; naming neither stops at page 1 as
-// LoadPrefix does.
-func TestPrefixLoadVerifiedSkipsOnlyNamedPages(t *testing.T) {
-	ns := filepath.Join(t.TempDir(), "ns")
-	c := newConv(seqTokens(1024, 9), pTensors, pHeads, pDim, 1024)
-	res := savePrefix(t, noSync(), ns, c, 1024, 256)
-	for _, k := range res.Keys[1:3] {
-		flipLastByte(t, testutil.PagePath(ns, k))
-	}
-	load := func(verified func(layout.PageKey) bool) (*jobs.PrefixResult, [][]byte) {
-		bufs, dest := c.dests(1024)
-		lr, _, err := jobs.LoadPrefixVerified(context.Background(), inRoot(noSync(), ns), &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-		}, verified)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return lr, bufs
-	}
-	lr, _ := load(func(k layout.PageKey) bool { return k == res.Keys[1] })
-	if lr.Tokens != 512 || !errors.Is(lr.Stop, jobs.ErrCorrupt) || len(lr.Keys) != 2 {
-		t.Fatalf("page 1 named verified: loaded %d tokens, stop %v; want 512, ErrCorrupt at page 2", lr.Tokens, lr.Stop)
-	}
-	lr, _ = load(nil)
-	if lr.Tokens != 256 || !errors.Is(lr.Stop, jobs.ErrCorrupt) {
-		t.Fatalf("none named verified: loaded %d tokens, stop %v; want 256, ErrCorrupt at page 1", lr.Tokens, lr.Stop)
-	}
-	lr, _ = load(func(k layout.PageKey) bool { return k == res.Keys[0] })
-	if lr.Tokens != 256 || !errors.Is(lr.Stop, jobs.ErrCorrupt) {
-		t.Fatalf("page 0 named verified: loaded %d tokens, stop %v; want 256", lr.Tokens, lr.Stop)
 	}
 }
 
@@ -688,62 +650,4 @@ func flipLastByte(t *testing.T, path string) []byte {
 		t.Fatal(err)
 	}
 	return raw
-}
-
-// TestPrefixPlannedSaveAndChainLoad: SavePlannedPrefix of a plan saves
-// exactly what SavePrefix of its request does (same keys, pages written,
-// then reused by SavePrefix), and LoadPrefixChain given the prompt's keys
-// loads the bytes LoadPrefix loads; keys of another length than the
-// prompt's pages are ErrInvalidRequest, and a nil plan too.
-func TestPrefixPlannedSaveAndChainLoad(t *testing.T) {
-	ns := filepath.Join(t.TempDir(), "ns")
-	c := newConv(seqTokens(700, 3), pTensors, pHeads, pDim, 700)
-	cfg := inRoot(noSync(), ns)
-	req := &jobs.SavePrefixRequest{Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(700), PageTokens: 256}
-	plan, err := jobs.PlanPrefixSave(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	res, _, err := jobs.SavePlannedPrefix(context.Background(), cfg, plan)
-	if err != nil {
-		t.Fatal(err)
-	}
-	want, _, _ := layout.PageChain("tiny/bf16", 256, c.tokens)
-	if !slices.Equal(res.Keys, want) || res.PagesWritten != 3 || res.PagesReused != 0 || res.Tokens != 700 {
-		t.Fatalf("planned save: %d keys (chain equal: %v), %d written, %d reused, %d tokens", len(res.Keys), slices.Equal(res.Keys, want), res.PagesWritten, res.PagesReused, res.Tokens)
-	}
-	again, _, err := jobs.SavePrefix(context.Background(), cfg, req)
-	if err != nil || again.PagesReused != 3 || again.PagesWritten != 0 {
-		t.Fatalf("SavePrefix after the planned save: %+v %v", again, err)
-	}
-	if _, _, err := jobs.SavePlannedPrefix(context.Background(), cfg, nil); !errors.Is(err, jobs.ErrInvalidRequest) {
-		t.Fatalf("nil plan: %v", err)
-	}
-	load := func(keys []layout.PageKey) (*jobs.PrefixResult, [][]byte, error) {
-		bufs, dest := c.dests(700)
-		lr, _, err := jobs.LoadPrefixChain(context.Background(), cfg, &jobs.LoadPrefixRequest{
-			Namespace: "ns", Identity: "tiny/bf16", Tokens: c.tokens, Dest: dest, PageTokens: 256, Verify: true,
-		}, keys, nil)
-		return lr, bufs, err
-	}
-	byKeys, got, err := load(want)
-	if err != nil {
-		t.Fatal(err)
-	}
-	byNil, ref, err := load(nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if byKeys.Tokens != 700 || byNil.Tokens != 700 || !slices.Equal(byKeys.Keys, want) {
-		t.Fatalf("loaded %d tokens with keys, %d without", byKeys.Tokens, byNil.Tokens)
-	}
-	c.checkDest(t, got, 700, 700)
-	for i := range got {
-		if !bytes.Equal(got[i], ref[i]) {
-			t.Fatalf("tensor %d: bytes loaded with the keys differ from LoadPrefix's", i)
-		}
-	}
-	if _, _, err := load(want[:2]); !errors.Is(err, jobs.ErrInvalidRequest) {
-		t.Fatalf("2 keys for 3 pages: %v", err)
-	}
 }

@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/gather"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
@@ -112,7 +113,7 @@ func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
 // the destinations (CheckDest) and, for a manifest, checks every block it
 // names (Lstat: a regular file of the manifest's size; see openBlocks), all
 // before any byte of a destination is written; it never writes past a destination's length. The data is read
-// by ReadExtents: cfg.ReadDepth requests in flight, O_DIRECT where the file
+// by readio.Read: cfg.ReadDepth requests in flight, O_DIRECT where the file
 // system supports it and the file is not in the page cache. A name that is
 // not one valid path element is layout.ErrBadName.
 //
@@ -125,8 +126,8 @@ func disjointBuffers(bufs [][]byte) (i, j int, overlap bool) {
 //   - a *ReadError from reading (ErrCorrupt, an I/O error, a block that
 //     cannot be opened to be read or is no longer a regular file of its
 //     size: ErrBlockSize): the tensors it names hold unspecified bytes (a mix of their old contents and the
-//     file's); every other tensor was read completely (and verified, with
-//     Verify);
+//     file's); every other tensor was read completely (and verified, unless
+//     NoVerify);
 //   - ctx's error: every destination holds unspecified bytes.
 //
 // The destinations are not touched after Read returns.
@@ -171,19 +172,19 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 	for _, t := range slots {
 		m.LogicalBytes += t.Bytes
 	}
-	var exts []Extent
+	var exts []readio.Extent
 	var pageErr error // Pages: a page missing or unlike the manifest
 	paged := 0        // Pages: extents of page tensors, before the attachments'
 	switch snap.Layout {
 	case layout.Single:
-		src, err := AdoptSource(cfg, f)
+		src, err := adoptSource(cfg, f)
 		if err != nil {
 			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
 		}
 		defer src.Close()
-		exts = tensorExtents(snap, src, spec.Dest, spec.Verify)
+		exts = tensorExtents(snap, src, spec.Dest, !spec.NoVerify)
 	case layout.Pages:
-		pr, err := pagedExtents(cfg, f, snap, spec.Dest, spec.Verify)
+		pr, err := pagedExtents(cfg, f, snap, spec.Dest, !spec.NoVerify)
 		defer pr.close()
 		if err != nil {
 			return snap, m, fmt.Errorf("jobs: read %s: %w", spec.Path, err)
@@ -195,11 +196,11 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 		if err != nil {
 			return snap, m, err
 		}
-		exts = blocks.extents(snap, spec.Dest, spec.Verify)
+		exts = blocks.extents(snap, spec.Dest, !spec.NoVerify)
 	}
-	errs, st, err := ReadExtents(ctx, cfg, exts)
+	errs, st, err := readio.Read(ctx, cfg.reads(), exts, nil)
 	m.addReads(st)
-	if err == nil && snap.Legacy && snap.Layout == layout.Single && spec.Verify {
+	if err == nil && snap.Legacy && snap.Layout == layout.Single && !spec.NoVerify {
 		// Bun.hash has no streaming form here: hash each tensor once read.
 		for k, x := range exts {
 			if t := slots[x.Group]; errs[k] == nil && bunhash.Hex(x.Dst) != t.Hash {
@@ -214,7 +215,7 @@ func read(ctx context.Context, cfg *Config, spec *readSpec) (*layout.Snapshot, M
 	failures := map[int]SlotError{}
 	var names *layout.SlotIndex // built at the first failure: O(1) per failed slot
 	for k, e := range errs {
-		if e == nil || errors.Is(e, ErrSkipped) {
+		if e == nil || errors.Is(e, readio.ErrSkipped) {
 			continue
 		}
 		slot := exts[k].Group
@@ -256,15 +257,15 @@ func sortedFailures(failures map[int]SlotError) []SlotError {
 
 // tensorExtents is one extent per non-empty tensor of a single-file
 // snapshot, grouped by slot.
-func tensorExtents(snap *layout.Snapshot, src *Source, dest [][]byte, verify bool) []Extent {
-	var exts []Extent
+func tensorExtents(snap *layout.Snapshot, src *readio.Source, dest [][]byte, verify bool) []readio.Extent {
+	var exts []readio.Extent
 	for i, t := range snap.Header.Slots() {
 		if t.Bytes == 0 {
 			continue
 		}
-		x := Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
+		x := readio.Extent{Src: src, Off: int64(snap.DataStart) + t.Off, Dst: dest[i], Group: i}
 		if verify && !snap.Legacy {
-			x.Verify = VerifyXXH3
+			x.Verify = readio.VerifyXXH3
 			x.XXH3 = layout.HashValue(t.Hash) // validated by Decode: 16 hex digits
 		}
 		exts = append(exts, x)
@@ -274,7 +275,7 @@ func tensorExtents(snap *layout.Snapshot, src *Source, dest [][]byte, verify boo
 
 // blockIndex is the index within its tensor of the block that extent k
 // reads (extents of a tensor's blocks are consecutive, in block order).
-func blockIndex(snap *layout.Snapshot, exts []Extent, k int) int {
+func blockIndex(snap *layout.Snapshot, exts []readio.Extent, k int) int {
 	b := 0
 	for j := k - 1; j >= 0 && exts[j].Group == exts[k].Group; j-- {
 		b++
@@ -284,8 +285,8 @@ func blockIndex(snap *layout.Snapshot, exts []Extent, k int) int {
 
 // readBlocks are the block files of one manifest, opened and sized.
 type readBlocks struct {
-	srcs  map[string]*Source // by hash
-	paths map[string]string  // by hash
+	srcs  map[string]*readio.Source // by hash
+	paths map[string]string         // by hash
 }
 
 func (b *readBlocks) close() {
@@ -323,7 +324,7 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 	}
 	var uniq []want
 	index := map[string]int{} // hash -> index in uniq
-	b := &readBlocks{srcs: map[string]*Source{}, paths: map[string]string{}}
+	b := &readBlocks{srcs: map[string]*readio.Source{}, paths: map[string]string{}}
 	for _, t := range snap.Header.Slots() {
 		for _, ref := range t.Blocks {
 			if k, seen := index[ref.Hash]; seen {
@@ -344,9 +345,9 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 			}
 		}
 	}
-	mode := directFor(cfg, manifest)
+	mode := readio.DirectModeFor(cfg.reads(), manifest)
 	errs := make([]error, len(uniq))
-	err := inFlight(ctx, cfg, cfg.readDepth(), len(uniq), func(i int) {
+	err := readio.InFlight(ctx, cfg.reads(), cfg.reads().Depth(), len(uniq), func(i int) {
 		w := uniq[i]
 		path := b.paths[w.hash]
 		for d := filepath.Dir(path); d != nsDir; d = filepath.Dir(d) {
@@ -379,7 +380,7 @@ func openBlocks(ctx context.Context, cfg *Config, manifest vfs.File, snap *layou
 	}
 	if len(bad) == 0 {
 		for _, w := range uniq {
-			b.srcs[w.hash] = lazySource(mode, b.paths[w.hash], w.bytes, w.uses)
+			b.srcs[w.hash] = readio.LazySource(mode, b.paths[w.hash], w.bytes, w.uses)
 		}
 		return b, nil
 	}
@@ -405,12 +406,12 @@ var maxHeldBlocks = 1024
 // extents is one extent per block reference, in slot and block order,
 // grouped by slot, each into its tensor's destination sub-slice. With
 // verify, a block is checked by blockVerify.
-func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) []Extent {
-	var exts []Extent
+func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) []readio.Extent {
+	var exts []readio.Extent
 	for i, t := range snap.Header.Slots() {
 		var o int64
 		for _, ref := range t.Blocks {
-			x := Extent{Src: b.srcs[ref.Hash], Dst: dest[i][o:][:ref.Bytes:ref.Bytes], Group: i}
+			x := readio.Extent{Src: b.srcs[ref.Hash], Dst: dest[i][o:][:ref.Bytes:ref.Bytes], Group: i}
 			if verify {
 				blockVerify(&x, ref)
 			}
@@ -426,13 +427,13 @@ func (b *readBlocks) extents(snap *layout.Snapshot, dest [][]byte, verify bool) 
 // than SHA-256 on this CPU, so a verified restore is no longer bound by
 // hashing), or, for a FormatBlocks manifest (the Bun worker's, kvpersist's
 // older ones), by SHA-256 against the block's name.
-func blockVerify(x *Extent, ref layout.BlockRef) {
+func blockVerify(x *readio.Extent, ref layout.BlockRef) {
 	if ref.XXH3 != "" {
-		x.Verify = VerifyXXH3
+		x.Verify = readio.VerifyXXH3
 		x.XXH3 = layout.HashValue(ref.XXH3) // validated by Decode: 16 hex digits
 		return
 	}
-	x.Verify = VerifySHA256
+	x.Verify = readio.VerifySHA256
 	hex.Decode(x.SHA256[:], []byte(ref.Hash)) // validated: 64 hex digits
 }
 
@@ -442,6 +443,41 @@ func blockVerify(x *Extent, ref layout.BlockRef) {
 func checkDir(fsys vfs.FS, dir string) error {
 	if err := store.At(filepath.Dir(dir), store.Options{FS: fsys}).CheckRealDir(dir); err != nil {
 		return fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	return nil
+}
+
+// adoptSource is readio.AdoptSource of f with this job's read
+// configuration; a file that is not regular is ErrInvalidRequest.
+func adoptSource(cfg *Config, f vfs.File) (*readio.Source, error) {
+	return checkedSource(readio.AdoptSource(cfg.reads(), f))
+}
+
+// ownSource is readio.OwnSource of f with this job's read configuration;
+// a file that is not regular is ErrInvalidRequest.
+func ownSource(cfg *Config, f vfs.File) (*readio.Source, error) {
+	return checkedSource(readio.OwnSource(cfg.reads(), f))
+}
+
+func checkedSource(s *readio.Source, err error) (*readio.Source, error) {
+	if errors.Is(err, readio.ErrNotRegular) {
+		err = fmt.Errorf("%w: %w", ErrInvalidRequest, err)
+	}
+	return s, err
+}
+
+// checkIdentity fails with ErrMismatch unless want is empty or equals the
+// identity snap was written with.
+func checkIdentity(snap *layout.Snapshot, want string) error {
+	if want == "" {
+		return nil
+	}
+	got, ok := snap.Header.Identity()
+	if !ok {
+		return fmt.Errorf("%w: %s was written without an identity, the read names %q", ErrMismatch, snap.Path, want)
+	}
+	if got != want {
+		return fmt.Errorf("%w: %s has identity %q, the read names %q", ErrMismatch, snap.Path, got, want)
 	}
 	return nil
 }

@@ -103,11 +103,16 @@ type ReadRequest struct {
 	// the header of Stat: check Header.TotalBytes against what you can
 	// allocate first).
 	Dest [][]byte
-	// Verify re-hashes what was read: xxh3-64 per tensor (single file,
-	// page manifest), per block against the xxh3-64 the manifest records
-	// (block layout, formatVersion 8), SHA-256 per block against its name
-	// (formatVersion 5 manifests: the Bun worker's, kvpersist's older ones).
-	Verify bool
+	// NoVerify skips re-hashing what was read. The zero value verifies:
+	// xxh3-64 per tensor (single file, page manifest), per block against
+	// the xxh3-64 the manifest records (block layout, formatVersion 8),
+	// SHA-256 per block against its name (formatVersion 5 manifests: the
+	// Bun worker's, kvpersist's older ones); a tensor whose bytes do not
+	// match fails with ErrCorrupt (in a *ReadError). Set NoVerify only
+	// where a wrong byte cannot reach a model (benchmarks of the raw read
+	// path): the headers' shapes and dtypes are still checked, the tensor
+	// bytes are not.
+	NoVerify bool
 	// Expect, when non-nil, is the header the caller allocated for (from an
 	// earlier Stat): every slot's dtype and shape must still match, else
 	// ErrMismatch (the snapshot was replaced in between).
@@ -138,8 +143,9 @@ type CollectRequest struct {
 	// be deleted.
 	DryRun bool
 	// TempGrace: temp files younger than this are kept. 0 means the
-	// engine's Config.TempGrace, else DefaultTempGrace; a negative value
-	// removes every temp file (only when no writer can be running).
+	// engine's Config.TempGrace, else DefaultTempGrace; NoTempGrace (any
+	// negative value) removes every temp file (only when no writer can be
+	// running).
 	TempGrace time.Duration
 	// BlockGrace: unreferenced blocks whose file was written less than this
 	// long ago (by mtime) are kept: a second line of defence for writers that

@@ -45,7 +45,7 @@ func TestReadNamesEveryFailedSlotOfAHugeManifest(t *testing.T) {
 	for i := range dest {
 		dest[i] = make([]byte, 1)
 	}
-	_, _, err := readAt(context.Background(), noSync(), path, &jobs.ReadRequest{Dest: dest, Verify: true})
+	_, _, err := readAt(context.Background(), noSync(), path, &jobs.ReadRequest{Dest: dest})
 	var re *jobs.ReadError
 	if !errors.Is(err, jobs.ErrCorrupt) || !errors.As(err, &re) || len(re.Slots) != slots {
 		t.Fatalf("read: %v, want a ReadError (ErrCorrupt) for all %d slots", err, slots)

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"hash"
 	"os"
+	"path/filepath"
 	"sort"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/bunhash"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
+	"github.com/minio/sha256-simd"
 	"github.com/zeebo/xxh3"
 )
 
@@ -59,13 +61,18 @@ const (
 	// and token ids, fails to validate is ProblemUnreadable; a page
 	// tensor whose hash differs is ProblemCorruptTensor.
 	ProblemCorruptPage = "corrupt-page"
+	// ProblemFanout: a file or symlink where a fan-out directory belongs
+	// (pages/<xx> or blocks/<xx>, two lowercase hex digits): no page or
+	// block whose key starts with those digits can be saved or loaded
+	// until it is removed (path: the entry).
+	ProblemFanout = "not-a-directory"
 )
 
 // problemRank orders a report: data that cannot be restored first, then
 // what collect cleans up.
 var problemRank = map[string]int{ProblemIO: 0, ProblemUnreadable: 1, ProblemCorruptTensor: 2, ProblemCorruptBlock: 3,
-	ProblemBlockXXH3: 4, ProblemCorruptPage: 5, ProblemMissingBlock: 6, ProblemMissingPage: 7, ProblemBlockSize: 8,
-	ProblemStaleTemp: 9, ProblemOrphanBlock: 10}
+	ProblemBlockXXH3: 4, ProblemCorruptPage: 5, ProblemMissingBlock: 6, ProblemMissingPage: 7, ProblemFanout: 8,
+	ProblemBlockSize: 9, ProblemStaleTemp: 10, ProblemOrphanBlock: 11}
 
 // maxRefs is how many referrers a problem names; the rest are counted.
 const maxRefs = 4
@@ -78,6 +85,9 @@ const maxXXH3Refs = 64
 
 // xxh3Pool holds streaming XXH3-64 hashers for VerifyStore.
 var xxh3Pool = sync.Pool{New: func() any { return xxh3.New() }}
+
+// sha256Pool holds SHA-256 hashers for VerifyStore's blocks.
+var sha256Pool = sync.Pool{New: func() any { return sha256.New() }}
 
 // verifyPiece is the unit, in bytes, in which VerifyStore reads and hashes.
 const verifyPiece = 256 << 10
@@ -105,8 +115,8 @@ type VerifyReport struct {
 	// Problems, sorted by kind (ProblemIO, ProblemUnreadable,
 	// ProblemCorruptTensor, ProblemCorruptBlock, ProblemBlockXXH3,
 	// ProblemCorruptPage,
-	// ProblemMissingBlock, ProblemMissingPage, ProblemBlockSize,
-	// ProblemStaleTemp, ProblemOrphanBlock), then path.
+	// ProblemMissingBlock, ProblemMissingPage, ProblemFanout,
+	// ProblemBlockSize, ProblemStaleTemp, ProblemOrphanBlock), then path.
 	// At most one problem per kind and path.
 	Problems []VerifyProblem
 	Checked  VerifyChecked
@@ -125,7 +135,8 @@ type VerifySpec struct {
 	// or not it has blocks/.
 	Target string
 	// TempGrace: temp files older than this are reported stale (root and
-	// namespace targets); 0 means DefaultTempGrace, negative every temp file.
+	// namespace targets); 0 means DefaultTempGrace, NoTempGrace (any
+	// negative value) every temp file.
 	TempGrace time.Duration
 	// Now is the clock for TempGrace; zero means time.Now().
 	Now time.Time
@@ -608,6 +619,20 @@ func (v *verifier) planBlocks(uses map[string]*blockUse, onDisk map[string]store
 	return tasks
 }
 
+// fanouts reports each skipped entry of ns's pages/ or blocks/ named as a
+// fan-out directory (two lowercase hex digits) that is not a directory:
+// the listing skips it, but it stops every page or block of its fan-out.
+func (v *verifier) fanouts(ns *store.Namespace, skipped []store.Skip) {
+	for _, s := range skipped {
+		dir, name := filepath.Split(s.Path)
+		dir = filepath.Clean(dir)
+		if (dir != ns.PagesDir() && dir != ns.BlocksDir()) || len(name) != 2 || strings.Trim(name, "0123456789abcdef") != "" {
+			continue
+		}
+		v.problem(ProblemFanout, s.Path, "%s where the fan-out directory of keys starting with %s belongs: no page or block there can be saved or loaded; remove it", s.Why, name)
+	}
+}
+
 // planNamespace lists and decodes one namespace under its exclusive lock
 // (if the lock file exists) and plans its checks.
 func (v *verifier) planNamespace(ctx context.Context, ns *store.Namespace) ([]verifyTask, error) {
@@ -623,6 +648,7 @@ func (v *verifier) planNamespace(ctx context.Context, ns *store.Namespace) ([]ve
 		return nil, nil
 	}
 	v.rep.Skipped = append(v.rep.Skipped, l.SkippedPaths()...)
+	v.fanouts(ns, l.Skipped)
 	grace := v.spec.TempGrace
 	for _, t := range l.Temps {
 		if t.Stale(v.now, grace) {
@@ -858,7 +884,7 @@ func (v *verifier) checkPage(ctx context.Context, t *verifyTask, buf []byte) (in
 		return 0, 0, err
 	}
 	defer f.Close()
-	snap, err := layout.Decode(f, t.path)
+	snap, err := layout.DecodePage(f, t.path)
 	if err != nil {
 		v.unreadable(t.path, err)
 		return 0, 0, nil

@@ -18,6 +18,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/kvpersist/kvpersist/internal/scratch"
 	"github.com/kvpersist/kvpersist/internal/xxh3s"
 	"github.com/minio/sha256-simd"
 )
@@ -173,15 +174,24 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	if err != nil {
 		return nil, m, err
 	}
+	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
+	var pages *pageSave
 	if spec.Layout == layout.Pages {
 		if err = checkPagesSpec(spec, slots); err != nil {
+			return nil, m, err
+		}
+		// Laid out, and room made for the new pages (cfg.Admission),
+		// before any file is created.
+		if pages, err = planPagesWrite(ns, spec, h, slots); err != nil {
+			return nil, m, fmt.Errorf("%s: %w", spec.Path, err)
+		}
+		if err = pages.admit(ctx, cfg, ns); err != nil {
 			return nil, m, err
 		}
 	}
 	// The namespace directory, durably, and the root synced in any case:
 	// the namespace's entry must be durable before a snapshot in it is
 	// acked, even if the write that created it died before syncing.
-	ns, _ := store.NamespaceOf(spec.Path, cfg.storeOptions())
 	if err = ns.Create(); err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
@@ -193,7 +203,7 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	if spec.Layout == layout.Single {
 		err = writeSingle(ctx, cfg, ns, spec, h, slots, &m)
 	} else if spec.Layout == layout.Pages {
-		err = writePages(ctx, cfg, ns, spec, h, slots, &m)
+		err = writePages(ctx, cfg, ns, spec, h, slots, pages, &m)
 	} else {
 		err = writeBlocks(ctx, cfg, ns, spec, h, slots, bb, &m)
 	}
@@ -520,7 +530,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 	}
 	c := newCommitter(ctx, w.st, w.spec.Path, total)
 	err := parallelWith(ctx, w.cfg, total,
-		func() *blockState { return &blockState{scratch: *getScratch(maxBlock)} },
+		func() *blockState { return &blockState{scratch: *scratch.Get(maxBlock)} },
 		func(g int, st *blockState) error {
 			if c.failed() {
 				return errSyncerFailed
@@ -540,7 +550,7 @@ func (w *blockWriter) run(ctx context.Context, bs []blockSlot, total int) error 
 			return err
 		},
 		func(st *blockState, _ bool) error {
-			putScratch(&st.scratch)
+			scratch.Put(&st.scratch)
 			return nil
 		})
 	syncErr := c.stop(err != nil) // on error the syncers discard what is still queued
@@ -667,8 +677,8 @@ var errSyncerFailed = errors.New("jobs: a block fsync failed")
 func (w *blockWriter) packed(ctx context.Context, s *blockSlot, name string) error {
 	v := s.view
 	if !v.IsContiguous() && v.Bytes() > 0 {
-		buf := getScratch(v.Bytes())
-		defer putScratch(buf)
+		buf := scratch.Get(v.Bytes())
+		defer scratch.Put(buf)
 		out, _, err := v.Gather(*buf)
 		if err != nil {
 			return fmt.Errorf("jobs: %s %s: %w", w.spec.Path, name, err)

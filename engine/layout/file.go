@@ -31,6 +31,22 @@ type Snapshot struct {
 // errors wrap ErrBadMagic, ErrTruncated, ErrHeaderTooLarge, ErrHeaderHash,
 // ErrFormatVersion or ErrInvalidHeader and name the path.
 func Decode(f vfs.File, path string) (*Snapshot, error) {
+	return decode(f, path, MaxHeaderLen)
+}
+
+// DecodePage is Decode for a file that must be a page (under pages/, or a
+// page object): its header may be at most MaxPageHeaderLen bytes, checked
+// from the prefix before anything else is read or allocated, so that
+// what decoding one page allocates (the JSON read and what is parsed from
+// it) is bounded by a small multiple of MaxPageHeaderLen whatever the file
+// holds. A longer header is an ErrHeaderTooLarge error naming the path.
+// It does not check that the file is a page (Snapshot.Page non-nil): the
+// caller does.
+func DecodePage(f vfs.File, path string) (*Snapshot, error) {
+	return decode(f, path, MaxPageHeaderLen)
+}
+
+func decode(f vfs.File, path string, maxHeader uint32) (*Snapshot, error) {
 	st, err := f.Stat()
 	if err != nil {
 		return nil, err
@@ -57,6 +73,9 @@ func Decode(f vfs.File, path string) (*Snapshot, error) {
 	p, err := ParsePrefix(pb[:])
 	if err != nil {
 		return nil, fmt.Errorf("layout: %s: %w", path, err)
+	}
+	if p.HeaderLen > maxHeader {
+		return nil, fmt.Errorf("layout: %s: %w: %d bytes (limit %d for this kind of file)", path, ErrHeaderTooLarge, p.HeaderLen, maxHeader)
 	}
 	if int64(PrefixLen)+int64(p.HeaderLen) > size {
 		return nil, fmt.Errorf("layout: %s: %w: header of %d bytes ends past the file's %d bytes", path, ErrTruncated, p.HeaderLen, size)

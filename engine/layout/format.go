@@ -1,8 +1,8 @@
 // Package layout owns kvpersist's on-disk formats: the single-file snapshot,
 // the block manifest with its content-addressed blocks, the files written by
 // the original Bun worker (read only), path rules, and the atomic durable
-// publish every writer uses. ARCHITECTURE.md ("On-disk format") is the
-// specification; this package is its reference implementation.
+// publish every writer uses. docs/format/ is the specification; this
+// package is its reference implementation.
 package layout
 
 import (
@@ -41,6 +41,13 @@ const (
 	// MaxHeaderLen caps the header JSON, in bytes, so that a corrupt length
 	// cannot make a reader allocate gigabytes.
 	MaxHeaderLen = 64 << 20
+	// MaxPageHeaderLen caps a page file's header JSON, in bytes (DecodePage;
+	// a save refuses a page whose header would exceed it). A page's header
+	// is a few KiB (its token ids, up to MaxPageTokens, and one entry per
+	// tensor: about 60 KiB for 4,096 tokens and 256 tensors); 1 MiB leaves
+	// room for thousands of tensors while bounding what one page file can
+	// make a reader allocate.
+	MaxPageHeaderLen = 1 << 20
 	// MaxRank caps the number of axes of a tensor.
 	MaxRank = 16
 	// MaxSnapshotBytes caps a snapshot's total logical bytes (the sum of
@@ -65,7 +72,7 @@ const (
 	// FormatBlocksXXH3 is the block manifest kvpersist writes: FormatBlocks
 	// with each block's XXH3-64 (seed 0) beside its SHA-256 name
 	// (BlockRef.XXH3), which a verified restore checks instead of SHA-256
-	// (ARCHITECTURE.md, "Block manifest"). A new version rather than an
+	// (docs/format/block-manifest.md). A new version rather than an
 	// optional key: it says every block carries an xxh3, so a block
 	// without one is malformed rather than checked by SHA-256 instead.
 	// An older build (one reading formatVersion 4 to 7) refuses such a

@@ -34,7 +34,7 @@ func MetaOf(m map[string]any) (Meta, error) {
 
 // Header is the JSON header of a snapshot file or block manifest. Its tensor
 // slots, in file order, are every tensor of Caches (in order), then every
-// tensor of Attachments. See ARCHITECTURE.md, "On-disk format".
+// tensor of Attachments. See docs/format/single-file.md.
 type Header struct {
 	// FormatVersion is FormatSingle (4), FormatBlocks (5, read only),
 	// FormatPage (6), FormatPages (7) or FormatBlocksXXH3 (8, the block

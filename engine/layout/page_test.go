@@ -12,7 +12,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
-// The test vector of ARCHITECTURE.md ("Token pages"): identity
+// The test vector of docs/format/page.md ("Key chain"): identity
 // "example-model/bf16/tp0", P = 16, token ids 1000..1039 (two full pages and
 // a leaf of 8 tokens).
 const (

@@ -28,14 +28,13 @@ const PagesDirName = "pages"
 const LockName = ".lock"
 
 // RecencyName is the per-namespace checkpoint of the page cache's recency
-// (engine/evict's checkpoint format, ARCHITECTURE.md "Recency across a
-// restart"): <namespace>/.recency, written atomically and durably by the
+// (docs/format/recency-checkpoint.md): <namespace>/.recency, written atomically and durably by the
 // engine, never a snapshot (a dot name is never a valid snapshot name) and
 // never deleted by collect.
 const RecencyName = ".recency"
 
 // UploadsName is the per-namespace journal of the remote tier's pending
-// uploads (ARCHITECTURE.md, "The uploads journal"): <namespace>/.uploads,
+// uploads (docs/format/uploads-journal.md): <namespace>/.uploads,
 // appended by every engine on the root (under the namespace's shared
 // lock), compacted atomically and durably (under its exclusive lock), and
 // replayed by the next engine on the root; never a snapshot (a dot name)

@@ -7,7 +7,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
-// Every known field has the right JSON type (ARCHITECTURE, "Validation"):
+// Every known field has the right JSON type (docs/format/single-file.md, "What a reader checks"):
 // null for a known key and block keys in another case are refused as
 // ErrInvalidHeader, although encoding/json alone would accept both.
 func TestDecodeRefusesNullAndMiscasedKeys(t *testing.T) {

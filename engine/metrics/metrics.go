@@ -7,7 +7,7 @@
 //
 // Every method of a nil *Recorder does nothing, so the engine can call it
 // unconditionally. The metric names and labels are listed in
-// ARCHITECTURE.md ("Metrics") and on the Recorder's Describe.
+// docs/operating.md ("Metrics") and on the Recorder's Describe.
 package metrics
 
 import (
@@ -80,9 +80,12 @@ type Options struct {
 	// increasing, finite, > 0; nil means DefaultLatencyBuckets.
 	LatencyBuckets []float64
 	// Usage, when set, is called at each scrape and snapshot for the page
-	// cache's accounting (engine.Engine.Usage, evict.Cache.Usage): the
-	// capacity and per-namespace gauges. It must be safe for concurrent
-	// use.
+	// cache's accounting (evict.Cache.Usage, say): the capacity and
+	// per-namespace gauges. It must be safe for concurrent use. Leave it
+	// nil for an engine's Recorder: engine.New sets it to the engine's
+	// own Usage (SetUsage) when given the Recorder as Config.Metrics. A
+	// method value such as eng.Usage taken before engine.New returned
+	// binds a nil engine, whose Usage is zero.
 	Usage func() evict.Usage
 	// MaxNamespaces bounds the series of the per-namespace gauges
 	// (kvpersist_cache_used_bytes, kvpersist_cache_pages,
@@ -121,7 +124,7 @@ type Recorder struct {
 	evPages    [evict.ReasonShrink + 1]atomic.Int64
 	evBytes    [evict.ReasonShrink + 1]atomic.Int64
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
-	usage      func() evict.Usage
+	usage      atomic.Pointer[func() evict.Usage] // nil: no cache gauges
 	maxNS      int
 
 	// The object-store tier (see RemoteOp).
@@ -132,6 +135,7 @@ type Recorder struct {
 	remoteMiss    atomic.Int64 // pages
 	uploadQueue   atomic.Int64 // uploads waiting or in flight (a gauge)
 	uploadEvicted atomic.Int64 // pages evicted with their upload pending
+	uploadRetried atomic.Int64 // failed upload attempts, retried
 	remoteUsed    atomic.Bool  // a remote method was called: export the remote families
 }
 
@@ -177,7 +181,8 @@ func New(opts Options) (*Recorder, error) {
 	if opts.MaxNamespaces < 0 {
 		return nil, fmt.Errorf("%w: MaxNamespaces %d (want 0, the default %d, or more)", ErrOptions, opts.MaxNamespaces, DefaultMaxNamespaces)
 	}
-	r := &Recorder{boundsSec: slices.Clone(b), usage: opts.Usage, maxNS: opts.MaxNamespaces}
+	r := &Recorder{boundsSec: slices.Clone(b), maxNS: opts.MaxNamespaces}
+	r.SetUsage(opts.Usage)
 	if r.maxNS == 0 {
 		r.maxNS = DefaultMaxNamespaces
 	}
@@ -194,6 +199,21 @@ func New(opts Options) (*Recorder, error) {
 		r.remoteLatency[k].counts = make([]atomic.Uint64, len(b)+1)
 	}
 	return r, nil
+}
+
+// SetUsage sets what the cache gauges read at each scrape and snapshot,
+// as Options.Usage (nil: no cache gauges), replacing the earlier one; safe
+// while the Recorder is scraped. engine.New calls it with the engine's
+// Usage when the Recorder is its Config.Metrics. A nil Recorder ignores it.
+func (r *Recorder) SetUsage(usage func() evict.Usage) {
+	if r == nil {
+		return
+	}
+	if usage == nil {
+		r.usage.Store(nil)
+		return
+	}
+	r.usage.Store(&usage)
 }
 
 // observe adds one duration to h (whose buckets are r's).
@@ -266,6 +286,19 @@ func (r *Recorder) RemoteUploadEvicted(pages int64) {
 	}
 	r.remoteUsed.Store(true)
 	r.uploadEvicted.Add(pages)
+}
+
+// RemoteUploadRetried counts one failed upload attempt that the uploader
+// retries (kvpersist_remote_upload_failed_attempts_total): the store
+// unreachable, a server error, or the credentials or bucket refused. A
+// rate above zero says uploads are not getting through; the engine's log
+// says why.
+func (r *Recorder) RemoteUploadRetried() {
+	if r == nil {
+		return
+	}
+	r.remoteUsed.Store(true)
+	r.uploadRetried.Add(1)
 }
 
 // Bytes adds bytes written to disk (new data and headers), reused (dedup:
@@ -373,13 +406,15 @@ var (
 		"Uploads to the object store waiting or in flight.", nil, nil)
 	descUploadEvicted = prometheus.NewDesc("kvpersist_remote_upload_evicted_pages_total",
 		"Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).", nil, nil)
+	descUploadRetried = prometheus.NewDesc("kvpersist_remote_upload_failed_attempts_total",
+		"Upload attempts to the object store that failed and are retried (unreachable, server error, credentials or bucket refused).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descReadAsync, descLookup,
 		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
-		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted} {
+		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted, descUploadRetried} {
 		ch <- d
 	}
 }
@@ -387,7 +422,7 @@ func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 // Collect implements prometheus.Collector: every kind × outcome of
 // kvpersist_jobs_total (zeros included), a latency histogram per kind that
 // has run, the byte and token counters, every eviction reason and refusal
-// limit, and, with Options.Usage, the cache gauges. A nil Recorder
+// limit, and, with a Usage (see Options.Usage), the cache gauges. A nil Recorder
 // collects nothing.
 func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	if r == nil {
@@ -425,10 +460,11 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	if r.remoteUsed.Load() {
 		r.collectRemote(ch, emit)
 	}
-	if r.usage == nil {
+	usage := r.usage.Load()
+	if usage == nil {
 		return
 	}
-	u := r.usage()
+	u := (*usage)()
 	emit(descCapacity, prometheus.GaugeValue, float64(u.CapacityBytes))
 	emit(descReserved, prometheus.GaugeValue, float64(u.ReservedBytes))
 	for _, n := range boundNamespaces(u.Namespaces, r.maxNS) {
@@ -495,11 +531,12 @@ func (r *Recorder) collectRemote(ch chan<- prometheus.Metric, emit func(d *prome
 	emit(descRemoteLookup, prometheus.CounterValue, float64(r.remoteMiss.Load()), "miss")
 	emit(descUploadQueue, prometheus.GaugeValue, float64(r.uploadQueue.Load()))
 	emit(descUploadEvicted, prometheus.CounterValue, float64(r.uploadEvicted.Load()))
+	emit(descUploadRetried, prometheus.CounterValue, float64(r.uploadRetried.Load()))
 }
 
 // Snapshot is the recorder's figures as a plain struct (JSON-ready, field
 // names in camelCase). Lists leave out zero counts; Cache is nil without
-// Options.Usage.
+// a Usage (Options.Usage, SetUsage, or the engine's).
 type Snapshot struct {
 	Jobs             []JobCount     `json:"jobs"`
 	Latency          []Latency      `json:"latency"`
@@ -531,6 +568,9 @@ type RemoteSnapshot struct {
 	// UploadEvictedPages: pages evicted while their upload was pending
 	// (kvpersist_remote_upload_evicted_pages_total).
 	UploadEvictedPages int64 `json:"uploadEvictedPages"`
+	// UploadFailedAttempts: upload attempts that failed and were retried
+	// (kvpersist_remote_upload_failed_attempts_total).
+	UploadFailedAttempts int64 `json:"uploadFailedAttempts"`
 }
 
 // RemoteCount is kvpersist_remote_ops_total for one op and result.
@@ -635,8 +675,8 @@ func (r *Recorder) Snapshot() Snapshot {
 			s.Refused = append(s.Refused, RefusedCount{Limit: limit.String(), Count: n})
 		}
 	}
-	if r.usage != nil {
-		u := r.usage()
+	if usage := r.usage.Load(); usage != nil {
+		u := (*usage)()
 		s.Cache = &u
 	}
 	if !r.remoteUsed.Load() {
@@ -655,5 +695,6 @@ func (r *Recorder) Snapshot() Snapshot {
 	s.Remote.LookupHitPages, s.Remote.LookupMissPages = r.remoteHit.Load(), r.remoteMiss.Load()
 	s.Remote.UploadQueueDepth = r.uploadQueue.Load()
 	s.Remote.UploadEvictedPages = r.uploadEvicted.Load()
+	s.Remote.UploadFailedAttempts = r.uploadRetried.Load()
 	return s
 }

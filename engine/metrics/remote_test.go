@@ -15,7 +15,7 @@ import (
 // remoteFamilies are the object-store tier's metric names.
 var remoteFamilies = []string{"kvpersist_remote_ops_total", "kvpersist_remote_duration_seconds",
 	"kvpersist_remote_bytes_total", "kvpersist_remote_lookup_pages_total", "kvpersist_remote_upload_queue",
-	"kvpersist_remote_upload_evicted_pages_total"}
+	"kvpersist_remote_upload_evicted_pages_total", "kvpersist_remote_upload_failed_attempts_total"}
 
 // Durations below are binary fractions of a second (whole nanoseconds),
 // so sums in float64 are exact in any order.
@@ -29,8 +29,9 @@ func remoteHistText(op string, obs ...float64) string {
 // TestRemoteMetrics: a recorder exports no remote family until the tier
 // reports (an engine without a remote tier shows none), then every op ×
 // result (zeros included), the latency histograms of the ops that ran,
-// the fetch and upload bytes, the lookup pages, the queue depth and the
-// pages evicted with their upload pending, with
+// the fetch and upload bytes, the lookup pages, the queue depth, the
+// pages evicted with their upload pending and the failed upload attempts,
+// with
 // the values of a known sequence; the snapshot holds the same figures and
 // survives a JSON round trip.
 func TestRemoteMetrics(t *testing.T) {
@@ -60,6 +61,8 @@ func TestRemoteMetrics(t *testing.T) {
 	r.RemoteQueue(7)
 	r.RemoteUploadEvicted(2)
 	r.RemoteUploadEvicted(1)
+	r.RemoteUploadRetried()
+	r.RemoteUploadRetried()
 
 	want := map[[2]string]int{{"lookup", "ok"}: 1, {"lookup", "error"}: 1, {"fetch", "ok"}: 2, {"fetch", "corrupt"}: 1,
 		{"upload", "ok"}: 1, {"upload", "existed"}: 1, {"upload", "abandoned"}: 1}
@@ -88,6 +91,9 @@ kvpersist_remote_upload_queue 7
 # HELP kvpersist_remote_upload_evicted_pages_total Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).
 # TYPE kvpersist_remote_upload_evicted_pages_total counter
 kvpersist_remote_upload_evicted_pages_total 3
+# HELP kvpersist_remote_upload_failed_attempts_total Upload attempts to the object store that failed and are retried (unreachable, server error, credentials or bucket refused).
+# TYPE kvpersist_remote_upload_failed_attempts_total counter
+kvpersist_remote_upload_failed_attempts_total 2
 `)
 	if err := testutil.GatherAndCompare(reg, strings.NewReader(b.String()), remoteFamilies...); err != nil {
 		t.Fatal(err)
@@ -98,7 +104,7 @@ kvpersist_remote_upload_evicted_pages_total 3
 
 	s := r.Snapshot()
 	rs := s.Remote
-	if rs == nil || rs.FetchBytes != 1024 || rs.UploadBytes != 500 || rs.LookupHitPages != 10 || rs.LookupMissPages != 2 || rs.UploadQueueDepth != 7 || rs.UploadEvictedPages != 3 {
+	if rs == nil || rs.FetchBytes != 1024 || rs.UploadBytes != 500 || rs.LookupHitPages != 10 || rs.LookupMissPages != 2 || rs.UploadQueueDepth != 7 || rs.UploadEvictedPages != 3 || rs.UploadFailedAttempts != 2 {
 		t.Fatalf("remote snapshot %+v", rs)
 	}
 	if len(rs.Ops) != len(want) {
@@ -127,4 +133,5 @@ kvpersist_remote_upload_evicted_pages_total 3
 	nilRec.Remote(RemoteFetch, RemoteOK, 1, time.Second) // no panic, no effect
 	nilRec.RemoteLookup(1, 1)
 	nilRec.RemoteQueue(1)
+	nilRec.RemoteUploadRetried()
 }

@@ -10,9 +10,10 @@
 //
 // One Cache per engine: Open rebuilds the accounting from the disk and
 // starts the background goroutine; Close stops it and writes the
-// checkpoints. Pages enter the cache only through Admit (a save) or
-// AdmitHeld (pages fetched for a load): every page file created is covered
-// by a reservation. A load pins its chain with PinChain and releases it
+// checkpoints. Pages enter the cache only through Reserve (a save's
+// jobs.Admission, settled once the save returned) or AdmitHeld (pages
+// fetched for a load): every page file created is covered by a
+// reservation. A load pins its chain with PinChain and releases it
 // with LoadPins.Done. Lookups touch (TouchLookup); page manifests pin their
 // pages (SetManifest); the remote tier marks pages whose upload is pending
 // (SetPending) and is told of every page file removed (SetOnRemoved).
@@ -909,74 +910,56 @@ func (pc *Cache) rescanStale() bool {
 // scan leaves the mtime as it was).
 const manifestMtimeSlack = 100 * time.Millisecond
 
-// Admit is the one way pages enter the page cache: a prefix save, the
-// pages of a layout.Pages write, and pages fetched from the remote tier
-// all go through it, so that every page file
-// created is covered by a reservation. keys and parents are the pages in
-// chain order (parents[i] is page i's parent key); fileBytes(i) is an upper
-// bound of page i's file length in bytes; write does the I/O that
-// publishes pages of keys (it takes the namespace's shared lock itself).
+// Reserve is the one way pages enter the page cache: a prefix save and
+// the pages of a layout.Pages write (through their jobs.Admission) and
+// pages fetched from the remote tier (AdmitHeld) all go through it, so
+// that every page file created is covered by a reservation. keys and
+// parents are the pages of namespace n in chain order (parents[i] is page
+// i's parent key); fileBytes(i) is an upper bound of page i's file length
+// in bytes. The caller then does the I/O that publishes pages of keys
+// (taking the namespace's shared lock itself) and settles the admission
+// (Admission.Settle).
 //
 // In order: (1) the keys already tracked are pinned (they are reused, cost
-// nothing, and cannot be evicted while write runs); a key that is a victim
-// whose unlink is pending is waited for (waitVictim, until ctx ends) and
-// then written again, never reused; (2) the allocated bytes
+// nothing, and cannot be evicted while the write runs); a key that is a
+// victim whose unlink is pending is waited for (waitVictim, until ctx
+// ends) and then written again, never reused; (2) the allocated bytes
 // of the others (each length rounded up to the file system's block size)
 // are reserved, after a statvfs of the root when a headroom is set (when
 // no room can be made, the page manifests of namespaces whose directory
 // changed are listed again, once: rescanStale, and the reservation is
 // tried again); when no room can be made the error is an
-// *evict.NoSpaceError (evict.ErrNoSpace), Sink.Refused is told, write is not called and nothing changes;
-// (3) the reservation's victims are unlinked (unlink: under their
-// namespace's exclusive lock), and write waits for it; (4) write runs;
-// (5) on every path (error, cancel, panic) each page of keys that is not
-// tracked and whose file exists is committed with its st_blocks, the rest
-// of the reservation is released and the pins dropped; on success every
-// page of keys is touched. Other errors: fileBytes's, write's, ctx's
-// (waiting for a victim or a lock), an unlink's.
-func (pc *Cache) Admit(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) error {
-	_, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, false)
-	return err
-}
-
-// AdmitHeld is Admit for pages that a load reads next (pages fetched from
-// the remote tier): the pins are handed to the caller instead of dropped.
-// Every page of keys tracked when Admit starts keeps the pin of step (1),
-// and every page committed in step (5) is committed pinned
+// *evict.NoSpaceError (evict.ErrNoSpace), Sink.Refused is told, and
+// nothing changes; (3) the reservation's victims are unlinked (unlink:
+// under their namespace's exclusive lock), and Reserve waits for it. Then
+// the caller writes, and (4) Settle, on every path (error, cancel, panic),
+// commits each page of keys that is not tracked and whose file exists
+// with its st_blocks, releases the rest of the reservation and drops the
+// pins; on success every page of keys is touched. On an error of Reserve
+// the Admission returned (never nil) holds the pins taken so far: release
+// them (Admission.Release). Other errors: fileBytes's, ctx's (waiting for
+// a victim or a lock), an unlink's.
+//
+// With hold (pages that a load reads next: pages fetched from the remote
+// tier) the pins are handed to the caller instead of dropped: every page
+// of keys tracked when Reserve starts keeps the pin of step (1), and every
+// page committed in step (4) is committed pinned
 // (evict.Reservation.CommitPinned: no reservation can choose it between
 // its commit and its pin), so no page of keys can be evicted between its
-// publish and the load's reading it. held are the keys pinned for the
-// caller, who releases them (Unpin, or LoadPins.Hold) when the load ends;
-// they are held on every path, error included.
-func (pc *Cache) AdmitHeld(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []layout.PageKey, err error) {
-	h, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, true)
-	return pageKeys(h), err
-}
-
-// admitPages is Admit; with hold, AdmitHeld.
-func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold bool) (held []evict.Key, err error) {
-	n, err := pc.st.Namespace(ns)
-	if err != nil {
-		return nil, err
-	}
+// publish and the load's reading it. Settle and Release return the keys
+// pinned for the caller, who releases them (Unpin, or LoadPins.Hold) when
+// the load ends; they are held on every path, error included.
+func (pc *Cache) Reserve(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), hold bool) (*Admission, error) {
+	ns := n.Name()
 	ek := evictKeys(keys)
-	pinned := make([]bool, len(ek))
-	var pins []evict.Key
-	defer func() {
-		if hold {
-			held = append(held, pins...)
-			return
-		}
-		if uerr := pc.pol.UnpinAll(ns, pins); uerr != nil {
-			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
-		}
-	}()
+	a := &Admission{pc: pc, n: n, keys: keys, parents: parents, ek: ek, pinned: make([]bool, len(ek)), hold: hold}
+	pinned := a.pinned
 	for i := 0; i < len(ek); {
 		k := pc.pol.PinPrefix(ns, ek[i:])
 		for j := i; j < i+k; j++ {
 			pinned[j] = true
 		}
-		pins = append(pins, ek[i:i+k]...)
+		a.pins = append(a.pins, ek[i:i+k]...)
 		i += k
 		if i == len(ek) {
 			break
@@ -989,7 +972,7 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 		// pin it).
 		if pc.pol.Evicting(ns, ek[i]) {
 			if err := pc.waitVictim(ctx, ns, ek[i]); err != nil {
-				return nil, fmt.Errorf("pagecache: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
+				return a, fmt.Errorf("pagecache: save to namespace %s waiting for the eviction of page %s: %w", ns, keys[i], err)
 			}
 			continue
 		}
@@ -1002,99 +985,154 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 		}
 		b, err := fileBytes(i)
 		if err != nil {
-			return nil, err
+			return a, err
 		}
 		want += (b + pc.blkBytes - 1) / pc.blkBytes * pc.blkBytes
 	}
-	var r *evict.Reservation
-	if want > 0 {
-		avail := int64(-1)
-		if pc.headroom > 0 {
-			if fst, serr := pc.fs.Statfs(pc.st.Root()); serr == nil {
-				avail = fst.AvailBytes
-			} else {
-				pc.log.Warn("kvpersist: page cache: statvfs failed; headroom not checked for this save", "root", pc.st.Root(), "err", serr)
-			}
-		}
-		// A victim that another process's page manifest names is kept
-		// (unlink finds the manifest under the lock and pins its pages):
-		// then the room was not made, and the reservation is tried again
-		// with those pages pinned.
-		rescanned := false
-		for attempt := 0; ; attempt++ {
-			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
-			if err != nil {
-				var nse *evict.NoSpaceError
-				// Pages pinned for a page manifest another process has
-				// deleted since: scan again, once, and retry.
-				if errors.As(err, &nse) && !rescanned {
-					rescanned = true
-					if pc.rescanStale() {
-						continue
-					}
-				}
-				if errors.As(err, &nse) && pc.metrics != nil {
-					pc.metrics.Refused(nse.Limit)
-				}
-				return nil, fmt.Errorf("pagecache: page cache of namespace %s: %w", ns, err)
-			}
-			kept, uerr := pc.unlink(ctx, r.Victims)
-			if uerr != nil {
-				r.Release()
-				return nil, fmt.Errorf("pagecache: making room in the page cache of namespace %s: %w", ns, uerr)
-			}
-			if kept == 0 {
-				break
-			}
-			r.Release()
-			if attempt == maxReserveAttempts-1 {
-				return nil, fmt.Errorf("pagecache: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, evict.ErrNoSpace, maxReserveAttempts)
-			}
-		}
-		defer r.Release()
+	if want == 0 {
+		return a, nil
 	}
-	defer func() {
-		// Every path: what is on disk now is accounted (a failed save
-		// leaves the pages it renamed).
-		now := time.Now().UnixNano()
-		for i, k := range ek {
-			if pinned[i] {
-				continue
-			}
-			if _, ok := pc.pol.Lookup(ns, k); ok {
-				// Committed by a save beside this one.
-				if hold && pc.pol.Pin(ns, k) {
-					held = append(held, k)
-				}
-				continue
-			}
-			pf, serr := n.StatPage(n.PagePath(keys[i]))
-			if serr != nil {
-				continue
-			}
-			p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
-			switch {
-			case r != nil && hold:
-				if serr = r.CommitPinned(p); serr == nil {
-					held = append(held, k)
-				}
-			case r != nil:
-				serr = r.Commit(p)
-			default:
-				if serr = pc.pol.Add(p); serr == nil && hold && pc.pol.Pin(ns, k) {
-					held = append(held, k)
+	avail := int64(-1)
+	if pc.headroom > 0 {
+		if fst, serr := pc.fs.Statfs(pc.st.Root()); serr == nil {
+			avail = fst.AvailBytes
+		} else {
+			pc.log.Warn("kvpersist: page cache: statvfs failed; headroom not checked for this save", "root", pc.st.Root(), "err", serr)
+		}
+	}
+	// A victim that another process's page manifest names is kept
+	// (unlink finds the manifest under the lock and pins its pages):
+	// then the room was not made, and the reservation is tried again
+	// with those pages pinned.
+	rescanned := false
+	for attempt := 0; ; attempt++ {
+		r, err := pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+		if err != nil {
+			var nse *evict.NoSpaceError
+			// Pages pinned for a page manifest another process has
+			// deleted since: scan again, once, and retry.
+			if errors.As(err, &nse) && !rescanned {
+				rescanned = true
+				if pc.rescanStale() {
+					continue
 				}
 			}
-			if serr != nil && !errors.Is(serr, evict.ErrExists) {
-				pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", keys[i].String(), "err", serr)
+			if errors.As(err, &nse) && pc.metrics != nil {
+				pc.metrics.Refused(nse.Limit)
+			}
+			return a, fmt.Errorf("pagecache: page cache of namespace %s: %w", ns, err)
+		}
+		kept, uerr := pc.unlink(ctx, r.Victims)
+		if uerr != nil {
+			r.Release()
+			return a, fmt.Errorf("pagecache: making room in the page cache of namespace %s: %w", ns, uerr)
+		}
+		if kept == 0 {
+			a.r = r
+			return a, nil
+		}
+		r.Release()
+		if attempt == maxReserveAttempts-1 {
+			return a, fmt.Errorf("pagecache: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, evict.ErrNoSpace, maxReserveAttempts)
+		}
+	}
+}
+
+// Admission is one reservation of Reserve, until its Settle (or, when
+// Reserve failed, its Release). One goroutine uses it.
+type Admission struct {
+	pc            *Cache
+	n             *store.Namespace
+	keys, parents []layout.PageKey
+	ek            []evict.Key
+	pinned        []bool      // ek[i] was tracked and pinned by Reserve
+	pins          []evict.Key // the pins Reserve took
+	r             *evict.Reservation
+	hold          bool
+}
+
+// Release drops the pins of an admission whose Reserve failed; with hold
+// it hands them to the caller instead: the keys returned (nil without
+// hold).
+func (a *Admission) Release() []layout.PageKey {
+	return pageKeys(a.release())
+}
+
+func (a *Admission) release() []evict.Key {
+	if a.hold {
+		return a.pins
+	}
+	if err := a.pc.pol.UnpinAll(a.n.Name(), a.pins); err != nil {
+		a.pc.log.Warn("kvpersist: page cache: unpin", "err", err)
+	}
+	return nil
+}
+
+// Settle is step (4) of Reserve, once the write returned with err: what
+// is on disk now is accounted (a failed save leaves the pages it
+// renamed), the rest of the reservation released, the pins dropped (with
+// hold, returned with the commits' pins: the keys held for the caller).
+func (a *Admission) Settle(err error) (held []layout.PageKey) {
+	return pageKeys(a.settle(err))
+}
+
+func (a *Admission) settle(err error) (held []evict.Key) {
+	pc, n, ns := a.pc, a.n, a.n.Name()
+	r, hold := a.r, a.hold
+	now := time.Now().UnixNano()
+	for i, k := range a.ek {
+		if a.pinned[i] {
+			continue
+		}
+		if _, ok := pc.pol.Lookup(ns, k); ok {
+			// Committed by a save beside this one.
+			if hold && pc.pol.Pin(ns, k) {
+				held = append(held, k)
+			}
+			continue
+		}
+		pf, serr := n.StatPage(n.PagePath(a.keys[i]))
+		if serr != nil {
+			continue
+		}
+		p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(a.parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
+		switch {
+		case r != nil && hold:
+			if serr = r.CommitPinned(p); serr == nil {
+				held = append(held, k)
+			}
+		case r != nil:
+			serr = r.Commit(p)
+		default:
+			if serr = pc.pol.Add(p); serr == nil && hold && pc.pol.Pin(ns, k) {
+				held = append(held, k)
 			}
 		}
-		if err == nil {
-			pc.pol.TouchAll(ns, ek, now)
+		if serr != nil && !errors.Is(serr, evict.ErrExists) {
+			pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", a.keys[i].String(), "err", serr)
 		}
-		pc.markDirty(ns)
-		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
-	}()
+	}
+	if err == nil {
+		pc.pol.TouchAll(ns, a.ek, now)
+	}
+	pc.markDirty(ns)
+	pc.kickShrink() // a page longer than estimated, or one added outside a reservation
+	if r != nil {
+		r.Release()
+	}
+	return append(held, a.release()...)
+}
+
+// AdmitHeld reserves (with hold) room for pages of namespace n that a
+// load reads next, runs write, which publishes them, and settles (see
+// Reserve): held are the keys pinned for the caller, on every path, error
+// included. Errors: Reserve's, write's.
+func (pc *Cache) AdmitHeld(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []layout.PageKey, err error) {
+	a, err := pc.Reserve(ctx, n, keys, parents, fileBytes, true)
+	if err != nil {
+		return a.Release(), err
+	}
+	defer func() { held = a.Settle(err) }()
 	return nil, write()
 }
 
@@ -1235,6 +1273,10 @@ func (pc *Cache) PinChain(ns string, keys []layout.PageKey) *LoadPins {
 	ek := evictKeys(keys)
 	return &LoadPins{pc: pc, ns: ns, ek: ek, k: pc.pol.PinPrefix(ns, ek)}
 }
+
+// Pinned is how many pages of the chain, from its first, the load has
+// pinned so far (PinChain, Extend).
+func (lp *LoadPins) Pinned() int { return lp.k }
 
 // Hold adds pins taken for the load elsewhere (AdmitHeld's held); Done
 // releases them.

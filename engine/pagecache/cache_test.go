@@ -26,7 +26,7 @@ import (
 )
 
 // The page cache without an engine: a store, the page index, jobs' prefix
-// save as the write that Admit covers.
+// save as the write that Reserve covers.
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m, goleak.IgnoreCurrent()) }
 
@@ -96,8 +96,24 @@ func convTokens(own int, conv uint32) []uint32 {
 	return out
 }
 
-// save saves toks to ns through Admit, as the engine does, and indexes
-// the pages.
+// admission is a save's jobs.Admission through Reserve, as the engine's.
+type admission struct {
+	pc *pagecache.Cache
+	a  *pagecache.Admission
+}
+
+func (ad *admission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
+	a, err := ad.pc.Reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
+	if err != nil {
+		a.Release()
+		return err
+	}
+	ad.a = a
+	return nil
+}
+
+// save saves toks to ns through Reserve (jobs.SavePrefix's admission), as
+// the engine does, settles, and indexes the pages.
 func (r *rig) save(ns string, toks []uint32) ([]layout.PageKey, error) {
 	vs := r.kv.Views()
 	ts := make([]jobs.TensorSpec, 2*r.kv.Model.Layers)
@@ -105,23 +121,19 @@ func (r *rig) save(ns string, toks []uint32) ([]layout.PageKey, error) {
 		ts[i] = jobs.TensorSpec{DType: r.kv.Model.DType, View: vs[i]}
 	}
 	ctx := context.Background()
-	if n, err := r.st.Namespace(ns); err != nil {
-		return nil, err
-	} else if err := n.Create(); err != nil {
-		return nil, err
+	adm := &admission{pc: r.pc}
+	cfg := *r.jcfg
+	cfg.Admission = adm
+	res, _, err := jobs.SavePrefix(ctx, &cfg, &jobs.SavePrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Tensors: ts, PageTokens: pTokens})
+	if adm.a != nil {
+		adm.a.Settle(err)
 	}
-	plan, err := jobs.PlanPrefixSave(&jobs.SavePrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Tensors: ts, PageTokens: pTokens})
 	if err != nil {
 		return nil, err
 	}
-	err = r.pc.Admit(ctx, ns, plan.Keys, plan.Parents, plan.FileBytes, func() error {
-		_, _, err := jobs.SavePlannedPrefix(ctx, r.jcfg, plan)
-		return err
-	})
-	if err == nil {
-		r.index.Add(ns, plan.Keys...)
-	}
-	return plan.Keys, err
+	keys := res.Stored()
+	r.index.Add(ns, keys...)
+	return keys, nil
 }
 
 func (r *rig) mustSave(t *testing.T, ns string, toks []uint32) []layout.PageKey {

@@ -14,6 +14,7 @@ package pageindex
 
 import (
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"sync"
 
@@ -215,6 +216,70 @@ func (x *Index) LookupDeepest(ns, identity string, pageTokens int, tokens []uint
 		}
 	}
 	return full * pageTokens, last, nil
+}
+
+// ErrKeys: the page keys a caller passed (LookupFrom) cover more full
+// pages than its tokens hold.
+var ErrKeys = errors.New("pageindex: more page keys than full pages of tokens")
+
+// LookupFrom is LookupDeepest for a caller that holds the keys of the
+// first len(keys) full pages of tokens already (a previous LookupFrom's
+// chain, or a save's or load's keys without a leaf): it hashes only the
+// full pages after them (SHA-256 of 32+4P bytes each) and the leaf, not
+// the whole chain, so a prompt grown by a few pages since costs a few
+// hashes and one index probe per page. keys are trusted: keys that are
+// not the chain of tokens' first pages give the answer for those keys.
+//
+// chain is the keys of every full page of tokens, in chain order (the
+// leaf, never a parent, left out): keys, then the keys of the pages after
+// them, appended to keys (reusing its capacity), ready for the next
+// call. It allocates only when keys lacks the capacity.
+//
+// Errors: layout.ErrIdentity, layout.ErrPageTokens, ErrKeys (more keys
+// than len(tokens)/pageTokens), with chain nil.
+func (x *Index) LookupFrom(ns, identity string, pageTokens int, keys []layout.PageKey, tokens []uint32) (n int, last layout.PageKey, chain []layout.PageKey, err error) {
+	if err := layout.CheckIdentity(identity); err != nil {
+		return 0, last, nil, err
+	}
+	if err := layout.CheckPageTokens(pageTokens); err != nil {
+		return 0, last, nil, err
+	}
+	full := len(tokens) / pageTokens
+	if len(keys) > full {
+		return 0, last, nil, fmt.Errorf("%w: %d keys, %d tokens hold %d full pages of %d", ErrKeys, len(keys), len(tokens), full, pageTokens)
+	}
+	chain = keys
+	k := layout.PageRoot(identity, pageTokens)
+	if len(keys) > 0 {
+		k = keys[len(keys)-1]
+	}
+	for i := len(keys); i < full; i++ {
+		k = layout.PageNext(k, tokens[i*pageTokens:(i+1)*pageTokens])
+		chain = append(chain, k)
+	}
+	var leaf layout.PageKey
+	rest := tokens[full*pageTokens:]
+	if len(rest) > 0 {
+		leaf = layout.PageNext(k, rest)
+	}
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	set := x.ns[ns]
+	if len(set) == 0 {
+		return 0, last, chain, nil
+	}
+	for i, k := range chain {
+		if _, ok := set[k]; !ok {
+			return i * pageTokens, last, chain, nil
+		}
+		last = k
+	}
+	if len(rest) > 0 {
+		if _, ok := set[leaf]; ok {
+			return len(tokens), leaf, chain, nil
+		}
+	}
+	return full * pageTokens, last, chain, nil
 }
 
 // BuildStats reports what Build found.

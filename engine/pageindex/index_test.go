@@ -43,9 +43,9 @@ func load(t *testing.T, nsDir, identity string, tokens []uint32) int {
 	buf := make([]byte, len(tokens)*4*2)
 	v := gather.View{Base: buf, Shape: []int{1, len(tokens), 4}, Strides: []int{len(tokens) * 4, 4, 1}, ItemSize: 2}
 	res, _, err := jobs.LoadPrefix(context.Background(), &jobs.Config{Root: filepath.Dir(nsDir), NoSync: true}, &jobs.LoadPrefixRequest{
-		Namespace: filepath.Base(nsDir), Identity: identity, Tokens: tokens, PageTokens: 16, Verify: true,
+		Namespace: filepath.Base(nsDir), Identity: identity, Tokens: tokens, PageTokens: 16,
 		Dest: []jobs.TensorSpec{{DType: "bfloat16", View: v}},
-	})
+	}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -223,5 +223,102 @@ func TestPresent(t *testing.T) {
 	}
 	if n := x.Present("b", keys); n != 0 {
 		t.Fatalf("another namespace: %d", n)
+	}
+}
+
+// TestLookupFromEqualsLookup: LookupFrom with the keys of any number of a
+// prompt's first full pages answers what the full-hash LookupDeepest
+// answers (tokens and deepest key), over indexes holding a prefix of the
+// chain, a chain with a hole, the leaf or not, and an empty namespace;
+// its chain is layout.PageChain's full-page keys, appended in place when
+// keys has the capacity.
+func TestLookupFromEqualsLookup(t *testing.T) {
+	const P = 16
+	for _, total := range []int{0, 5, P, 3 * P, 5*P + 7} {
+		prompt := toks(total, 9)
+		all, full, err := layout.PageChain("id", P, prompt)
+		if err != nil {
+			t.Fatal(err)
+		}
+		stored := map[string][]layout.PageKey{"none": nil, "all": all}
+		for j := 0; j <= len(all); j++ {
+			stored["first-"+string(rune('0'+j))] = all[:j]
+		}
+		if len(all) > 2 {
+			stored["hole"] = append(slices.Clone(all[:1]), all[2:]...)
+		}
+		if full < len(all) {
+			stored["no-leaf"] = all[:full]
+		}
+		for name, keys := range stored {
+			x := pageindex.New()
+			x.Add("ns", keys...)
+			wantN, wantLast, err := x.LookupDeepest("ns", "id", P, prompt)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for known := 0; known <= full; known++ {
+				held := make([]layout.PageKey, known, full)
+				copy(held, all[:known])
+				n, last, chain, err := x.LookupFrom("ns", "id", P, held, prompt)
+				if err != nil {
+					t.Fatalf("%d tokens, %s, %d keys known: %v", total, name, known, err)
+				}
+				if n != wantN || last != wantLast {
+					t.Fatalf("%d tokens, %s, %d keys known: %d tokens, deepest %s; LookupDeepest %d, %s", total, name, known, n, last, wantN, wantLast)
+				}
+				if !slices.Equal(chain, all[:full]) {
+					t.Fatalf("%d tokens, %s, %d keys known: chain %v, want the full pages' keys %v", total, name, known, chain, all[:full])
+				}
+				if full > 0 && &chain[0] != &held[:1][0] {
+					t.Fatalf("%d tokens, %s: the chain was not appended to the keys' array", total, name)
+				}
+			}
+		}
+	}
+}
+
+// TestLookupFromErrors: more keys than full pages is ErrKeys, a bad
+// identity or page size their layout errors; no chain with them.
+func TestLookupFromErrors(t *testing.T) {
+	x := pageindex.New()
+	prompt := toks(40, 2)
+	keys, _, _ := layout.PageChain("id", 16, prompt) // 2 full pages and a leaf
+	for _, tc := range []struct {
+		identity string
+		p        int
+		keys     []layout.PageKey
+		want     error
+	}{
+		{"id", 16, keys, pageindex.ErrKeys},
+		{"", 16, nil, layout.ErrIdentity},
+		{"id", 0, nil, layout.ErrPageTokens},
+	} {
+		n, _, chain, err := x.LookupFrom("ns", tc.identity, tc.p, tc.keys, prompt)
+		if !errors.Is(err, tc.want) || n != 0 || chain != nil {
+			t.Fatalf("%q, P %d, %d keys: %d, %v, %v; want %v", tc.identity, tc.p, len(tc.keys), n, chain, err, tc.want)
+		}
+	}
+}
+
+// TestLookupFromNoAlloc: with the capacity for the new keys, LookupFrom
+// does not allocate.
+func TestLookupFromNoAlloc(t *testing.T) {
+	if raceEnabled {
+		t.Skip("the race detector makes sync.Pool drop items: allocations are not meaningful")
+	}
+	x := pageindex.New()
+	p := toks(4096+256+100, 3)
+	keys, full, _ := layout.PageChain("m", 256, p)
+	x.Add("ns", keys...)
+	held := make([]layout.PageKey, 16, full)
+	n := testing.AllocsPerRun(50, func() {
+		copy(held, keys)
+		if got, _, _, _ := x.LookupFrom("ns", "m", 256, held[:16], p); got != len(p) {
+			panic(got)
+		}
+	})
+	if n != 0 {
+		t.Fatalf("LookupFrom allocates %v times", n)
 	}
 }

@@ -8,13 +8,14 @@
 // uploads them in the background (Uploader) and collects unreferenced ones
 // (Collect). What a page file holds is the engine's business.
 //
-// Bucket layout (mirrors the local store, see ARCHITECTURE.md):
+// Bucket layout (mirrors the local store, see docs/format/bucket-layout.md):
 //
 //	<prefix>/<ns>/pages/<k[0:2]>/<k>   a page; k = 64 lowercase hex digits
 //	<prefix>/<ns>/<name>               a manifest (a named snapshot)
 package remote
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -53,6 +54,17 @@ var (
 	ErrClosed = errors.New("remote: uploader closed")
 	// ErrAbandoned: Close's context ended with uploads not finished.
 	ErrAbandoned = errors.New("remote: uploads abandoned")
+	// ErrCredentials: the store refused the credentials: an access key
+	// it does not know (S3 InvalidAccessKeyId), a signature that does
+	// not match (a wrong secret key: SignatureDoesNotMatch), or an
+	// invalid or expired session token.
+	ErrCredentials = errors.New("remote: credentials refused")
+	// ErrNoBucket: the bucket does not exist (S3 NoSuchBucket).
+	ErrNoBucket = errors.New("remote: bucket does not exist")
+	// ErrAccessDenied: the store denied the request (S3 AccessDenied, or
+	// a 403 without a code: HEAD responses carry none): the credentials
+	// lack a permission, or (on HEAD) are wrong.
+	ErrAccessDenied = errors.New("remote: access denied")
 )
 
 // OpError names the request kind and object of a failed request.
@@ -75,10 +87,16 @@ const (
 
 // Config says where the remote tier lives and how to reach it.
 type Config struct {
-	// Endpoint is "host[:port]" (HTTPS) or a URL "https://host[:port]" or
-	// "http://host:port". Plain HTTP is allowed only when host is a
-	// loopback address ("localhost", 127.0.0.0/8, ::1): credentials and
-	// pages never cross a network unencrypted.
+	// Endpoint is "host[:port]" or "https://host[:port]" for HTTPS, or
+	// "http://host:port" for plain HTTP. A bare host:port always means
+	// HTTPS: a server that speaks plain HTTP (a local SeaweedFS, MinIO or
+	// other test server, which listen without TLS by default) must be
+	// given as an http:// URL, e.g. "http://127.0.0.1:8333" (the CLI's
+	// --insecure with host:port is the same). Plain HTTP is allowed only
+	// when host is a loopback address ("localhost", 127.0.0.0/8, ::1):
+	// credentials and pages never cross a network unencrypted. A plain-HTTP
+	// server given as host:port fails every request with ErrConfig, whose
+	// message says to use http://.
 	Endpoint string
 	// Bucket must exist; the tier never creates buckets.
 	Bucket string
@@ -105,8 +123,7 @@ type Config struct {
 	// page: engine.RemoteTier.FetchPages). Every GET carries a Range
 	// header and If-Match, also when one range is the whole object; on
 	// SeaweedFS neither costs the server measurably more CPU per byte than
-	// a plain GET, nor do 8 MiB ranges (ARCHITECTURE.md, "Where the CPU
-	// goes"). Fetch holds at most Concurrency copy buffers of
+	// a plain GET, nor do 8 MiB ranges. Fetch holds at most Concurrency copy buffers of
 	// CopyBufferBytes, whatever this is.
 	FetchChunkBytes int64
 	// MaxObjectBytes: larger objects are refused by Fetch (ErrTooLarge)
@@ -221,6 +238,33 @@ func isNameChars(s string) bool {
 		}
 	}
 	return true
+}
+
+// plainHTTPHint turns the TLS error of an HTTPS request answered in plain
+// HTTP (an http:// server given as host:port) into ErrConfig naming the
+// fix, instead of a TLS record error every request would repeat (and
+// uploads retry).
+type plainHTTPHint struct {
+	next     http.RoundTripper
+	endpoint string // Config.Endpoint as given
+	host     string // its host:port
+}
+
+func (p plainHTTPHint) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := p.next.RoundTrip(r)
+	var re tls.RecordHeaderError
+	if err != nil && errors.As(err, &re) && string(re.RecordHeader[:]) == "HTTP/" {
+		return nil, fmt.Errorf("%w: Endpoint %q: the server answered HTTPS in plain HTTP; give a plain-HTTP server as http://%s (loopback hosts only)",
+			ErrConfig, p.endpoint, p.host)
+	}
+	return resp, err
+}
+
+// CloseIdleConnections closes next's idle connections (Store.Close).
+func (p plainHTTPHint) CloseIdleConnections() {
+	if c, ok := p.next.(interface{ CloseIdleConnections() }); ok {
+		c.CloseIdleConnections()
+	}
 }
 
 // serverClock remembers the Date header of the store's latest response, so

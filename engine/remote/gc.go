@@ -113,7 +113,7 @@ type CollectReport struct {
 // counted in Refreshed) and delete it. Manifests and unrecognised names
 // are never deleted. If Live fails nothing is deleted. A dry run sends no
 // HEAD: it reports what the listing says. The clock rule is in
-// ARCHITECTURE.md ("Remote tier").
+// docs/format/bucket-layout.md ("Grace, not locks").
 func (s *Store) Collect(ctx context.Context, o CollectOptions) (CollectReport, error) {
 	var rep CollectReport
 	if o.Grace == 0 {

@@ -115,6 +115,64 @@ func checkPageSnap(snap *layout.Snapshot, key string, size int64) error {
 	return nil
 }
 
+// CheckStoredPage fetches the stored object o (from Stat, o.Name set), the
+// page of key (64 lowercase hex digits), in one GET pinned to o.ETag and
+// checks it as VerifyPage would, streamed (PageStream): none of its bytes
+// is kept, so it costs one object's transfer and no memory or disk. nil:
+// the object is the page. An error wrapping ErrCorrupt: it is not (a
+// header, key, tensor hash or length that does not check out). Any other
+// error (the request failed, the object changed or went meanwhile) says
+// nothing about the object.
+func (s *Store) CheckStoredPage(ctx context.Context, o Object, key string) error {
+	if o.Size > s.cfg.MaxObjectBytes {
+		return &OpError{Op: "get", Name: o.Name, Err: fmt.Errorf("%w: %d bytes > MaxObjectBytes %d", ErrTooLarge, o.Size, s.cfg.MaxObjectBytes)}
+	}
+	ps := NewPageStream(discardAt{}, key, o.Size)
+	// One attempt of one range: a retried range would reach the stream out
+	// of order, and a short body is the network's doing, not the object's.
+	if err := s.getRangeOnce(ctx, o.Name, o, 0, o.Size, ps); err != nil {
+		return &OpError{Op: "get", Name: o.Name, Err: fmt.Errorf("checking the stored page: %v", err)}
+	}
+	if _, ok := ps.Verified(); !ok {
+		return &OpError{Op: "get", Name: o.Name, Err: fmt.Errorf("%w: the stored object is not page %s (its header, key, a tensor hash or its length)", ErrCorrupt, key)}
+	}
+	return nil
+}
+
+// RepairPage replaces the stored object of page key of namespace ns by the
+// size bytes of src (a local page file), when the stored object does not
+// verify (CheckStoredPage) and src does (VerifyPage): replaced true. A
+// stored object that verifies is kept (create-only: replaced false, nil);
+// a missing one is uploaded create-only (replaced true). Errors: src not
+// the page (ErrSourceCorrupt), or a request's.
+func (s *Store) RepairPage(ctx context.Context, ns, key string, src io.ReaderAt, size int64) (replaced bool, err error) {
+	name, err := s.PageName(ns, key)
+	if err != nil {
+		return false, err
+	}
+	if err := VerifyPage(key, nil)(src, size); err != nil {
+		return false, fmt.Errorf("%w: %s: %w", ErrSourceCorrupt, name, err)
+	}
+	o, err := s.Stat(ctx, name)
+	if errors.Is(err, ErrNotFound) {
+		pr, err := s.Put(ctx, name, src, size)
+		return pr.Created, err
+	}
+	if err != nil {
+		return false, err
+	}
+	if err := s.CheckStoredPage(ctx, o, key); !errors.Is(err, ErrCorrupt) {
+		return false, err // nil: a good object, kept
+	}
+	pr, err := s.Replace(ctx, name, o.ETag, src, size)
+	return pr.Replaced, err
+}
+
+// discardAt is a write destination that keeps nothing.
+type discardAt struct{}
+
+func (discardAt) WriteAt(p []byte, _ int64) (int, error) { return len(p), nil }
+
 // VerifyPage returns a VerifyFunc accepting only the page file of key (64
 // lowercase hex digits): its header decodes (layout.Decode, which also
 // checks that the page's key is the chain step from its parent key over
@@ -124,7 +182,7 @@ func checkPageSnap(snap *layout.Snapshot, key string, size int64) error {
 // page. A fetch whose bytes fail it is ErrCorrupt.
 func VerifyPage(key string, out **layout.Page) VerifyFunc {
 	return func(r io.ReaderAt, size int64) error {
-		snap, err := Decode(r, size, "page "+key)
+		snap, err := layout.DecodePage(objectFile{r: r, size: size, name: "page " + key}, "page "+key)
 		if err != nil {
 			return err
 		}

@@ -64,6 +64,23 @@ func TestConfigRules(t *testing.T) {
 	s.Close()
 }
 
+// TestPlainHTTPServerNeedsHTTPURL: SeaweedFS listens in plain HTTP; given
+// as host:port (which means HTTPS) every request fails with ErrConfig
+// saying to write http://host:port, not with a TLS record error; given as
+// http://host:port it works.
+func TestPlainHTTPServerNeedsHTTPURL(t *testing.T) {
+	hostport := strings.TrimPrefix(srv.Endpoint, "http://")
+	s := newStore(t, func(c *remote.Config) { c.Endpoint = hostport; c.MaxRetries = 1 })
+	_, err := s.Stat(context.Background(), "t/none")
+	if !errors.Is(err, remote.ErrConfig) || !strings.Contains(err.Error(), "http://"+hostport) {
+		t.Fatalf("a plain-HTTP server given as %s: %v, want ErrConfig naming http://%s", hostport, err, hostport)
+	}
+	s = newStore(t, nil) // srv.Endpoint: the http:// URL
+	if _, err := s.Stat(context.Background(), "t/none"); !errors.Is(err, remote.ErrNotFound) {
+		t.Fatalf("the same server as %s: %v, want ErrNotFound", srv.Endpoint, err)
+	}
+}
+
 // noFiles points the AWS shared files at paths that do not exist, so the
 // machine's own ~/.aws is never read by a test.
 func noFiles(t *testing.T) {

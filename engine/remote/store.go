@@ -76,6 +76,9 @@ func New(cfg Config) (*Store, error) {
 		t.MaxIdleConnsPerHost = max(c.Concurrency, 16)
 		next = t
 	}
+	if secure {
+		next = plainHTTPHint{next: next, endpoint: c.Endpoint, host: host}
+	}
 	clock := &serverClock{next: next}
 	cl, err := minio.New(host, &minio.Options{
 		Creds:        creds,
@@ -172,10 +175,52 @@ func opErr(op, name string, err error) error {
 	if err == nil {
 		return nil
 	}
-	if isNotFound(err) {
+	if cause := causeOf(err); cause != nil {
+		err = fmt.Errorf("%w (%v)", cause, err)
+	} else if isNotFound(err) {
 		err = fmt.Errorf("%w (%v)", ErrNotFound, err)
 	}
 	return &OpError{Op: op, Name: name, Err: err}
+}
+
+// causeOf is the sentinel of an S3 error response that no retry can fix:
+// ErrCredentials, ErrNoBucket or ErrAccessDenied; nil for any other.
+func causeOf(err error) error {
+	r := minio.ToErrorResponse(err)
+	switch r.Code {
+	case "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken", "ExpiredToken", "InvalidSecurity":
+		return ErrCredentials
+	case "NoSuchBucket":
+		return ErrNoBucket
+	case "AccessDenied":
+		return ErrAccessDenied
+	}
+	if r.StatusCode == http.StatusForbidden {
+		return ErrAccessDenied
+	}
+	return nil
+}
+
+// Check sends one request (a listing of at most one object under the
+// store's prefix) to find out, before anything is uploaded, whether the
+// store takes the credentials and holds the bucket. Errors: ErrCredentials
+// (an unknown access key, a wrong secret key), ErrNoBucket, ErrAccessDenied
+// (the credentials may not list the bucket), each naming the bucket and
+// endpoint; any other (the store unreachable, a server error) is the
+// request's *OpError, which a caller may take as transient.
+func (s *Store) Check(ctx context.Context) error {
+	var err error
+	for info := range s.client.ListObjectsIter(ctx, s.cfg.Bucket, minio.ListObjectsOptions{Prefix: s.join(""), MaxKeys: 1}) {
+		err = info.Err
+		break // one page of the listing answers the question
+	}
+	if err == nil {
+		return nil
+	}
+	if cause := causeOf(err); cause != nil {
+		return fmt.Errorf("%w: bucket %q at %s: %v", cause, s.cfg.Bucket, s.cfg.Endpoint, err)
+	}
+	return opErr("list", s.join(""), err)
 }
 
 // Stat returns the object's size, ETag and mtime (one HEAD request).
@@ -198,6 +243,8 @@ type PutResult struct {
 	// Existing is the object found when Created is false (its ModTime
 	// tells the caller how close it is to remote GC's grace period).
 	Existing Object
+	// Replaced: Created by Replace, over an object that did not verify.
+	Replaced bool
 }
 
 // Put uploads the size bytes of r as object name, create-only: the request
@@ -230,12 +277,38 @@ func (s *Store) Put(ctx context.Context, name string, r io.ReaderAt, size int64)
 	return PutResult{Existing: o}, nil
 }
 
+// Replace uploads the size bytes of r as object name over the object
+// stored there, only if that object's ETag is still etag (If-Match): the
+// repair of an object found not to verify, which create-only Put never
+// replaces. When the object changed since (another writer replaced it, or
+// deleted it: a 412 or 404) nothing is written and the object now stored
+// is reported as existing (Created false; a deleted one is ErrNotFound).
+func (s *Store) Replace(ctx context.Context, name, etag string, r io.ReaderAt, size int64) (PutResult, error) {
+	if size < 0 || etag == "" {
+		return PutResult{}, fmt.Errorf("%w: replace %s: size %d, ETag %q", ErrConfig, name, size, etag)
+	}
+	opts := minio.PutObjectOptions{DisableMultipart: true, ContentType: "application/octet-stream"}
+	opts.SetMatchETag(etag)
+	_, err := s.client.PutObject(ctx, s.cfg.Bucket, name, io.NewSectionReader(r, 0, size), size, opts)
+	if err == nil {
+		return PutResult{Created: true, Bytes: size, Replaced: true}, nil
+	}
+	if !isPrecondition(err) && !isNotFound(err) {
+		return PutResult{}, opErr("put", name, err)
+	}
+	o, serr := s.Stat(ctx, name)
+	if serr != nil {
+		return PutResult{}, serr
+	}
+	return PutResult{Existing: o}, nil
+}
+
 // Refresh renews the mtime of an existing object without changing its
 // bytes: a server-side copy onto itself (one request, no data through this
 // machine) that replaces its metadata, conditional on its ETag still being
 // etag ("" = any). An uploader that found a page present with an mtime
 // close to remote GC's grace refreshes it before naming it in a manifest
-// (see ARCHITECTURE.md, "Remote garbage collection"). Returns the new
+// (docs/format/bucket-layout.md, "Grace, not locks"). Returns the new
 // state; a missing object is ErrNotFound, another ETag is a 412 error.
 func (s *Store) Refresh(ctx context.Context, name, etag string) (Object, error) {
 	src := minio.CopySrcOptions{Bucket: s.cfg.Bucket, Object: name, MatchETag: etag}

@@ -14,7 +14,7 @@ import (
 // MaxStreamHeaderBytes caps the prefix and header a PageStream keeps in
 // memory (a page's header is a few KiB); a larger one is verified by
 // reading it back instead.
-const MaxStreamHeaderBytes = 1 << 20
+const MaxStreamHeaderBytes = layout.PrefixLen + layout.MaxPageHeaderLen
 
 // PageStream is a fetch destination for one page object that verifies the
 // page from the bytes in hand, so that it need not be read back: every
@@ -138,7 +138,7 @@ func (s *PageStream) decodeHead() {
 // tensor's xxh3-64 equal to its header hash; snap is then the decoded
 // header (snap.Page the page), decoded from the very bytes written to dst,
 // which a caller may use instead of decoding dst's header again (the
-// engine's scatter: jobs.PrefixScatter.Page). false means nothing: the
+// engine: its prefix load, jobs.SourcePage.Head). false means nothing: the
 // caller verifies by reading the object back (VerifyPage).
 func (s *PageStream) Verified() (snap *layout.Snapshot, ok bool) {
 	s.mu.Lock()

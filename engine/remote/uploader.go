@@ -2,6 +2,8 @@ package remote
 
 import (
 	"context"
+	"crypto/md5"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -40,6 +42,18 @@ type Upload struct {
 	// ErrSourceCorrupt: a create-only object is never replaced, so a
 	// corrupt one would block the right bytes for every machine.
 	Verify VerifyFunc
+	// Stored, if set (with StatFirst), repairs a corrupt object: when the
+	// HEAD finds an object under the name whose ETag is an MD5 (a single
+	// PUT's, 32 hex digits) other than the source's, or whose size
+	// differs, Stored checks it (Store.CheckStoredPage for a page). nil
+	// keeps it: another writer's good bytes (create-only). An error
+	// wrapping ErrCorrupt has it replaced by the source, once the source
+	// passed Verify, conditional on the object's ETag (Store.Replace;
+	// UploadResult.Replaced). Another error fails the attempt (retried).
+	// An object whose ETag is not an MD5 (multipart, some server-side
+	// encryption) is kept unchecked: finding it corrupt takes a full
+	// fetch (kvpersist verify --remote).
+	Stored func(ctx context.Context, o Object) error
 }
 
 // UploadResult reports one finished (or given up) upload to OnDone.
@@ -52,6 +66,9 @@ type UploadResult struct {
 	// Existing is the object found when Created is false and Err is nil
 	// (its ModTime says how close it is to remote GC's grace period).
 	Existing Object
+	// Replaced: the upload replaced a stored object that did not verify
+	// (Upload.Stored); Created is true too.
+	Replaced bool
 }
 
 // UploaderConfig bounds an Uploader.
@@ -69,6 +86,12 @@ type UploaderConfig struct {
 	// OnDone, if set, is called once per upload that leaves the queue, on
 	// the worker's goroutine (keep it short).
 	OnDone func(UploadResult)
+	// OnRetry, if set, is called after each failed attempt that will be
+	// retried (a transient error: the network, a 5xx, or the credentials
+	// or bucket refused, which a fix of the store may cure), on the
+	// worker's goroutine (keep it short): name, the attempts so far and
+	// the attempt's error.
+	OnRetry func(name string, attempts int, err error)
 	// StatFirst makes every attempt HEAD the object before its PUT: an
 	// object already stored with the upload's size is reported existing
 	// without sending its bytes (a create-only PUT sends the whole body
@@ -107,6 +130,7 @@ type Uploader struct {
 	closing bool
 	names   map[string]bool // queued or in flight, so a name is uploaded once at a time
 	stats   UploaderStats
+	lastErr error // the last failed attempt's error, for Close's
 }
 
 // NewUploader starts cfg.Workers goroutines; Close stops them.
@@ -173,8 +197,10 @@ func (u *Uploader) Stats() UploaderStats {
 // Close stops accepting uploads and waits until every queued upload has
 // finished. If ctx ends first, uploads in flight are cancelled, the rest
 // of the queue is abandoned (each reported to OnDone with ErrAbandoned)
-// and Close returns an error wrapping ErrAbandoned and ctx's error after
-// every worker has returned. Nothing local is touched either way.
+// and Close returns an error wrapping ErrAbandoned, ctx's error and the
+// last failed attempt's error (why they had not finished: errors.Is finds
+// ErrCredentials, say), after every worker has returned. Nothing local is
+// touched either way.
 func (u *Uploader) Close(ctx context.Context) error {
 	u.mu.Lock()
 	if !u.closing {
@@ -193,6 +219,12 @@ func (u *Uploader) Close(ctx context.Context) error {
 		<-done
 	}
 	if n := u.Stats().Abandoned; n > 0 {
+		u.mu.Lock()
+		last := u.lastErr
+		u.mu.Unlock()
+		if last != nil { // why they did not finish: the store's answer
+			return fmt.Errorf("%w: %d uploads: %w; the last failed attempt: %w", ErrAbandoned, n, context.Cause(ctx), last)
+		}
 		return fmt.Errorf("%w: %d uploads: %w", ErrAbandoned, n, context.Cause(ctx))
 	}
 	return nil
@@ -255,11 +287,7 @@ func (u *Uploader) upload(up Upload) UploadResult {
 		if u.cfg.StatFirst {
 			var o Object
 			if o, err = u.store.Stat(u.ctx, up.Name); err == nil {
-				if o.Size != up.Size {
-					err = &OpError{Op: "put", Name: up.Name, Err: fmt.Errorf("%w: stored %d bytes, ours %d", ErrConflict, o.Size, up.Size)}
-				} else {
-					pr.Existing = o
-				}
+				pr, err = u.existing(up, src, o)
 			} else if errors.Is(err, ErrNotFound) {
 				pr, err = u.put(up, src)
 			}
@@ -268,16 +296,23 @@ func (u *Uploader) upload(up Upload) UploadResult {
 		}
 		src.Close()
 		if err == nil {
-			res.Created, res.Bytes, res.Existing = pr.Created, pr.Bytes, pr.Existing
+			res.Created, res.Bytes, res.Existing, res.Replaced = pr.Created, pr.Bytes, pr.Existing, pr.Replaced
 			return res
 		}
 		if errors.Is(err, ErrConflict) || errors.Is(err, ErrBadName) || errors.Is(err, ErrConfig) || errors.Is(err, ErrSourceCorrupt) {
 			res.Err = err
 			return res
 		}
+		if u.ctx.Err() != nil {
+			continue // cancelled by Close: abandoned at the loop's top
+		}
 		u.mu.Lock()
 		u.stats.Retries++
+		u.lastErr = err
 		u.mu.Unlock()
+		if u.cfg.OnRetry != nil {
+			u.cfg.OnRetry(up.Name, res.Attempts, err)
+		}
 		t := time.NewTimer(rand.N(wait) + time.Millisecond)
 		select {
 		case <-t.C:
@@ -286,6 +321,70 @@ func (u *Uploader) upload(up Upload) UploadResult {
 		}
 		wait = min(2*wait, u.cfg.BackoffMax)
 	}
+}
+
+// existing decides about the object o that the HEAD found under up's
+// name: kept (reported existing) when it holds the source's bytes, as far
+// as its ETag can tell, or passes up.Stored; replaced by src (verified
+// first) when up.Stored finds it corrupt; ErrConflict when it has another
+// size and is not found corrupt.
+func (u *Uploader) existing(up Upload, src ReadAtCloser, o Object) (PutResult, error) {
+	conflict := func() (PutResult, error) {
+		return PutResult{}, &OpError{Op: "put", Name: up.Name, Err: fmt.Errorf("%w: stored %d bytes, ours %d", ErrConflict, o.Size, up.Size)}
+	}
+	if up.Stored == nil || !isMD5(o.ETag) {
+		if o.Size != up.Size {
+			return conflict()
+		}
+		return PutResult{Existing: o}, nil
+	}
+	if o.Size == up.Size {
+		sum, err := md5Of(src, up.Size)
+		if err != nil {
+			return PutResult{}, fmt.Errorf("remote: upload %s: reading the source: %w", up.Name, err)
+		}
+		if sum == o.ETag {
+			return PutResult{Existing: o}, nil
+		}
+	}
+	err := up.Stored(u.ctx, o)
+	switch {
+	case err == nil && o.Size != up.Size:
+		return conflict()
+	case err == nil:
+		return PutResult{Existing: o}, nil
+	case !errors.Is(err, ErrCorrupt):
+		return PutResult{}, err
+	}
+	if up.Verify != nil {
+		if verr := up.Verify(src, up.Size); verr != nil {
+			return PutResult{}, fmt.Errorf("%w: %s not uploaded over a corrupt object: %w", ErrSourceCorrupt, up.Name, verr)
+		}
+	}
+	return u.store.Replace(u.ctx, up.Name, o.ETag, src, up.Size)
+}
+
+// isMD5 reports whether an ETag is an MD5 in hex (a single PUT's, on S3
+// without SSE-KMS and on SeaweedFS), so comparable with the source's.
+func isMD5(etag string) bool {
+	if len(etag) != 32 {
+		return false
+	}
+	for i := range len(etag) {
+		if c := etag[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// md5Of is the MD5, in lowercase hex, of the size bytes of r.
+func md5Of(r io.ReaderAt, size int64) (string, error) {
+	h := md5.New()
+	if _, err := io.Copy(h, io.NewSectionReader(r, 0, size)); err != nil {
+		return "", err
+	}
+	return hex.EncodeToString(h.Sum(nil)), nil
 }
 
 // put verifies src (up.Verify, when set) and, if it passes, PUTs it

@@ -63,7 +63,7 @@ func decodePage(fsys vfs.FS, path string) (*layout.Snapshot, error) {
 		return nil, err
 	}
 	defer f.Close()
-	return layout.Decode(f, path)
+	return layout.DecodePage(f, path)
 }
 
 // PageUsage is what a namespace's page cache holds (Listing.PageUsage).

@@ -5,7 +5,7 @@
 // them lists a namespace, classifies an entry or builds a block path by
 // itself.
 //
-// The layout it owns (see ARCHITECTURE.md, "Store layout"):
+// The layout it owns (docs/format/store-layout.md):
 //
 //	<root>/                       the operator's directory; may be (or sit below) a symlink
 //	  <namespace>/                a real directory, layout.ValidName
@@ -47,6 +47,12 @@ var ErrNamespace = errors.New("invalid namespace directory")
 // (and verify reports it): younger ones may belong to a writer that is still
 // running, in this or another process.
 const DefaultTempGrace = 10 * time.Minute
+
+// NoTempGrace is the temp-file grace that keeps none back: every temp file
+// is stale whatever its age, so only for a store no writer can be using.
+// It is the explicit form of "no grace", since a grace of 0 means
+// DefaultTempGrace; any negative grace means the same.
+const NoTempGrace time.Duration = -1
 
 // Options are the policies of a Store.
 type Options struct {

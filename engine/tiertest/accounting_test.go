@@ -19,7 +19,7 @@ func TestFetchedPagesAccountedWhenTheLoadFails(t *testing.T) {
 
 	b := newEngine(t, rootB, prefix, newRecorder(t), nil)
 	c := newKV(len(conv))
-	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true, Dest: c.specs(len(conv))[:1]})
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Dest: c.specs(len(conv))[:1]})
 	if res.Err == nil {
 		t.Fatalf("a load into one tensor of two succeeded")
 	}

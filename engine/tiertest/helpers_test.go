@@ -187,7 +187,7 @@ func save(t *testing.T, e *engine.Engine, tokens []uint32) engine.Result {
 func load(t *testing.T, e *engine.Engine, tokens []uint32) (engine.Result, *kv) {
 	t.Helper()
 	c := newKV(len(tokens) + 100)
-	res := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, PageTokens: ptoks, Verify: true, Dest: c.specs(len(tokens))})
+	res := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, PageTokens: ptoks, Dest: c.specs(len(tokens))})
 	if res.Err != nil {
 		t.Fatalf("load: %v", res.Err)
 	}

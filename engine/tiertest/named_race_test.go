@@ -169,7 +169,7 @@ func TestNamedReadCancelledMidFetch(t *testing.T) {
 	})
 	n := heads * len(conv) * headDim * item
 	dest := [][]byte{make([]byte, n), make([]byte, n)}
-	res := a.Do(ctx, &engine.ReadRequest{Ref: engine.Ref{Namespace: ns, Name: "conv"}, Dest: dest, Verify: true})
+	res := a.Do(ctx, &engine.ReadRequest{Ref: engine.Ref{Namespace: ns, Name: "conv"}, Dest: dest})
 	if !errors.Is(res.Err, context.Canceled) {
 		t.Fatalf("cancelled read: %v (remote %+v); want context.Canceled", res.Err, res.Remote)
 	}

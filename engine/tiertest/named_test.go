@@ -13,12 +13,12 @@ import (
 )
 
 // readNamed reads the named snapshot name of tokens' geometry (written by
-// writePages) with Verify into fresh buffers and returns the result and
+// writePages), verified, into fresh buffers and returns the result and
 // the buffers (K then V, row-major [1, heads, tokens, headDim]).
 func readNamed(e *engine.Engine, name string, tokens int) (engine.Result, [][]byte) {
 	n := heads * tokens * headDim * item
 	dest := [][]byte{make([]byte, n), make([]byte, n)}
-	res := e.Do(context.Background(), &engine.ReadRequest{Ref: engine.Ref{Namespace: ns, Name: name}, Dest: dest, Verify: true})
+	res := e.Do(context.Background(), &engine.ReadRequest{Ref: engine.Ref{Namespace: ns, Name: name}, Dest: dest})
 	return res, dest
 }
 

@@ -117,7 +117,7 @@ func TestFetchedPagesScatteredDuringFetch(t *testing.T) {
 	}}
 	b := newEngineCfg(t, rootB, prefix, newRecorder(t), nil, func(c *engine.Config) { c.FS = fs; c.CapacityBytes = math.MaxInt32 })
 	c := fillKV(len(conv) + 100)
-	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true,
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks,
 		Dest: c.specs(len(conv)), Progress: func(n int64) {
 			if progress.Add(n) >= pageTensorBytes && once.CompareAndSwap(false, true) {
 				close(reached)
@@ -164,7 +164,7 @@ func TestScatterStopsAtFailedPage(t *testing.T) {
 	b := newEngineCfg(t, rootB, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.FetchPages = 2 },
 		func(c *engine.Config) { c.CapacityBytes = math.MaxInt32 })
 	c := fillKV(len(conv) + 100)
-	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true, Dest: c.specs(len(conv))})
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Dest: c.specs(len(conv))})
 	if res.Err != nil || res.Prefix.Tokens != 2*ptoks || res.Remote == nil || !errors.Is(res.Remote.Err, engine.ErrRemoteCorrupt) {
 		t.Fatalf("load: %v, %d tokens, remote %+v; want %d tokens and ErrRemoteCorrupt", res.Err, res.Prefix.Tokens, res.Remote, 2*ptoks)
 	}
@@ -194,7 +194,7 @@ func TestScatterMismatchWritesNothing(t *testing.T) {
 		return engine.View{Base: buf, Shape: []int{1, heads, capTok, headDim / 2},
 			Strides: []int{heads * capTok * headDim / 2, capTok * headDim / 2, headDim / 2, 1}}
 	}
-	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true,
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks,
 		Dest: []engine.TensorSpec{{DType: "bfloat16", View: view(k)}, {DType: "bfloat16", View: view(v)}}})
 	if !errors.Is(res.Err, engine.ErrMismatch) {
 		t.Fatalf("load: %v; want ErrMismatch", res.Err)
@@ -242,7 +242,7 @@ func TestScatterCancelledMidFetch(t *testing.T) {
 		mem[i] = m
 	}
 	c := &kv{capTok: capTok, k: mem[0], v: mem[1]}
-	res := b.Do(ctx, &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true, Dest: c.specs(len(conv))})
+	res := b.Do(ctx, &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Dest: c.specs(len(conv))})
 	for _, m := range mem {
 		if err := unix.Mprotect(m, unix.PROT_NONE); err != nil {
 			t.Fatal(err)
@@ -301,7 +301,7 @@ func TestScatterPublishFailureEndsPrefix(t *testing.T) {
 	b := newEngineCfg(t, rootB, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.FetchPages = 1 },
 		func(c *engine.Config) { c.FS = fs; c.CapacityBytes = math.MaxInt32 })
 	c := fillKV(len(conv) + 100)
-	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Verify: true, Dest: c.specs(len(conv))})
+	res := b.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: conv, PageTokens: ptoks, Dest: c.specs(len(conv))})
 	if res.Err != nil || res.Prefix.Tokens != 2*ptoks || res.Remote == nil || !errors.Is(res.Remote.Err, syscall.EIO) {
 		t.Fatalf("load: %v, %d tokens, remote %+v; want %d tokens and the rename's EIO", res.Err, res.Prefix.Tokens, res.Remote, 2*ptoks)
 	}

@@ -110,7 +110,7 @@ var asyncSetup = func(nr int, ctx *uintptr) error {
 // the setup's error, as an *os.SyscallError: ENOSYS (no AIO in this
 // kernel), EPERM (forbidden by a seccomp filter), EAGAIN (the system-wide
 // limit /proc/sys/fs/aio-max-nr reached), or the eventfd's. The caller
-// then reads with preads (see jobs.AsyncReads: decided once, logged).
+// then reads with preads (see readio.AsyncReads: decided once, logged).
 func NewAsyncReader(depth int) (*AsyncReader, error) {
 	if depth < 1 || depth > 4096 {
 		return nil, fmt.Errorf("vfs: async reader depth %d (want 1 to 4096)", depth)
@@ -338,8 +338,8 @@ func (a *AsyncReader) read(s *asyncSlot, fd int, p []byte, off int64) (res int64
 }
 
 // Close waits for every ReadAt in progress to return, stops the reaper
-// goroutine and destroys the AIO context (io_destroy: about 30 ms on the
-// project's VM, two RCU grace periods). ReadAt after Close reads with
+// goroutine and destroys the AIO context (io_destroy waits for two RCU
+// grace periods, which is why the engine keeps one context). ReadAt after Close reads with
 // preads. Close is idempotent; a nil AsyncReader's Close does nothing.
 func (a *AsyncReader) Close() error {
 	if a == nil {

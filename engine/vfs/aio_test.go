@@ -100,8 +100,8 @@ func TestAsyncReaderReadsWhatWasWritten(t *testing.T) {
 // an *fs.PathError, as a pread does; a read at the end of the file is
 // io.EOF with nothing read; a read of a closed file fails as its ReadAt
 // does, with an *fs.PathError wrapping fs.ErrClosed and nothing submitted
-// (it used to return the poller's bare "use of closed file", which
-// errors.Is matched to no sentinel, and async true).
+// (not the poller's bare "use of closed file", which errors.Is matches to
+// no sentinel, nor async true).
 func TestAsyncReaderErrors(t *testing.T) {
 	_, f, al := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)
@@ -134,7 +134,7 @@ func TestAsyncReaderErrors(t *testing.T) {
 // TestAsyncReaderFallsBackToPread: a file that is not the operating
 // system's, and any file after Close, is read with its own ReadAt (async
 // false), still with the right bytes; a nil AsyncReader reads the same way
-// (its Depth, InFlight and Close answer 0, 0, nil: Depth used to panic).
+// (its Depth, InFlight and Close answer 0, 0, nil, without a panic).
 func TestAsyncReaderFallsBackToPread(t *testing.T) {
 	want, f, _ := directFile(t, 64<<10)
 	a, err := vfs.NewAsyncReader(2)

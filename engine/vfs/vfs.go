@@ -78,8 +78,10 @@ type FS interface {
 	// Lock takes an advisory lock (flock) on the file name: shared when
 	// exclusive is false. It creates the file when create is true; otherwise
 	// a missing file is an fs.ErrNotExist error. It waits until the lock is
-	// granted or ctx is done (then ctx's error). The returned unlock releases
-	// it.
+	// granted or ctx is done (then ctx's error). It never follows a symlink
+	// nor blocks on a FIFO: a name that is not a regular file fails with an
+	// error wrapping ErrNotRegular (a symlink: syscall.ELOOP). The returned
+	// unlock releases it.
 	Lock(ctx context.Context, name string, exclusive, create bool) (unlock func() error, err error)
 	// Statfs describes the file system that holds name (statvfs): the
 	// page cache's disk headroom is measured with it.
@@ -212,12 +214,56 @@ func (osFS) OpenAppend(name string, perm os.FileMode) (AppendFile, error) {
 func openRead(name string, extra int) (File, error) {
 	f, err := os.OpenFile(name, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_CLOEXEC|syscall.O_NONBLOCK|extra, 0)
 	if err != nil {
-		if errors.Is(err, syscall.ELOOP) {
-			return nil, &os.PathError{Op: "open", Path: name, Err: fmt.Errorf("refusing to follow a symlink: %w", syscall.ELOOP)}
-		}
-		return nil, err
+		return nil, refuseSymlink(name, err)
 	}
 	return osFile{f}, nil
+}
+
+// refuseSymlink turns the ELOOP of an O_NOFOLLOW open of a symlink into an
+// error saying so; other errors are returned as they are.
+func refuseSymlink(name string, err error) error {
+	if errors.Is(err, syscall.ELOOP) {
+		return &os.PathError{Op: "open", Path: name, Err: fmt.Errorf("refusing to follow a symlink: %w", syscall.ELOOP)}
+	}
+	return err
+}
+
+// ErrNotRegular is wrapped by the errors of OpenRegular and FS.Lock for a
+// path that is not a regular file (a FIFO, a socket, a device, a
+// directory): kvpersist reads, locks and appends to regular files only.
+var ErrNotRegular = errors.New("not a regular file")
+
+// checkRegular fails with an *os.PathError wrapping ErrNotRegular, naming
+// f's path and type, unless f (fstat, so no race with a rename) is a
+// regular file.
+func checkRegular(f interface {
+	Stat() (os.FileInfo, error)
+	Name() string
+}) error {
+	fi, err := f.Stat()
+	if err != nil {
+		return err
+	}
+	if !fi.Mode().IsRegular() {
+		return &os.PathError{Op: "open", Path: f.Name(), Err: fmt.Errorf("%w (type %v); refusing it", ErrNotRegular, fi.Mode().Type())}
+	}
+	return nil
+}
+
+// OpenRegular opens name with fsys.Open (read-only, no symlink followed,
+// no blocking on a FIFO) and keeps it only if the open file is a regular
+// file: otherwise it is closed and the error wraps ErrNotRegular and names
+// the path and its type.
+func OpenRegular(fsys FS, name string) (File, error) {
+	f, err := fsys.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	if err := checkRegular(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
 func (osFS) Rename(oldname, newname string) error         { return os.Rename(oldname, newname) }
@@ -227,7 +273,9 @@ func (osFS) ReadDir(name string) ([]os.DirEntry, error)   { return os.ReadDir(na
 func (osFS) Lstat(name string) (os.FileInfo, error)       { return os.Lstat(name) }
 func (osFS) Stat(name string) (os.FileInfo, error)        { return os.Stat(name) }
 func (osFS) SyncDir(name string) error {
-	d, err := os.Open(name)
+	// O_DIRECTORY: anything else (a FIFO put where a directory was, which
+	// a plain open would block on) fails at once with ENOTDIR.
+	d, err := os.OpenFile(name, os.O_RDONLY|syscall.O_DIRECTORY|syscall.O_NONBLOCK|syscall.O_CLOEXEC, 0)
 	if err != nil {
 		return err
 	}
@@ -239,12 +287,19 @@ func (osFS) SyncDir(name string) error {
 }
 
 func (osFS) Lock(ctx context.Context, name string, exclusive, create bool) (func() error, error) {
-	flag := os.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_CLOEXEC
+	// O_NONBLOCK: a FIFO at the lock's path must not hang the open (and
+	// with it every job of the namespace, beyond the reach of ctx); it is
+	// then refused as not a regular file.
+	flag := os.O_RDONLY | syscall.O_NOFOLLOW | syscall.O_CLOEXEC | syscall.O_NONBLOCK
 	if create {
 		flag |= os.O_CREATE
 	}
 	f, err := os.OpenFile(name, flag, 0o640)
 	if err != nil {
+		return nil, refuseSymlink(name, err)
+	}
+	if err := checkRegular(f); err != nil {
+		f.Close()
 		return nil, err
 	}
 	how := unix.LOCK_SH
@@ -517,19 +572,45 @@ func (f osFile) Cached(off, n int64) (bool, error) {
 		}
 		n = st.Size() - off
 	}
+	cached, pages, err := f.CachedPages(off, n)
+	return err == nil && cached >= pages, err
+}
+
+// CacheCounter is a File that can count the pages of a byte range of it
+// in the page cache. Optional: use CachedPages.
+type CacheCounter interface {
+	// CachedPages returns how many of the pages [off, off+n) touches are
+	// in the page cache, and how many it touches (n > 0).
+	CachedPages(off, n int64) (cached, pages int64, err error)
+}
+
+// CachedPages returns how many pages of f's byte range [off, off+n) (n >
+// 0) are in the page cache, how many pages the range touches, and whether
+// that is known (false when f cannot tell: no CacheCounter, or a kernel
+// before 6.5 without cachestat(2)). It starts no I/O.
+func CachedPages(f File, off, n int64) (cached, pages int64, known bool) {
+	c, ok := f.(CacheCounter)
+	if !ok || n <= 0 {
+		return 0, 0, false
+	}
+	cached, pages, err := c.CachedPages(off, n)
+	return cached, pages, err == nil
+}
+
+func (f osFile) CachedPages(off, n int64) (cached, pages int64, err error) {
 	if n <= 0 {
-		return true, nil
+		return 0, 0, nil
 	}
 	page := int64(os.Getpagesize())
-	pages := (off+n+page-1)/page - off/page
+	pages = (off+n+page-1)/page - off/page
 	var st unix.Cachestat_t
-	err := f.control(func(fd int) error {
+	err = f.control(func(fd int) error {
 		return unix.Cachestat(uint(fd), &unix.CachestatRange{Off: uint64(off), Len: uint64(n)}, &st, 0)
 	})
 	if err != nil {
-		return false, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
+		return 0, pages, &os.PathError{Op: "cachestat", Path: f.Name(), Err: err}
 	}
-	return int64(st.Cache) >= pages, nil
+	return min(int64(st.Cache), pages), pages, nil
 }
 
 // FileID is one incarnation of a file at a path, from an lstat: device,
@@ -539,8 +620,10 @@ func (f osFile) Cached(off, n int64) (bool, error) {
 // renamed, linked, chmodded or chowned gets another FileID, because each of
 // these changes the inode or sets its ctime. The exception is an inode
 // number freed and reused, for a file of the same size, within one tick of
-// the file system's timestamp clock (see ARCHITECTURE.md, "Known-durable
-// pages", for why the prefix cache can live with it). The zero FileID
+// the file system's timestamp clock: that needs an unlink, a new file of
+// the same size at the same name and its rename, all within one tick and
+// before the new writer's own directory fsync, and the prefix cache lives
+// with it (a directory fsync per reused page per save would cost more). The zero FileID
 // means unknown and equals no file's.
 type FileID struct {
 	Dev, Ino uint64

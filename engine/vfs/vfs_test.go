@@ -9,12 +9,14 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"go.uber.org/goleak"
+	"golang.org/x/sys/unix"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -58,6 +60,85 @@ func TestLockExclusionAndCancel(t *testing.T) {
 	if _, err := fsys.Lock(context.Background(), filepath.Join(t.TempDir(), "missing"), false, false); !errors.Is(err, fs.ErrNotExist) {
 		t.Fatalf("lock of a missing file without create: %v, want fs.ErrNotExist", err)
 	}
+}
+
+// TestLockAndOpenRegularRefuseSpecialFiles: Lock (with and without create)
+// and OpenRegular neither block on a FIFO nor follow a symlink nor take a
+// directory: each fails at once with an error naming the path (ErrNotRegular
+// for the FIFO and the directory, ELOOP for the symlink), and the
+// symlink's target is left as it was. SyncDir of a FIFO or of a symlink to
+// a file fails at once with ENOTDIR.
+func TestLockAndOpenRegularRefuseSpecialFiles(t *testing.T) {
+	dir := t.TempDir()
+	target := filepath.Join(dir, "target")
+	if err := os.WriteFile(target, []byte("x"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fifo, link, sub := filepath.Join(dir, "fifo"), filepath.Join(dir, "link"), filepath.Join(dir, "dir")
+	if err := syscall.Mkfifo(fifo, 0o600); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	if err := os.Symlink(target, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Mkdir(sub, 0o700); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		path string
+		want error
+	}{{fifo, vfs.ErrNotRegular}, {link, syscall.ELOOP}, {sub, vfs.ErrNotRegular}} {
+		for _, op := range []string{"lock", "lock-create", "open", "syncdir"} {
+			want := tc.want
+			if op == "syncdir" {
+				if tc.path == sub {
+					continue // a directory: what SyncDir is for
+				}
+				want = syscall.ENOTDIR // O_DIRECTORY (a symlink is followed, to a file)
+			}
+			if tc.path == sub && op == "lock-create" {
+				want = syscall.EISDIR // open(O_CREAT) of a directory
+			}
+			done := make(chan error, 1)
+			go func() {
+				var err error
+				switch op {
+				case "syncdir":
+					err = vfs.Default.SyncDir(tc.path)
+				case "open":
+					var f vfs.File
+					if f, err = vfs.OpenRegular(vfs.Default, tc.path); err == nil {
+						f.Close()
+					}
+				default:
+					var unlock func() error
+					if unlock, err = vfs.Default.Lock(context.Background(), tc.path, true, op == "lock-create"); err == nil {
+						unlock()
+					}
+				}
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if !errors.Is(err, want) || !strings.Contains(err.Error(), tc.path) {
+					t.Errorf("%s %s: %v, want an error wrapping %v naming the path", op, tc.path, err, want)
+				}
+			case <-time.After(10 * time.Second): // a hang detector
+				w, _ := os.OpenFile(fifo, os.O_WRONLY|syscall.O_NONBLOCK, 0) // unblock it
+				<-done
+				w.Close()
+				t.Fatalf("%s %s blocked", op, tc.path)
+			}
+		}
+	}
+	if b, err := os.ReadFile(target); err != nil || string(b) != "x" {
+		t.Fatalf("symlink target: %q %v", b, err)
+	}
+	f, err := vfs.OpenRegular(vfs.Default, target)
+	if err != nil {
+		t.Fatalf("OpenRegular of a regular file: %v", err)
+	}
+	f.Close()
 }
 
 // TestOpenRefusesSymlinkAndDoesNotBlockOnFIFO: Open does not follow a final
@@ -377,5 +458,53 @@ func TestOpenAppend(t *testing.T) {
 			f.Close()
 		}
 		t.Fatalf("FIFO without a reader: %v, want ENXIO", err)
+	}
+}
+
+// TestCachedPages: a file just written is wholly in the page cache
+// (CachedPages counts every page a range touches, Cached agrees); after
+// posix_fadvise DONTNEED of its middle 2 MiB (fdatasync first: a dirty
+// page is not dropped) that range counts none, a range across its edge
+// some, and Cached of the whole file is false.
+func TestCachedPages(t *testing.T) {
+	const mib = 1 << 20
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, make([]byte, 6*mib+100), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	f, err := vfs.Default.Open(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	cached, pages, known := vfs.CachedPages(f, 10, 6*mib)
+	if !known {
+		t.Skip("cachestat(2) unavailable")
+	}
+	if want := int64(6*mib/4096 + 1); pages != want || cached != pages {
+		t.Fatalf("just written: %d of %d pages cached, want %d of %d", cached, pages, want, want)
+	}
+	if c, ok := vfs.Cached(f, 0, 0); !c || !ok {
+		t.Fatalf("just written: Cached %v, %v", c, ok)
+	}
+	fd, err := syscall.Open(p, syscall.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Close(fd)
+	if err := syscall.Fdatasync(fd); err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Fadvise(fd, 2*mib, 2*mib, unix.FADV_DONTNEED); err != nil {
+		t.Fatal(err)
+	}
+	if c, n, _ := vfs.CachedPages(f, 2*mib, 2*mib); c != 0 || n != 2*mib/4096 {
+		t.Skipf("after dropping [2, 4) MiB: %d of %d pages cached there: the kernel did not drop exactly the range asked", c, n)
+	}
+	if c, n, _ := vfs.CachedPages(f, mib, 2*mib); c != mib/4096 || n != 2*mib/4096 {
+		t.Fatalf("[1, 3) MiB: %d of %d pages cached, want half", c, n)
+	}
+	if c, ok := vfs.Cached(f, 0, 0); c || !ok {
+		t.Fatalf("partly evicted: Cached %v, %v", c, ok)
 	}
 }

@@ -544,7 +544,7 @@ func (r *runner) load(ctx context.Context, c int, query []uint32, t int, what st
 		start := time.Now()
 		res := r.e.Do(ctx, &engine.LoadPrefixRequest{
 			Namespace: s.o.Namespace, Identity: s.identity, Tokens: query, Dest: r.views(capTok, capTok),
-			PageTokens: s.p, Verify: true, Progress: bar.add,
+			PageTokens: s.p, Progress: bar.add,
 		})
 		el = time.Since(start)
 		bar.done()

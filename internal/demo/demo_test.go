@@ -268,7 +268,7 @@ func TestRunStoreHoldsEveryByte(t *testing.T) {
 			bufs[i] = make([]byte, m.TensorBytes(n))
 			dest[i] = engine.TensorSpec{DType: "bfloat16", View: engine.View{Base: bufs[i], Shape: shape, Strides: engine.RowMajor(shape), ItemSize: 2}}
 		}
-		res := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: DefaultNamespace, Identity: tIdentity, Tokens: ids, Dest: dest, PageTokens: tP, Verify: true})
+		res := e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: DefaultNamespace, Identity: tIdentity, Tokens: ids, Dest: dest, PageTokens: tP})
 		if res.Err != nil || res.Prefix.Tokens != n {
 			t.Fatalf("conversation %d: load %+v, %v", c, res.Prefix, res.Err)
 		}

@@ -21,12 +21,12 @@ import (
 	"github.com/minio/minio-go/v7/pkg/credentials"
 )
 
-// StopGrace is how long Stop waits after SIGTERM before SIGKILL (weed did
-// not exit within 15 s of SIGTERM on this machine).
+// StopGrace is how long Stop waits after SIGTERM before SIGKILL (weed mini
+// can take far longer than a test should wait to exit after SIGTERM).
 const StopGrace = 2 * time.Second
 
-// ReadyTimeout bounds one start (weed mini answered S3 about 15 s after
-// start here; on a loaded 2-core machine it can take longer).
+// ReadyTimeout bounds one start: weed mini answers S3 only after its
+// master, volume and filer are up, which takes long on a loaded machine.
 const ReadyTimeout = 2 * time.Minute
 
 // Server is one running `weed mini`: master, volume, filer and S3 gateway

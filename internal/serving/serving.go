@@ -296,7 +296,7 @@ func (l *Loop) Step(ctx context.Context, e *engine.Engine) error {
 	loaded := 0
 	if found > 0 {
 		res := e.Do(ctx, &engine.LoadPrefixRequest{Namespace: o.Namespace, Identity: Identity, Tokens: ids,
-			Dest: l.views(capTok, capTok), PageTokens: o.PageTokens, Verify: true})
+			Dest: l.views(capTok, capTok), PageTokens: o.PageTokens})
 		if res.Err != nil {
 			return fmt.Errorf("serving: load: %w", res.Err)
 		}

@@ -545,6 +545,15 @@ func (h *faultFile) Cached(off, n int64) (bool, error) {
 	return c.Cached(off, n)
 }
 
+// CachedPages implements vfs.CacheCounter (no fault: it is a hint).
+func (h *faultFile) CachedPages(off, n int64) (cached, pages int64, err error) {
+	c, ok := h.inner.(vfs.CacheCounter)
+	if !ok {
+		return 0, 0, errors.ErrUnsupported
+	}
+	return c.CachedPages(off, n)
+}
+
 // ClearDirect implements vfs.DirectClearer (no fault: a failure only
 // makes the caller reopen the file).
 func (h *faultFile) ClearDirect() error { return vfs.ClearDirect(h.inner) }

@@ -113,6 +113,24 @@ func WriteFile(tb TB, path, data string) string {
 	return path
 }
 
+// EvictRange drops the pages of [off, off+n) of the file at path from the
+// page cache (fdatasync, then posix_fadvise(FADV_DONTNEED) of that range):
+// a file partly cached, as memory pressure leaves one.
+func EvictRange(tb TB, path string, off, n int64) {
+	tb.Helper()
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Fdatasync(fd); err != nil {
+		tb.Fatal(err)
+	}
+	if err := unix.Fadvise(fd, off, n, unix.FADV_DONTNEED); err != nil {
+		tb.Fatal(err)
+	}
+}
+
 // EvictTree drops every regular file under root (root itself when it is
 // one) from the page cache: fdatasync, then posix_fadvise(FADV_DONTNEED),
 // so the next read of them is cold (from the disk).
@@ -133,6 +151,26 @@ func EvictTree(tb TB, root string) {
 		return unix.Fadvise(fd, 0, 0, unix.FADV_DONTNEED)
 	})
 	if err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// FlipByte flips bit 4 of the byte at offset off of the file at path, in
+// place (size and name unchanged): the smallest corruption a verified read
+// must catch.
+func FlipByte(tb TB, path string, off int64) {
+	tb.Helper()
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer f.Close()
+	b := make([]byte, 1)
+	if _, err := f.ReadAt(b, off); err != nil {
+		tb.Fatal(err)
+	}
+	b[0] ^= 0x10
+	if _, err := f.WriteAt(b, off); err != nil {
 		tb.Fatal(err)
 	}
 }

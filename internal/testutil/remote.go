@@ -3,7 +3,10 @@ package testutil
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
+
+	"github.com/minio/minio-go/v7"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -49,7 +52,7 @@ func PageManifests(tb TB, root, ns string) map[string][]string {
 }
 
 // UploadNamespace copies namespace ns of the local store at root to s as
-// the engine's write-behind lays it out (ARCHITECTURE.md, "Remote tier"):
+// the engine's write-behind lays it out (docs/format/bucket-layout.md):
 // every page file (pages first), then every page manifest, each object's
 // bytes exactly the local file's, create-only. It returns object name ->
 // bytes uploaded. Other snapshot files are not uploaded.
@@ -110,4 +113,20 @@ func ObjectNames(tb TB, s *remote.Store, ns string) []string {
 		out = append(out, o.Name)
 	}
 	return out
+}
+
+// ObjectBytes reads object name of s whole, with a plain GET of the
+// client (no verification).
+func ObjectBytes(tb TB, s *remote.Store, name string) []byte {
+	tb.Helper()
+	o, err := s.Client().GetObject(context.Background(), s.Bucket(), name, minio.GetObjectOptions{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer o.Close()
+	b, err := io.ReadAll(o)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return b
 }

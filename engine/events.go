@@ -1,0 +1,100 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/kvpersist/kvpersist/engine/events"
+)
+
+// engineEvents is the KV events publisher of Config.Events and the
+// snapshot it announces after the index rebuild at New, which Close
+// stops before it closes the publisher.
+type engineEvents struct {
+	pub    *events.Publisher
+	cancel context.CancelFunc // stops the start snapshot
+	done   chan struct{}      // closed when the start snapshot has returned
+}
+
+// openEvents starts the publisher of cfg.Events; nil without one. A
+// Config.Events error wraps ErrConfig.
+func openEvents(cfg Config) (*engineEvents, error) {
+	if cfg.Events == nil {
+		return nil, nil
+	}
+	ec := *cfg.Events
+	if ec.Logger == nil {
+		ec.Logger = cfg.Logger
+	}
+	pub, err := events.New(ec)
+	if err != nil {
+		if errors.Is(err, events.ErrConfig) {
+			return nil, fmt.Errorf("%w: Events: %w", ErrConfig, err)
+		}
+		return nil, fmt.Errorf("engine: events: %w", err)
+	}
+	return &engineEvents{pub: pub}, nil
+}
+
+// startSnapshot announces the pages on disk in the background, so that a
+// router is warm before the first request.
+func (e *Engine) startEventsSnapshot() {
+	ev := e.ev
+	if ev == nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	ev.cancel, ev.done = cancel, make(chan struct{})
+	go func() {
+		defer close(ev.done)
+		st, err := ev.pub.SnapshotStore(ctx, e.store, 1)
+		if err != nil && ctx.Err() == nil {
+			e.logSafe(slog.LevelWarn, "kvpersist: events: start snapshot", "err", err)
+			return
+		}
+		e.logSafe(slog.LevelDebug, "kvpersist: events: start snapshot", "namespaces", st.Namespaces,
+			"pages", st.Snapshot.Pages, "unreadable", st.Disk.Unreadable, "orphans", st.Snapshot.Orphans)
+	}()
+}
+
+// closeEvents stops the start snapshot and closes the publisher; Close
+// calls it once no job runs and the page cache is closed, so that every
+// removal they made has been offered.
+func (e *Engine) closeEvents() {
+	ev := e.ev
+	if ev == nil {
+		return
+	}
+	if ev.cancel != nil {
+		ev.cancel()
+		<-ev.done
+	}
+	if err := ev.pub.Close(); err != nil {
+		e.logSafe(slog.LevelWarn, "kvpersist: events: closing the publisher", "err", err)
+	}
+}
+
+// AnnounceSnapshot announces every page stored now (of Config.Events'
+// namespace, or of every namespace) as BlockStored events in chain order,
+// read from the page files (events.Publisher.SnapshotStore): for a router
+// that restarted, or one that saw a gap in the sequence. It runs on the
+// caller's goroutine and returns once the events are handed to the PUB
+// socket. Errors: ErrConfig without Config.Events, ctx's,
+// events.ErrClosed after Close.
+func (e *Engine) AnnounceSnapshot(ctx context.Context) (events.StoreSnapshotStats, error) {
+	if e.ev == nil {
+		return events.StoreSnapshotStats{}, fmt.Errorf("%w: no Events configured", ErrConfig)
+	}
+	return e.ev.pub.SnapshotStore(ctx, e.store, 0)
+}
+
+// EventStats returns the KV events publisher's counters (Dropped is the
+// one to alert on); ok is false without Config.Events.
+func (e *Engine) EventStats() (st events.Stats, ok bool) {
+	if e.ev == nil {
+		return st, false
+	}
+	return e.ev.pub.Stats(), true
+}
