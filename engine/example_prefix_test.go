@@ -70,8 +70,6 @@ func Example_prefixCache() {
 		log.Fatal(err)
 	}
 	k2, v2 := make([]byte, len(k)), make([]byte, len(v))
-	// Verified per tensor by default (NoVerify opts out): a corrupt page
-	// ends the prefix there, with res.Prefix.Stop saying why.
 	res = e.Do(ctx, &engine.LoadPrefixRequest{
 		Namespace: ns, Identity: identity, Tokens: prompt, PageTokens: 256,
 		Dest: []engine.TensorSpec{{DType: "bfloat16", View: view(k2, len(prompt))},
