@@ -11,7 +11,7 @@ import (
 // The bounded page cache is engine/pagecache (its I/O) driving engine/evict
 // (the policy); the engine opens it in New, closes it in Close, and routes
 // saves, loads, lookups, deletes and collects through it. See
-// ARCHITECTURE.md, "Bounded page cache".
+// ARCHITECTURE.md, "Evict", and README.md, "Bounded cache".
 
 // ErrNoSpace: a save to the prefix page cache could not make room within
 // Config.CapacityBytes, Config.QuotaBytes or Config.HeadroomBytes (every

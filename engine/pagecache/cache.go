@@ -4,7 +4,7 @@
 // and does the I/O the policy asks for: reservations before a save creates
 // a file, unlinks of victims under the namespace's exclusive lock,
 // background shrinking, and the recency checkpoints (engine/recency's
-// format). See ARCHITECTURE.md, "Bounded page cache".
+// format). See ARCHITECTURE.md, "Evict".
 //
 // # API
 //
