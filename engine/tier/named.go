@@ -12,14 +12,14 @@ import (
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
-// Named reads through the object-store tier (issue 15): a ReadRequest of a
+// Named reads through the object-store tier: a ReadRequest of a
 // page manifest (layout Pages) whose manifest or pages exist only in the
 // bucket. See ARCHITECTURE.md, "Remote tier", "Read-through (named read)".
 
-// ReadNamed runs when a ReadRequest of ref on an engine with a remote tier
-// failed because the name or a page it names is missing locally
-// (engine.ErrNotFound, jobs.ErrMissingPage), on the read's worker; a local read that
-// succeeds costs the tier nothing. When the local manifest is missing it fetches
+// ReadNamed runs when a ReadRequest of ref on an engine with a remote
+// tier failed because the name or a page it names is missing locally
+// (engine.ErrNotFound, jobs.ErrMissingPage), on the read's worker; a local
+// read that succeeds costs the tier nothing. When the local manifest is missing it fetches
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the

@@ -100,7 +100,7 @@ type Report struct {
 	BytesFetched int64
 	// Err is the first failure of the tier for this load: a lookup or
 	// fetch error (network, server, local I/O), or a corrupt object
-	// (errors.Is ErrRemoteCorrupt). The prefix ends before the page it
+	// (errors.Is remote.ErrCorrupt). The prefix ends before the page it
 	// names; the load itself still succeeds with what it found. nil when
 	// every page asked for was found or missing cleanly.
 	Err error
@@ -169,8 +169,8 @@ type Tier struct {
 
 // New opens the store, checks it (Check), starts the uploader and opens
 // the uploads journals. Its errors are configuration errors: the store's
-// config, a refusal of the credentials or the bucket (ErrRemoteCredentials
-// and the others of remote), a bound out of range, the journals. Call
+// config, a refusal of the credentials or the bucket (remote.ErrCredentials,
+// ErrNoBucket, ErrAccessDenied), a bound out of range, the journals. Call
 // Resume once the engine can take the tier's callbacks.
 func New(rc Config, d Deps) (*Tier, error) {
 	if d.Log == nil {

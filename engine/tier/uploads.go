@@ -290,8 +290,9 @@ func (t *Tier) markKnown(ns string, k layout.PageKey) { t.l.MarkKnown(ns, k) }
 
 // Forget drops page k of ns from the known set: its local file was
 // evicted or found gone (the page cache's onRemoved, the engine's
-// forgetIfGone), or the store lacks it. A later save writes the page again and queues it; its upload
-// HEADs the object first (StatFirst) and sends nothing when it is stored.
+// forgetIfGone), or the store lacks it. A later save writes the page
+// again and queues it; its upload HEADs the object first (StatFirst) and
+// sends nothing when it is stored.
 func (t *Tier) Forget(ns string, k layout.PageKey) { t.l.Forget(ns, k) }
 
 // KnownPages returns how many pages the tier remembers as stored in the
