@@ -67,8 +67,6 @@ type PrefixHit struct {
 	Total int
 }
 
-// tier is the engine's object-store tier.
-
 // Sentinels of the remote tier's check at New (and of failed uploads, in
 // Close's error and the log), re-exported for errors.Is.
 var (
