@@ -12,6 +12,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/zeebo/xxh3"
 )
 
 // SavePrefix stores the token pages of req.Tokens in the prefix cache of
@@ -21,7 +22,9 @@ import (
 // write: its file is reused when its header verifies and is the header
 // this save would write apart from the tensor hashes (so it holds this
 // key, parent, identity, token ids, dtypes and shapes: one read of the
-// header, storedPage); any other file under the page's name is rewritten.
+// header, storedPage; not even that for a file cfg.Durable marked with
+// the same FileID and header, see DurablePages); any other file under the
+// page's name is rewritten.
 // Each new page is gathered (zero-copy where the view allows), hashed and
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
@@ -198,7 +201,10 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 	// ids[i]: the FileID of page i's file from an lstat made before its
 	// directory's fsync (reused pages: storedPage's; new pages: after the
 	// commits), or the mark it matched; the zero FileID when unknown.
+	// sums[i]: the sum of page i's planned header (headerSum), marked
+	// with ids[i].
 	ids := make([]vfs.FileID, len(keys))
+	sums := make([]uint64, len(keys))
 	var fresh []int // positions of the pages this save publishes
 	marks := cfg.Durable
 	if !st.Durable() {
@@ -223,16 +229,28 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 			made[dir] = true
 		}
 		m.LogicalBytes += pl.size - pl.dataStart
+		sums[i] = headerSum(pl.js)
+		// The page's mark: a file found with its FileID was made durable
+		// under the name and not written since; with its header sum
+		// too, it holds the header this save would write (not read).
+		var markID vfs.FileID
+		var markSum uint64
+		if marks != nil {
+			markID, markSum = marks.DurableMark(ns.Name(), key)
+		}
+		holds := func(id vfs.FileID) bool {
+			return id != (vfs.FileID{}) && id == markID && markSum == sums[i]
+		}
 		var reuse, exists bool
 		var id vfs.FileID
-		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
+		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, pl, hdr, holds); err != nil {
 			break
 		}
 		if reuse {
 			res.PagesReused++
 			res.BytesReused += pl.size
 			ids[i] = id
-			known := marks != nil && id != (vfs.FileID{}) && marks.DurableID(ns.Name(), key) == id
+			known := id != (vfs.FileID{}) && id == markID
 			switch {
 			case !st.Durable() || known:
 			case !early[dir]:
@@ -289,7 +307,7 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		dirs = append(dirs, pagesDir, ns.Dir())
 		err = syncDirs(ctx, st, dirs, pagesDir)
 		if err == nil && marks != nil {
-			marks.MarkDurable(ns.Name(), keys, ids)
+			marks.MarkDurable(ns.Name(), keys, ids, sums)
 		}
 	}
 	res.PagesWritten = int(c.files.Load())
@@ -341,6 +359,15 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 	return pl, nil
 }
 
+// headerSum is the sum of a planned header (placeholder hashes) that a
+// page's durable mark records (DurablePages): xxh3-64, never 0 (0 means
+// unknown). Equal sums mean the stored header equals the planned one
+// apart from the tensor hashes: the mark is set only for a file found so
+// (storedPage) or written from that plan.
+func headerSum(js []byte) uint64 {
+	return max(1, xxh3.Hash(js))
+}
+
 // hashPlaceholder is how a planned header's tensor hash reads (planSingle).
 var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 
@@ -355,8 +382,10 @@ var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 // anything is at path (to be replaced when not reusable; a directory is an
 // error). A file that cannot be opened or read whole is not reusable. id
 // is the FileID of the lstat that found the file (vfs.IDOf), taken before
-// the file is opened.
-func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
+// the file is opened. A file whose FileID holds(id) approves is reused
+// without being opened: the caller knows it holds the planned header
+// (DurablePages).
+func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte, holds func(vfs.FileID) bool) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
 	fi, err := fsys.Lstat(path)
 	if err != nil {
 		if vfs.IsNotExist(err) {
@@ -371,6 +400,9 @@ func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, e
 		return false, true, id, buf, nil
 	}
 	id = vfs.IDOf(fi)
+	if holds(id) {
+		return true, true, id, buf, nil
+	}
 	f, err := fsys.Open(path) // no symlink followed, no FIFO blocks
 	if err != nil {
 		return false, !vfs.IsNotExist(err), id, buf, nil

@@ -1,0 +1,89 @@
+package jobs_test
+
+import (
+	"context"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvpersist/kvpersist/engine/jobs"
+	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/internal/testutil"
+)
+
+// TestPrefixGrownSaveTouchesOnlyItsNewPage: a save of a conversation
+// grown by one page, whose stored pages this process made durable
+// (Config.Durable), neither opens nor reads any of them (one lstat of
+// each: it is still there, and the same file) and fsyncs only what it
+// wrote: the new page's file, its fan-out directory, pages/, the
+// namespace directory and the root, each once. Without marks (another
+// process's pages, a fresh engine), or with marks from a save of another
+// tensor layout, every reused page's header is read as before.
+func TestPrefixGrownSaveTouchesOnlyItsNewPage(t *testing.T) {
+	const p, base = 64, 8
+	ns := filepath.Join(t.TempDir(), "ns")
+	ffs := testutil.NewFaultFS(nil)
+	cfg := &jobs.Config{FS: ffs, Durable: pageindex.New()}
+	c := newConv(seqTokens((base+1)*p, 41), pTensors, pHeads, pDim, (base+1)*p)
+	first := savePrefix(t, cfg, ns, c, base*p, p)
+
+	ffs.Reset()
+	res := savePrefix(t, cfg, ns, c, (base+1)*p, p)
+	if res.PagesWritten != 1 || res.PagesReused != base {
+		t.Fatalf("grown save: %d pages written, %d reused; want 1 and %d", res.PagesWritten, res.PagesReused, base)
+	}
+	if n, r := ffs.Count(testutil.OpOpen), ffs.Count(testutil.OpReadAt); n != 0 || r != 0 {
+		t.Fatalf("grown save opened %d files and read %d times; its stored pages are known durable", n, r)
+	}
+	for i, k := range first.Keys {
+		if n := ffs.CountPath(testutil.OpLstat, testutil.PagePath(ns, k)); n != 1 {
+			t.Fatalf("stored page %d lstat'ed %d times, want 1", i, n)
+		}
+	}
+	if n := ffs.Count(testutil.OpSync); n != 1 {
+		t.Fatalf("grown save fsynced %d files, want 1 (its new page)", n)
+	}
+	newDir := filepath.Dir(testutil.PagePath(ns, res.Keys[base]))
+	dirs := []string{newDir, testutil.PagesDir(ns), ns, filepath.Dir(ns)}
+	for _, d := range dirs {
+		if n := ffs.CountPath(testutil.OpSyncDir, d); n != 1 {
+			t.Fatalf("directory %s fsynced %d times, want 1", d, n)
+		}
+	}
+	if n := ffs.Count(testutil.OpSyncDir); n != len(dirs) {
+		t.Fatalf("grown save fsynced %d directories, want %d: %v", n, len(dirs), dirs)
+	}
+
+	// Without marks: each stored page's header is read once.
+	fresh := &jobs.Config{FS: ffs, Durable: pageindex.New()}
+	ffs.Reset()
+	res = savePrefix(t, fresh, ns, c, (base+1)*p, p)
+	if res.PagesReused != base+1 || ffs.Count(testutil.OpOpen) != base+1 {
+		t.Fatalf("save without marks: %d reused, %d files opened; want %d and %d", res.PagesReused, ffs.Count(testutil.OpOpen), base+1, base+1)
+	}
+
+	// Marks of another layout of the same header length (float16 in
+	// another tensor): each page is read, found unlike this save's, and
+	// replaced; then known.
+	saveF16 := func(tensor int) *jobs.PrefixResult {
+		ts := c.views((base + 1) * p)
+		ts[tensor].DType = "float16"
+		r, _, err := savePrefixAt(context.Background(), cfg, ns, &jobs.SavePrefixRequest{
+			Identity: "tiny/bf16", Tokens: c.tokens[:(base+1)*p], Tensors: ts, PageTokens: p,
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	if r := saveF16(0); r.PagesReplaced != base+1 {
+		t.Fatalf("save with tensor 0 in float16: %d pages replaced, want %d", r.PagesReplaced, base+1)
+	}
+	ffs.Reset()
+	if r := saveF16(1); r.PagesReplaced != base+1 || ffs.Count(testutil.OpOpen) != base+1 {
+		t.Fatalf("save with tensor 1 in float16 over marks of tensor 0's: %d replaced, %d files opened; want %d and %d", r.PagesReplaced, ffs.Count(testutil.OpOpen), base+1, base+1)
+	}
+	ffs.Reset()
+	if r := saveF16(1); r.PagesReused != base+1 || ffs.Count(testutil.OpOpen) != 0 || ffs.Count(testutil.OpSync) != 0 {
+		t.Fatalf("the same save again: %d reused, %d files opened, %d fsynced; want %d, 0, 0", r.PagesReused, ffs.Count(testutil.OpOpen), ffs.Count(testutil.OpSync), base+1)
+	}
+}
