@@ -87,3 +87,29 @@ func TestPrefixGrownSaveTouchesOnlyItsNewPage(t *testing.T) {
 		t.Fatalf("the same save again: %d reused, %d files opened, %d fsynced; want %d, 0, 0", r.PagesReused, ffs.Count(testutil.OpOpen), ffs.Count(testutil.OpSync), base+1)
 	}
 }
+
+// TestPrefixPageHeadsFromTemplate: a page save plans one page of each
+// token count fully and the others' headers from it; every page's header,
+// data start, size and tensor bytes equal its own full plan's (full
+// pages and a leaf; token ids of different widths in JSON).
+func TestPrefixPageHeadsFromTemplate(t *testing.T) {
+	for _, n := range []int{64, 100, 5*64 + 17, 8 * 64} {
+		c := newConv(seqTokens(n, 43), pTensors, pHeads, pDim, n)
+		toks := c.tokens[:n]
+		toks[0], toks[n-1] = 7, 4_000_000_000 // header lengths differ between pages
+		differs, full, err := jobs.PlanPageHeads(t.TempDir(), "ns", "tiny/bf16", 64, toks, c.views(n))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if differs >= 0 {
+			t.Fatalf("%d tokens: page %d's header planned from its template differs from its full plan", n, differs)
+		}
+		counts := 1
+		if n > 64 && n%64 != 0 {
+			counts = 2
+		}
+		if full != counts {
+			t.Fatalf("%d tokens: %d pages planned fully, want %d (one per token count)", n, full, counts)
+		}
+	}
+}

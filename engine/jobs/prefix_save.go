@@ -108,41 +108,131 @@ type Admission interface {
 }
 
 // pageSave is a page save laid out before the disk is touched: the pages'
-// keys and parents in chain order and each page's file (planPage).
+// keys and parents in chain order and each page's planned header
+// (pageHead); the full plan of a page's file (planPage) is made when the
+// page is to be written (plan).
 type pageSave struct {
+	ns            *store.Namespace
 	identity      string
 	p             int
 	tokens        []uint32
+	tensors       []TensorSpec
 	keys, parents []layout.PageKey
-	pages         []*plannedPage
+	heads         []pageHead
+	pages         []*plannedPage // full plans, made by plan
+}
+
+// pageHead is a page file's header as planned (hash placeholders), its
+// data start and size and the sum of its tensors' bytes: what a save
+// needs of a page it may reuse.
+type pageHead struct {
+	js              []byte
+	dataStart, size int64
+	tensorBytes     int64
+}
+
+// pageTemplate is the planned header of every page of one token count:
+// page i's header is pre + its "page" metadata (layout.Page.MetaJSON) +
+// post, as Header.Encode writes it (the page metadata is the only part
+// of a page header that differs between pages of one save and token
+// count). end is the data region's length in bytes.
+type pageTemplate struct {
+	pre, post   []byte
+	end         int64
+	tensorBytes int64
 }
 
 // planPageSave keys the pages of tokens (identity, p tokens per page) and
-// lays out each page file of tensors (checked by the caller, itemsizes
-// resolved) in ns. Errors: ErrInvalidRequest (identity, page size, a view
-// that cannot be sliced).
+// plans each page's header for tensors (checked by the caller, itemsizes
+// resolved) in ns: the first page of each token count fully (planPage),
+// the others from its header (pageTemplate). Errors: ErrInvalidRequest
+// (identity, page size, a view that cannot be sliced).
 func planPageSave(ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec) (*pageSave, error) {
 	keys, _, err := layout.PageChain(identity, p, tokens)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 	}
-	ps := &pageSave{identity: identity, p: p, tokens: tokens, keys: keys,
-		parents: make([]layout.PageKey, len(keys)), pages: make([]*plannedPage, len(keys))}
+	ps := &pageSave{ns: ns, identity: identity, p: p, tokens: tokens, tensors: tensors, keys: keys,
+		parents: make([]layout.PageKey, len(keys)), heads: make([]pageHead, len(keys)), pages: make([]*plannedPage, len(keys))}
 	ps.parents[0] = layout.PageRoot(identity, p)
 	copy(ps.parents[1:], keys)
-	for i, key := range keys {
-		lo, hi := i*p, min(len(tokens), (i+1)*p)
-		page := &layout.Page{Key: key, Parent: ps.parents[i], Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
-		// Each page its own shapes: its sliced views keep them.
-		shapes := make([][]int, len(tensors))
-		for t, ts := range tensors {
-			shapes[t] = make([]int, len(ts.View.Shape))
+	templates := map[int]*pageTemplate{} // by token count; nil: none
+	for i := range keys {
+		page, _ := ps.page(i)
+		n := len(page.Tokens)
+		if tpl := templates[n]; tpl != nil {
+			var ok bool
+			if ps.heads[i], ok = tpl.head(page.MetaJSON()); ok {
+				continue
+			}
 		}
-		if ps.pages[i], err = planPage(tensors, shapes, page, lo, ns.PagePath(key)); err != nil {
+		pl, err := ps.plan(i)
+		if err != nil {
 			return nil, err
+		}
+		if _, seen := templates[n]; !seen {
+			templates[n] = newPageTemplate(pl)
 		}
 	}
 	return ps, nil
+}
+
+// page is page i of ps as its header's "page" metadata describes it, and
+// the index of its first token.
+func (ps *pageSave) page(i int) (*layout.Page, int) {
+	lo, hi := i*ps.p, min(len(ps.tokens), (i+1)*ps.p)
+	return &layout.Page{Key: ps.keys[i], Parent: ps.parents[i], Identity: ps.identity, PageTokens: ps.p, Tokens: ps.tokens[lo:hi]}, lo
+}
+
+// plan returns the full plan of page i's file (planPage), made once; its
+// header must be the one planned for the page (ps.heads[i], set here when
+// not yet).
+func (ps *pageSave) plan(i int) (*plannedPage, error) {
+	if pl := ps.pages[i]; pl != nil {
+		return pl, nil
+	}
+	page, lo := ps.page(i)
+	// Each page its own shapes: its sliced views keep them.
+	shapes := make([][]int, len(ps.tensors))
+	for t, ts := range ps.tensors {
+		shapes[t] = make([]int, len(ts.View.Shape))
+	}
+	pl, err := planPage(ps.tensors, shapes, page, lo, ps.ns.PagePath(ps.keys[i]))
+	if err != nil {
+		return nil, err
+	}
+	hd := pageHead{js: pl.js, dataStart: pl.dataStart, size: pl.size, tensorBytes: pl.tensorBytes}
+	if old := ps.heads[i]; old.js == nil {
+		ps.heads[i] = hd
+	} else if !bytes.Equal(old.js, hd.js) || old.dataStart != hd.dataStart || old.size != hd.size || old.tensorBytes != hd.tensorBytes {
+		return nil, fmt.Errorf("jobs: save page %s: its header differs from the one planned for it", pl.ws.Path)
+	}
+	ps.pages[i] = pl
+	return pl, nil
+}
+
+// newPageTemplate cuts the header of pl (a page's full plan) around its
+// "page" metadata; nil when that metadata is not found in it exactly once
+// (the pages of its token count are then each planned fully).
+func newPageTemplate(pl *plannedPage) *pageTemplate {
+	meta := pl.ws.Meta["page"]
+	at := bytes.Index(pl.js, meta)
+	if len(meta) == 0 || at < 0 || bytes.Contains(pl.js[at+1:], meta) {
+		return nil
+	}
+	return &pageTemplate{pre: pl.js[:at], post: pl.js[at+len(meta):], end: pl.size - pl.dataStart, tensorBytes: pl.tensorBytes}
+}
+
+// head is the planned header of the page whose "page" metadata is meta;
+// ok is false when the header would be too long (planPage reports it).
+func (tpl *pageTemplate) head(meta []byte) (hd pageHead, ok bool) {
+	js := make([]byte, 0, len(tpl.pre)+len(meta)+len(tpl.post))
+	js = append(append(append(js, tpl.pre...), meta...), tpl.post...)
+	if len(js) > layout.MaxHeaderLen {
+		return hd, false
+	}
+	ds := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
+	return pageHead{js: js, dataStart: ds, size: ds + tpl.end, tensorBytes: tpl.tensorBytes}, true
 }
 
 // admit asks cfg.Admission (when set) for room for the save's pages.
@@ -150,9 +240,9 @@ func (ps *pageSave) admit(ctx context.Context, cfg *Config, ns *store.Namespace)
 	if cfg.Admission == nil {
 		return nil
 	}
-	sizes := make([]int64, len(ps.pages))
-	for i, pl := range ps.pages {
-		sizes[i] = pl.size
+	sizes := make([]int64, len(ps.heads))
+	for i, hd := range ps.heads {
+		sizes[i] = hd.size
 	}
 	return cfg.Admission.Admit(ctx, ns, ps.keys, ps.parents, sizes)
 }
@@ -218,8 +308,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		if err = ctx.Err(); err != nil {
 			break
 		}
-		pl := ps.pages[i]
-		path := pl.ws.Path
+		hd := &ps.heads[i]
+		path := ns.PagePath(key)
 		dir := filepath.Dir(path)
 		if !made[dir] {
 			if err = ns.CreateFanout(dir); err != nil { // synced below
@@ -228,8 +318,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 			}
 			made[dir] = true
 		}
-		m.LogicalBytes += pl.size - pl.dataStart
-		sums[i] = headerSum(pl.js)
+		m.LogicalBytes += hd.size - hd.dataStart
+		sums[i] = headerSum(hd.js)
 		// The page's mark: a file found with its FileID was made durable
 		// under the name and not written since; with its header sum
 		// too, it holds the header this save would write (not read).
@@ -243,12 +333,12 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		}
 		var reuse, exists bool
 		var id vfs.FileID
-		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, pl, hdr, holds); err != nil {
+		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, hd, hdr, holds); err != nil {
 			break
 		}
 		if reuse {
 			res.PagesReused++
-			res.BytesReused += pl.size
+			res.BytesReused += hd.size
 			ids[i] = id
 			known := id != (vfs.FileID{}) && id == markID
 			switch {
@@ -263,7 +353,7 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 				newDirs[dir] = true
 			}
 			if progress != nil {
-				progress(pl.tensorBytes)
+				progress(hd.tensorBytes)
 			}
 			continue
 		}
@@ -272,6 +362,10 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		}
 		newDirs[dir] = true
 		fresh = append(fresh, i)
+		var pl *plannedPage
+		if pl, err = ps.plan(i); err != nil {
+			break
+		}
 		tb := pl.tensorBytes
 		if err = stagePage(ctx, cfg, st, c, pl, &copied, &peak, func() { published.Add(tb) }); err != nil {
 			break
@@ -385,7 +479,7 @@ var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 // the file is opened. A file whose FileID holds(id) approves is reused
 // without being opened: the caller knows it holds the planned header
 // (DurablePages).
-func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte, holds func(vfs.FileID) bool) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
+func storedPage(fsys vfs.FS, path string, pl *pageHead, buf []byte, holds func(vfs.FileID) bool) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
 	fi, err := fsys.Lstat(path)
 	if err != nil {
 		if vfs.IsNotExist(err) {
