@@ -2,11 +2,14 @@ package jobs_test
 
 import (
 	"context"
+	"errors"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
+	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -110,6 +113,36 @@ func TestPrefixPageHeadsFromTemplate(t *testing.T) {
 		}
 		if full != counts {
 			t.Fatalf("%d tokens: %d pages planned fully, want %d (one per token count)", n, full, counts)
+		}
+	}
+}
+
+// TestPrefixSaveSyncsRootLast: a prefix save fsyncs the root with its
+// other directories at the end, after its pages are written, not before
+// (a serial fsync less before the first write); a root that cannot be
+// fsynced fails the save, and leaves no page marked durable.
+func TestPrefixSaveSyncsRootLast(t *testing.T) {
+	const p = 64
+	root := t.TempDir()
+	ns := filepath.Join(root, "ns")
+	ffs := testutil.NewFaultFS(nil)
+	marks := pageindex.New()
+	cfg := &jobs.Config{FS: ffs, Durable: marks}
+	c := newConv(seqTokens(3*p, 47), pTensors, pHeads, pDim, 3*p)
+	savePrefix(t, cfg, ns, c, p, p)
+	ffs.Inject(testutil.Fault{Op: testutil.OpSyncDir, Glob: filepath.Base(root)})
+	res, _, err := savePrefixAt(context.Background(), cfg, ns, &jobs.SavePrefixRequest{
+		Identity: "tiny/bf16", Tokens: c.tokens[:3*p], Tensors: c.views(3 * p), PageTokens: p,
+	})
+	if !errors.Is(err, syscall.EIO) {
+		t.Fatalf("save with the root's fsync failing: %v, want EIO", err)
+	}
+	if res == nil || res.PagesWritten != 2 {
+		t.Fatalf("save with the root's fsync failing: %+v; want its 2 new pages written before the root's fsync", res)
+	}
+	for i, k := range res.Keys {
+		if id := marks.DurableID("ns", k); i > 0 && id != (vfs.FileID{}) {
+			t.Fatalf("page %d marked durable by a save that failed", i)
 		}
 	}
 }

@@ -28,9 +28,10 @@ import (
 // Each new page is gathered (zero-copy where the view allows), hashed and
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
-// every fan-out directory holding a page of the save, pages/ and the
-// namespace directory are fsynced (those of reused pages while the new pages are written), except
-// the directory of a reused page that cfg.Durable knows durable with the
+// every fan-out directory holding a page of the save, pages/, the
+// namespace directory and the root are fsynced (those of reused pages
+// while the new pages are written, the others at the end), except the
+// directory of a reused page that cfg.Durable knows durable with the
 // FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
 // "Known-durable pages"); on success every page is marked there. When
 // SavePrefix returns nil, every page of the tokens is durable under its
@@ -68,7 +69,8 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	}
 	// The namespace directory (never a symlink); room for the new pages
 	// (cfg.Admission); the directory, durably (the root synced in any
-	// case, as for Write); then its lock, shared: collect may not sweep
+	// case, as for Write, but with the save's other directories at the
+	// end: savePages); then its lock, shared: collect may not sweep
 	// meanwhile.
 	if err := ns.Check(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
@@ -76,9 +78,10 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	if err := ps.admit(ctx, cfg, ns); err != nil {
 		return nil, m, err
 	}
-	if err := ns.Create(); err != nil {
+	if err := ns.CreateLeavingRoot(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
+	ps.syncRoot = true
 	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
@@ -120,6 +123,9 @@ type pageSave struct {
 	keys, parents []layout.PageKey
 	heads         []pageHead
 	pages         []*plannedPage // full plans, made by plan
+	// syncRoot: savePages fsyncs the root with its other directories
+	// (the namespace was made by store.Namespace.CreateLeavingRoot).
+	syncRoot bool
 }
 
 // pageHead is a page file's header as planned (hash placeholders), its
@@ -391,14 +397,18 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		// The fan-out directories, pages/ (which holds their entries)
 		// and the namespace directory (which holds pages/'s: CreatePagesDir
 		// syncs it only when it made pages/, and another process may have
-		// made it and died before its fsync) at once: each must be durable
+		// made it and died before its fsync), and for SavePrefix the root
+		// (which holds the namespace's), at once: each must be durable
 		// before the ack, in no order.
-		dirs := make([]string, 0, len(newDirs)+2)
+		dirs := make([]string, 0, len(newDirs)+3)
 		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
 		dirs = append(dirs, pagesDir, ns.Dir())
+		if ps.syncRoot {
+			dirs = append(dirs, st.Root())
+		}
 		err = syncDirs(ctx, st, dirs, pagesDir)
 		if err == nil && marks != nil {
 			marks.MarkDurable(ns.Name(), keys, ids, sums)
