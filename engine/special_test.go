@@ -469,3 +469,41 @@ func TestStrayFanoutSymlinkNeverAccounted(t *testing.T) {
 		t.Fatalf("q's page %d after p was shrunk again: %v", i, err)
 	}
 }
+
+// TestDirectoryAtPagePathIsAPerPageFailure: a directory where page i's
+// file belongs (pages/<xx>/<key>) fails page i alone, as a stray fan-out
+// does: a save writes every other page (Failed lists page i, FailedErr
+// names the path) instead of failing whole, and a load ends at page i.
+func TestDirectoryAtPagePathIsAPerPageFailure(t *testing.T) {
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 320, true)
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2})
+	const i = 2
+	toks, keys := fanoutAloneChain(i)
+	path := testutil.PagePath(filepath.Join(root, "p"), keys[i])
+	if err := os.MkdirAll(path, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	inside := filepath.Join(path, "not-kvpersists")
+	if err := os.WriteFile(inside, []byte("kept"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	r := e.Do(bg, &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
+	if r.Err != nil || r.Prefix.PagesWritten != len(keys)-1 || len(r.Prefix.Failed) != 1 || r.Prefix.Failed[0] != keys[i] ||
+		r.Prefix.FailedErr == nil || !strings.Contains(r.Prefix.FailedErr.Error(), path) {
+		t.Fatalf("save: %+v, err %v; want %d pages written and page %d failed naming %s", r.Prefix, r.Err, len(keys)-1, i, path)
+	}
+	if got, err := e.Lookup("p", "tiny", 64, toks); err != nil || got != i*64 {
+		t.Fatalf("Lookup: %d %v, want %d", got, err, i*64)
+	}
+	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
+	r = e.Do(bg, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
+	if r.Err != nil || r.Prefix.Tokens != i*64 || r.Prefix.Stop == nil {
+		t.Fatalf("load: %+v, err %v; want the first %d tokens and a Stop", r.Prefix, r.Err, i*64)
+	}
+	checkLoaded(t, c, bufs, 320, i*64)
+	if b, err := os.ReadFile(inside); err != nil || string(b) != "kept" {
+		t.Fatalf("the file in the directory at %s: %q %v", path, b, err)
+	}
+}
