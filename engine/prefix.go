@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"syscall"
 	"time"
 
@@ -241,6 +242,11 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	}
 	path, fsys := n.PagePath(key), e.store.FS()
 	gone := func() bool {
+		// A fan-out that is a symlink or no directory holds no page of
+		// ns, whatever a path through it finds.
+		if errors.Is(n.Store().CheckRealDir(filepath.Dir(path)), store.ErrNamespace) {
+			return true
+		}
 		_, err := fsys.Lstat(path)
 		// ENOTDIR: its fan-out directory is not one (a stray file).
 		return vfs.IsNotExist(err) || errors.Is(err, syscall.ENOTDIR)

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"path/filepath"
 	"sync"
 	"time"
 
@@ -145,6 +146,15 @@ func (t *tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *RemoteR
 		if !local[c] {
 			fetch = append(fetch, first+c)
 			fobjs = append(fobjs, objs[c])
+		}
+	}
+	// A fan-out path that is no directory (a stray file or symlink) fails
+	// its pages alone: the load ends at the first (a Stop naming it), so
+	// the pages before it are fetched and the rest are not.
+	for f, pos := range fetch {
+		if errors.Is(ch.NS.Store().CheckRealDir(filepath.Dir(ch.NS.PagePath(keys[pos]))), store.ErrNamespace) {
+			fetch, fobjs = fetch[:f], fobjs[:f]
+			break
 		}
 	}
 	if len(fetch) == 0 {
