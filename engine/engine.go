@@ -344,8 +344,10 @@ func New(cfg Config) (*Engine, error) {
 			_ = e.pc.close()
 			return nil, err
 		}
-		forget := e.tier.forget
-		e.pc.onRemoved.Store(&forget)
+	}
+	removed := e.pageRemoved // once e.tier is set: it reads it (events.go)
+	e.pc.onRemoved.Store(&removed)
+	if e.tier != nil {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
