@@ -6,13 +6,17 @@ import (
 	"errors"
 	"os"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/kvpersist/kvpersist/engine/events"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/metrics"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
+	"github.com/prometheus/client_golang/prometheus"
+	promtest "github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/vmihailenco/msgpack/v5"
 )
 
@@ -193,7 +197,11 @@ func newEventLog() *eventLog {
 func TestEventsLiveSavesAndRemovals(t *testing.T) {
 	pb := pageBytes(t)
 	root := t.TempDir()
-	e := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 6 * pb, Events: &events.Config{
+	rec, err := metrics.New(metrics.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 6 * pb, Metrics: rec, Events: &events.Config{
 		Endpoint: "tcp://127.0.0.1:0", Topic: events.Topic("pod", "tiny"),
 	}})
 	ch := liveSub(t, e.ev.pub)
@@ -290,5 +298,12 @@ func TestEventsLiveSavesAndRemovals(t *testing.T) {
 	}
 	if st, _ := e.EventStats(); st.Dropped != 0 {
 		t.Fatalf("%d events dropped", st.Dropped)
+	}
+	// The drop count is exported (EventsMetricsSink).
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(rec)
+	if err := promtest.GatherAndCompare(reg, strings.NewReader("# HELP kvpersist_events_dropped_total KV events dropped, the publisher's queue full (a router misses them until a snapshot).\n"+
+		"# TYPE kvpersist_events_dropped_total counter\nkvpersist_events_dropped_total 0\n"), "kvpersist_events_dropped_total"); err != nil {
+		t.Fatal(err)
 	}
 }
