@@ -36,8 +36,7 @@ var mdLink = regexp.MustCompile(`\]\(([^)\s]+)\)`)
 
 // pendingDocs may be linked to before they exist: another change of the
 // same series writes them.
-var pendingDocs = map[string]bool{
-}
+var pendingDocs = map[string]bool{}
 
 // docFiles are the documents: the top-level ones and every .md under docs/.
 func docFiles(t *testing.T) []string {

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/recency"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
@@ -136,7 +136,7 @@ func TestCacheFullDiskMidSave(t *testing.T) {
 // refuses a save onto the directory naming it, replaces the symlink with
 // the page, and a load stops at the truncated page, which is removed.
 func TestCacheHostilePagesEntries(t *testing.T) {
-	for _, ckpt := range []int64{0, evict.MaxCheckpointBytes + 1} {
+	for _, ckpt := range []int64{0, recency.MaxBytes + 1} {
 		root := t.TempDir()
 		e := newEngine(t, Config{Root: root, Workers: 1})
 		toks := convTokens(0, 4*cP, 1)
@@ -287,7 +287,7 @@ func TestCacheSaveWaitsForAVictimItWouldReuse(t *testing.T) {
 	}
 	waitFor(t, "the background victim", func() bool { return e.Usage().EvictingBytes == pb })
 	keys, _, _ := layout.PageChain("tiny", cP, conv1)
-	if !e.pc.pol.Evicting("p", evict.Key(keys[1])) {
+	if !e.pc.Evicting("p", keys[1]) {
 		unlock()
 		t.Fatalf("the victim is not conversation 1's leaf")
 	}

@@ -373,7 +373,7 @@ func TestCacheLoadPinsPages(t *testing.T) {
 	toks := convTokens(0, 2*cP, 1)
 	mustSavePages(t, e, "p", toks)
 	keys, _, _ := layout.PageChain("tiny", cP, toks)
-	done := e.pc.pinLoad("p", keys)
+	done := e.pc.PinChain("p", keys).Done
 	if r := savePages(e, "p", convTokens(0, cP, 2)); !errors.Is(r.Err, ErrNoSpace) {
 		t.Fatalf("a save needing a page a load holds: %v", r.Err)
 	}
@@ -570,24 +570,29 @@ func TestCacheLookupTouches(t *testing.T) {
 	mustSavePages(t, e, "p", c1)
 	mustSavePages(t, e, "p", c2)
 	keys, _, _ := layout.PageChain("tiny", cP, c1)
-	was, _ := e.pc.pol.Lookup("p", evict.Key(keys[1]))
+	was, _ := e.pc.Tracked("p", keys[1])
 	if n, err := e.Lookup("p", "tiny", cP, append(c1[:len(c1):len(c1)], 5, 6, 7)); n != 2*cP || err != nil {
 		t.Fatalf("lookup: %d %v", n, err)
 	}
 	waitFor(t, "the lookup's touch", func() bool {
-		p, _ := e.pc.pol.Lookup("p", evict.Key(keys[1]))
+		p, _ := e.pc.Tracked("p", keys[1])
 		return p.Access > was.Access
 	})
-	vs, _ := e.pc.pol.Shrink(e.Usage().UsedBytes-1, nil)
-	k2, _, _ := layout.PageChain("tiny", cP, c2)
-	if len(vs) != 1 || vs[0].Key != evict.Key(k2[1]) {
-		t.Fatalf("victim after the lookup: %+v, want conversation 2's leaf", vs)
-	}
-	for _, v := range vs {
-		_ = e.pc.pol.Abandon(v.Namespace, v.Key)
-	}
 	if s.hit != 2*cP || s.mis != 3 || s.jobs[labels.KindLookup] != 1 {
 		t.Fatalf("lookup metrics: hit %d miss %d jobs %d", s.hit, s.mis, s.jobs[labels.KindLookup])
+	}
+	// One page over a quota: the background shrink evicts the least
+	// recently used leaf, conversation 2's.
+	u := e.Usage()
+	if err := e.SetQuota("p", u.UsedBytes-1); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the shrink", func() bool { return e.Usage().Pages == u.Pages-1 })
+	if n, _ := e.Lookup("p", "tiny", cP, c2); n != cP {
+		t.Fatalf("conversation 2 after the shrink: %d tokens stored, want %d (its leaf evicted)", n, cP)
+	}
+	if n, _ := e.Lookup("p", "tiny", cP, c1); n != 2*cP {
+		t.Fatalf("conversation 1 after the shrink: %d tokens stored, want %d (touched by the lookup)", n, 2*cP)
 	}
 }
 

@@ -54,8 +54,9 @@ func cpPageBytes(t *testing.T, cache *kvgen.Cache) int64 {
 }
 
 // checkUsageEqualsDisk opens an engine on root (no capacity: nothing is
-// evicted) and requires its Usage, rebuilt from the disk, to equal a walk
-// of the page files' st_blocks.
+// evicted; the default temp grace: the temp page files a kill left are
+// kept and counted) and requires its Usage, rebuilt from the disk, to
+// equal a walk of the page and temp page files' st_blocks.
 func checkUsageEqualsDisk(t *testing.T, root string, round int) {
 	t.Helper()
 	e, err := engine.New(engine.Config{Root: root, Workers: 1, NoSync: true, Logger: discardLogger})
@@ -64,36 +65,53 @@ func checkUsageEqualsDisk(t *testing.T, root string, round int) {
 	}
 	defer e.Close(context.Background())
 	u := e.Usage()
-	b, _, n, _ := testutil.PageTree(t, root)
-	if u.UsedBytes != b || u.Pages != n {
-		t.Fatalf("round %d: usage rebuilt at start %d bytes in %d pages; the disk %d bytes in %d pages", round, u.UsedBytes, u.Pages, b, n)
+	b, tb, n, temps := testutil.PageTree(t, root)
+	if u.UsedBytes != b+tb || u.TempBytes != tb || u.Pages != n {
+		t.Fatalf("round %d: usage rebuilt at start %d bytes (%d of temp files) in %d pages; the disk %d bytes in %d pages and %d bytes in %d temp files",
+			round, u.UsedBytes, u.TempBytes, u.Pages, b, n, tb, temps)
 	}
 }
 
 // TestCrashEvictSIGKILL: a process saving into a full cache (every save
 // evicts) is killed at random moments; after every kill each page file
-// left is whole and right, the page files never exceed the capacity by
-// more than the bound (2 saves in flight × one page), and the accounting
-// an engine rebuilds equals the disk.
+// left is whole and right, and the accounting an engine rebuilds equals
+// the disk (temp page files the kills left included). The page files and
+// the temp page files together, sampled while the process runs and after
+// each kill, never exceed the capacity by more than the bound (2 saves in
+// flight × one page), however many kills left temp files: each start
+// removes those older than the grace and counts the others.
 func TestCrashEvictSIGKILL(t *testing.T) {
-	kills, rng := crashRounds(t, 4, 50, 14)
+	kills, rng := crashRounds(t, 24, 100, 14)
 	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
 	pb := cpPageBytes(t, cache)
 	capacity := 24 * pb
 	root := t.TempDir()
 	where := cpWhere()
-	evicted := 0 // summed over the rounds
-	for round := range kills {
+	evicted := 0   // summed over the rounds
+	tempsLeft := 0 // temp page files found after the kills
+	var round int
+	checkBound := func(when string) {
+		t.Helper()
+		pages, temps, _, n := testutil.PageTree(t, root)
+		if bound := capacity + 2*pb; pages+temps > bound {
+			t.Fatalf("round %d, %s: page files take %d bytes and %d temp page files %d bytes, above capacity %d + 2 saves × %d",
+				round, when, pages, n, temps, capacity, pb)
+		}
+	}
+	for round = range kills {
 		roundEvicted := 0
 		h := startHelper(t, "crash-prefix", "-root", root, "-seed", strconv.FormatUint(rng.Uint64(), 10),
-			"-capacity", strconv.FormatInt(capacity, 10), "-nosync")
+			"-capacity", strconv.FormatInt(capacity, 10), "-nosync", "-tempgrace", "50ms")
 		if l, ok := <-h.lines; !ok || l != "ready" {
 			rest, st := h.wait()
 			t.Fatalf("helper did not start: %q %q %v\n%s", l, rest, st, h.stderr.String())
 		}
 		guard := time.After(60 * time.Second)
+		sample := time.NewTicker(5 * time.Millisecond)
 		for k := 4 + rng.IntN(12); k > 0; {
 			select {
+			case <-sample.C:
+				checkBound("while saving")
 			case l, ok := <-h.lines:
 				if !ok {
 					k = 0
@@ -109,6 +127,7 @@ func TestCrashEvictSIGKILL(t *testing.T) {
 				k = 0
 			}
 		}
+		sample.Stop()
 		time.Sleep(time.Duration(rng.IntN(30)) * time.Millisecond)
 		_ = h.cmd.Process.Kill()
 		rest, _ := h.wait()
@@ -119,14 +138,13 @@ func TestCrashEvictSIGKILL(t *testing.T) {
 		}
 		evicted += roundEvicted
 		h.checkStderr()
-		pages, _, _, _ := testutil.PageTree(t, root)
-		if bound := capacity + 2*pb; pages > bound {
-			t.Fatalf("round %d: page files take %d bytes, above capacity %d + 2 saves × %d", round, pages, capacity, pb)
-		}
+		checkBound("after the kill")
+		_, _, _, temps := testutil.PageTree(t, root)
+		tempsLeft += temps
 		cpCheckPages(t, root, cache, where, round)
 		checkUsageEqualsDisk(t, root, round)
 	}
-	t.Logf("%d kills, %d pages evicted", kills, evicted)
+	t.Logf("%d kills, %d pages evicted, %d temp page files left by the kills", kills, evicted, tempsLeft)
 	if evicted == 0 {
 		t.Fatal("the helper never evicted: the test checked nothing of eviction")
 	}

@@ -34,3 +34,31 @@ func TestEngineLinksNoPrometheus(t *testing.T) {
 		}
 	}
 }
+
+// TestPolicyStaysPure: the eviction policy links no other package of the
+// module (it does no I/O: the page cache's shell, engine/pagecache, does
+// it), and neither the store nor the checkpoint format links the policy
+// (the CLI reads a checkpoint through them).
+func TestPolicyStaysPure(t *testing.T) {
+	deps := func(pkg string) []string {
+		out, err := exec.Command("go", "list", "-deps", pkg).Output()
+		if err != nil {
+			t.Fatalf("go list -deps %s: %v", pkg, err)
+		}
+		return strings.Fields(string(out))
+	}
+	const mod = "github.com/kvpersist/kvpersist/"
+	for _, d := range deps("./evict") {
+		if strings.HasPrefix(d, mod) && d != mod+"engine/evict" {
+			t.Errorf("engine/evict links %s", d)
+		}
+	}
+	for _, pkg := range []string{"./store", "./recency"} {
+		if slices.Contains(deps(pkg), mod+"engine/evict") {
+			t.Errorf("%s links the policy engine/evict", pkg)
+		}
+	}
+	if !slices.Contains(deps("./pagecache"), mod+"engine/evict") {
+		t.Error("engine/pagecache does not link the policy it drives")
+	}
+}

@@ -9,7 +9,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
@@ -403,14 +402,14 @@ func (e *Engine) execute(j *job, res *Result) {
 		if err != nil && e.tier != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrMissingPage)) {
 			// Read-through of a page manifest (remote_named.go): only
 			// when the local tier lacks the name or a page it names.
-			var held []evict.Key
+			var held []layout.PageKey
 			var fetched bool
 			res.Remote, held, fetched = e.tier.readNamed(j.ctx, r.Ref)
 			if fetched && res.Remote.Err == nil {
 				snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
 			}
 			if len(held) > 0 {
-				_ = e.pc.pol.UnpinAll(r.Namespace, held)
+				e.pc.Unpin(r.Namespace, held...)
 			}
 			if err != nil && res.Remote.Err != nil {
 				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", res.Remote.Err))
@@ -422,7 +421,7 @@ func (e *Engine) execute(j *job, res *Result) {
 	case *DeleteRequest:
 		res.Metrics, err = jobs.Delete(j.ctx, &cfg, r)
 		if err == nil {
-			e.pc.setManifest(r.Namespace, r.Name, nil) // its pages' pins go with it
+			e.pc.SetManifest(r.Namespace, r.Name, nil) // its pages' pins go with it
 		}
 	case *CollectRequest:
 		c := *r

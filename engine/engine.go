@@ -32,6 +32,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/events"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
@@ -75,6 +76,9 @@ type Config struct {
 	// TempGrace and BlockGrace are collect's grace periods, for collect
 	// requests that leave theirs 0 (see CollectRequest); zero TempGrace
 	// means jobs.DefaultTempGrace (10 minutes), jobs.NoTempGrace none.
+	// The page cache removes temp page files older than TempGrace at New
+	// and in the background, and counts the younger ones within the
+	// capacity (pagecache.Options).
 	TempGrace, BlockGrace time.Duration
 	// FS is the file system seam; nil means the real one (vfs.Default).
 	FS vfs.FS
@@ -132,7 +136,9 @@ type Config struct {
 	// those victims count as freed but wait for their namespace's
 	// exclusive lock, which loads of that namespace may keep busy. Pages
 	// found on disk beyond the capacity at New (or written by another
-	// process) are evicted in the background (ReasonShrink). A save that
+	// process) are evicted in the background (ReasonShrink). Temp page
+	// files a killed writer left are removed once older than TempGrace and
+	// counted in D's accounting until then (Usage().TempBytes). A save that
 	// cannot make room (every page that could go is pinned, shared by a
 	// stored descendant, or protected by a quota) fails with ErrNoSpace,
 	// writes nothing and leaves every stored page intact. Pins (of loads, of saves' reused
@@ -193,7 +199,7 @@ type Engine struct {
 	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
 	// tierOnce closes the tier once (Close may be called concurrently).
 	tierOnce sync.Once
-	pc       *pageCache // the bounded page cache: accounting, eviction, checkpoints (cache.go)
+	pc       *pagecache.Cache // the bounded page cache: accounting, eviction, checkpoints
 	pcOnce   sync.Once
 	ev       *engineEvents // the KV events publisher; nil without Config.Events (events.go)
 }
@@ -248,9 +254,8 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.ReadDepth < 0 || cfg.ReadDepth > readio.MaxReadDepth {
 		return nil, fmt.Errorf("%w: ReadDepth %d (want 0 to %d)", ErrConfig, cfg.ReadDepth, readio.MaxReadDepth)
 	}
-	policy, err := newCachePolicy(cfg)
-	if err != nil {
-		return nil, err
+	if err := cacheLimits(cfg).Check(); err != nil {
+		return nil, configError(err)
 	}
 	if cfg.FS == nil {
 		cfg.FS = vfs.Default
@@ -299,13 +304,17 @@ func New(cfg Config) (*Engine, error) {
 	}
 	// The page cache's accounting, from the page files on disk; its
 	// background goroutine runs until Close.
-	if e.pc, err = openPageCache(cfg, policy, st, pages); err != nil {
-		return nil, err
+	var sink pagecache.Sink
+	if cfg.Metrics != nil {
+		sink = cfg.Metrics
+	}
+	if e.pc, err = pagecache.Open(pagecache.Options{Limits: cacheLimits(cfg), Store: st, Index: pages, Logger: cfg.Logger, Sink: sink, TempGrace: cfg.TempGrace}); err != nil {
+		return nil, configError(err)
 	}
 	pool, err := ants.NewPool(cfg.Workers, ants.WithNonblocking(true), ants.WithDisablePurge(true),
 		ants.WithPanicHandler(func(r any) { e.logSafe(slog.LevelError, "kvpersist: panic escaped a pool task", "panic", r) }))
 	if err != nil {
-		_ = e.pc.close()
+		_ = e.pc.Close()
 		return nil, fmt.Errorf("engine: pool: %w", err)
 	}
 	e.pool = pool
@@ -341,12 +350,11 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Remote != nil {
 		if e.tier, err = newTier(e, cfg.Remote); err != nil {
 			e.pool.Release()
-			_ = e.pc.close()
+			_ = e.pc.Close()
 			return nil, err
 		}
 	}
-	removed := e.pageRemoved // once e.tier is set: it reads it (events.go)
-	e.pc.onRemoved.Store(&removed)
+	e.pc.SetOnRemoved(e.pageRemoved) // once e.tier is set: it reads it (events.go)
 	if e.tier != nil {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
@@ -694,7 +702,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	// No job runs any more: stop the page cache's background goroutine and
 	// write its recency checkpoints.
 	e.pcOnce.Do(func() {
-		if cerr := e.pc.close(); cerr != nil {
+		if cerr := e.pc.Close(); cerr != nil {
 			e.logSafe(slog.LevelWarn, "kvpersist: page cache checkpoint at close", "err", cerr)
 		}
 	})

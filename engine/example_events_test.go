@@ -57,7 +57,6 @@ func Example_kvEvents() {
 
 	// README:begin (README.md, "KV events", shows the lines up to README:end)
 	sub := zmq4.NewSub(ctx)
-	defer sub.Close()
 	if err := sub.Dial(endpoint); err != nil { // Config.Events.Endpoint
 		log.Fatal(err)
 	}
@@ -66,21 +65,21 @@ func Example_kvEvents() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	var batch struct { // [ts, [events], dp_rank]
+	var batch struct { // [ts, [events], dp_rank]; an event is [tag, hashes, ...]
 		_      struct{} `msgpack:",array"`
 		TS     float64
-		Events [][]msgpack.RawMessage // [tag, block hashes, ...]
+		Events [][]msgpack.RawMessage
 		Rank   int
 	}
-	var tag string // BlockStored, BlockRemoved, AllBlocksCleared
-	var hashes []uint64
-	if err := msgpack.Unmarshal(msg.Frames[2], &batch); err == nil {
-		_, _ = msgpack.Unmarshal(batch.Events[0][0], &tag), msgpack.Unmarshal(batch.Events[0][1], &hashes)
+	var tag string
+	if msgpack.Unmarshal(msg.Frames[2], &batch) == nil {
+		_ = msgpack.Unmarshal(batch.Events[0][0], &tag)
 	}
-	fmt.Println(string(msg.Frames[0]), tag, len(hashes), "blocks")
+	fmt.Println(string(msg.Frames[0]), tag, len(batch.Events[0]), "fields")
 	// README:end
+	sub.Close()
 	cancel()
 	<-saving
 	// Output:
-	// kv@pod-0@llama-3.1-8b BlockStored 2 blocks
+	// kv@pod-0@llama-3.1-8b BlockStored 8 fields
 }

@@ -10,6 +10,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
+	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
@@ -139,19 +140,19 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 }
 
 // pageAdmission is a page save's jobs.Admission: the page cache's
-// reservation for its pages (pageCache.reserve), settled by the engine
+// reservation for its pages (pagecache.Cache.Reserve), settled by the engine
 // once the save returned.
 type pageAdmission struct {
-	pc   *pageCache
-	a    *admission
+	pc   *pagecache.Cache
+	a    *pagecache.Admission
 	keys []layout.PageKey
 }
 
-// Admit reserves room for the save's pages (see pageCache.reserve).
+// Admit reserves room for the save's pages (see pagecache.Cache.Reserve).
 func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
-	a, err := pa.pc.reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
+	a, err := pa.pc.Reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
 	if err != nil {
-		a.release()
+		a.Release()
 		return err
 	}
 	pa.a, pa.keys = a, keys
@@ -162,7 +163,7 @@ func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, pa
 // when the save was refused before it was admitted).
 func (pa *pageAdmission) settle(err error) {
 	if pa.a != nil {
-		pa.a.settle(err)
+		pa.a.Settle(err)
 	}
 }
 
@@ -254,7 +255,7 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	}
 	e.pages.RemoveIfGone(ns, key, gone)
 	if gone() {
-		e.pc.removedBehind(ns, key)
+		e.pc.RemovedBehind(ns, key)
 		if e.tier != nil {
 			e.tier.forget(ns, key)
 		}
@@ -307,7 +308,7 @@ func (e *Engine) lookupStart(namespace string, pageTokens int) (int, time.Time, 
 // its tokens hit and missed.
 func (e *Engine) lookupDone(namespace string, start time.Time, n int, last layout.PageKey, total int, err error) {
 	if n > 0 {
-		e.pc.touchLookup(namespace, last)
+		e.pc.TouchLookup(namespace, last)
 	}
 	if m := e.cfg.Metrics; m != nil {
 		m.Job(labels.KindLookup, labels.OutcomeOf(err), time.Since(start), true)
@@ -337,11 +338,11 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 		return err
 	}
 	if w.Layout != layout.Pages {
-		e.pc.setManifest(w.Namespace, w.Name, nil)
+		e.pc.SetManifest(w.Namespace, w.Name, nil)
 		return nil
 	}
 	e.pages.Add(w.Namespace, adm.keys...)
-	e.pc.setManifest(w.Namespace, w.Name, evictKeys(adm.keys))
+	e.pc.SetManifest(w.Namespace, w.Name, adm.keys)
 	if e.tier != nil { // the pages, then the manifest (remote_tier.go)
 		e.tier.manifestWritten(w.Ref, adm.keys)
 	}
@@ -358,6 +359,6 @@ func (e *Engine) resyncAfterCollect(names []string) {
 		}
 	}
 	for _, ns := range names {
-		e.pc.resync(ns)
+		e.pc.Resync(ns)
 	}
 }

@@ -123,11 +123,12 @@ func crashPrefixMain(args []string) int {
 	nosync := fl.Bool("nosync", false, "no fsync")
 	wait := fl.Bool("wait", false, "after \"ready\", wait for a line on stdin before saving")
 	minConv := fl.Int("minconv", 0, "save only conversations from this one on")
+	tempGrace := fl.Duration("tempgrace", 0, "Config.TempGrace (0: the default)")
 	if err := fl.Parse(args); err != nil {
 		return 2
 	}
 	ev := &evictCounter{}
-	e, err := engine.New(engine.Config{Root: *root, Workers: 2, Logger: discardLogger, CapacityBytes: *capacity, NoSync: *nosync, Metrics: ev})
+	e, err := engine.New(engine.Config{Root: *root, Workers: 2, Logger: discardLogger, CapacityBytes: *capacity, NoSync: *nosync, Metrics: ev, TempGrace: *tempGrace})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1

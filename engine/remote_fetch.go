@@ -9,10 +9,10 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
+	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
@@ -166,7 +166,7 @@ func (t *tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *RemoteR
 // positions fetch of a chain of namespace n, objects objs (from lookup),
 // each fetched into a temp file beside its local path, verified against
 // want(pos) (the page the chain expects there) and its tensor hashes, and
-// published (fetchPage), inside its admission (pageCache.admitHeld: its
+// published (fetchPage), inside its admission (pagecache.Cache.AdmitHeld: its
 // object's size reserved against the capacity, the quotas and the
 // headroom, victims evicted first, the page committed with its st_blocks
 // and pinned). The reservations are taken one after another in chain order
@@ -205,7 +205,7 @@ type fetchRun struct {
 	rds    []vfs.File         // keep: page f's read-only descriptor, until taken
 	heads  []*layout.Snapshot // keep: page f's header as the stream decoded it, or nil
 	lost   []error            // keep: page f verified, then its publish failed with this
-	held   []evict.Key
+	held   []layout.PageKey
 }
 
 // startFetch starts a fetchRun (see fetchRun; want, fetch, objs, keep,
@@ -280,7 +280,7 @@ func (fr *fetchRun) page(ctx context.Context, f int) {
 		}
 	}
 	var size int64
-	h, err := t.e.pc.admitHeld(ctx, fr.n, []layout.PageKey{want.Key}, []layout.PageKey{want.Parent}, fileBytes, func() error {
+	h, err := t.e.pc.AdmitHeld(ctx, fr.n, []layout.PageKey{want.Key}, []layout.PageKey{want.Parent}, fileBytes, func() error {
 		// The GET token is taken before the next page may reserve, so
 		// pages take tokens in chain order.
 		select {
@@ -335,7 +335,7 @@ var errNotPublished = errors.New("engine: fetched page not published")
 // the pins taken for the caller (every page committed; the caller releases
 // them when its read ends) and the first failure, naming the page (nil when
 // every page was fetched, or found local meanwhile).
-func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []evict.Key, first error) {
+func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []layout.PageKey, first error) {
 	fr.wg.Wait()
 	t, ns := fr.t, fr.n.Name()
 	notFetched := 0
@@ -380,7 +380,7 @@ var errNotFetched = errors.New("engine: not fetched: an earlier page of the chai
 type loadSource struct {
 	e    *Engine
 	ch   *jobs.PageChain
-	pins *loadPins
+	pins *pagecache.LoadPins
 	rep  *RemoteReport // nil without a remote tier
 	fr   *fetchRun     // nil when nothing is fetched
 	at   map[int]int   // position in the chain -> index in fr.fetch
@@ -398,7 +398,7 @@ func (e *Engine) newLoadSource() *loadSource {
 // here: it pins nothing) and starts the read-through.
 func (s *loadSource) Start(ctx context.Context, ch *jobs.PageChain) {
 	s.ch = ch
-	s.pins = s.e.pc.pinChain(ch.NS.Name(), ch.Keys)
+	s.pins = s.e.pc.PinChain(ch.NS.Name(), ch.Keys)
 	if s.e.tier == nil {
 		return
 	}
@@ -416,8 +416,8 @@ func (s *loadSource) Start(ctx context.Context, ch *jobs.PageChain) {
 func (s *loadSource) Page(ctx context.Context, i int, wait bool) (jobs.SourcePage, bool) {
 	f, fetched := s.at[i]
 	if !fetched {
-		if i >= s.pins.k {
-			s.pins.extend() // pages the read-through committed, and stored ones after them
+		if i >= s.pins.Pinned() {
+			s.pins.Extend() // pages the read-through committed, and stored ones after them
 		}
 		return jobs.SourcePage{}, true
 	}
@@ -454,10 +454,10 @@ func (s *loadSource) finish(loaded []layout.PageKey, ok bool) *RemoteReport {
 		if s.rep.Err == nil {
 			s.rep.Err = err
 		}
-		s.pins.hold(held)
+		s.pins.Hold(held)
 	}
 	if s.pins != nil {
-		s.pins.done(loaded, ok)
+		s.pins.Done(loaded, ok)
 	}
 	return s.rep
 }

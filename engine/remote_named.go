@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"log/slog"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
 	"github.com/kvpersist/kvpersist/engine/store"
@@ -27,7 +26,7 @@ import (
 // local index lacks (or lists though its file is gone) is looked up and,
 // when the store holds them all, fetched by the tier's one fetcher, the
 // LoadPrefix read-through's (lookup, fetchRun: remote_fetch.go;
-// pageCache.admitHeld around fetchPage: room reserved first,
+// pagecache.Cache.AdmitHeld around fetchPage: room reserved first,
 // verified against the manifest's key chain, published atomically, committed
 // pinned; the manifest's pages already local are pinned first). Only when
 // every page is local is a fetched manifest published (publishManifest:
@@ -44,7 +43,7 @@ import (
 // manifest not found, or ErrMissingPage) with rep.Err joined to its error.
 // A manifest of another layout, or any local decoding error, is left to
 // the read.
-func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []evict.Key, fetched bool) {
+func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []layout.PageKey, fetched bool) {
 	rep = &RemoteReport{}
 	n, err := t.e.store.Namespace(ref.Namespace)
 	if err != nil {
@@ -105,7 +104,7 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 // ErrMissingPage, found by the lookup). The pages of pl already local are
 // pinned first (held, as a LoadPrefix pins its local prefix), so the room
 // made for the fetched pages is never theirs: the read needs them too.
-func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []evict.Key, err error) {
+func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []layout.PageKey, err error) {
 	n, err := t.e.store.Namespace(ns)
 	if err != nil {
 		return nil, err
@@ -113,13 +112,13 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 	var fetch []int // positions in pl.Keys
 	for i, k := range pl.Keys {
 		if t.e.pages.Has(ns, k) {
-			pinned, err := t.pinLocal(ctx, ns, evict.Key(k))
+			pinned, err := t.e.pc.PinStored(ctx, ns, k)
 			if err != nil {
 				return held, err
 			}
 			if _, err := t.e.store.FS().Lstat(n.PagePath(k)); err == nil {
 				if pinned {
-					held = append(held, evict.Key(k))
+					held = append(held, k)
 				}
 				continue
 			}
@@ -127,7 +126,7 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 			// root has evicted since (the read failed on it): it is
 			// forgotten and fetched like a page never stored here.
 			if pinned {
-				_ = t.e.pc.pol.Unpin(ns, evict.Key(k))
+				t.e.pc.Unpin(ns, k)
 			}
 			t.e.forgetIfGone(ns, k)
 		}
@@ -198,28 +197,8 @@ func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body [
 	if err != nil {
 		return err
 	}
-	t.e.pc.setManifest(ref.Namespace, ref.Name, evictKeys(pl.Keys))
+	t.e.pc.SetManifest(ref.Namespace, ref.Name, pl.Keys)
 	return nil
-}
-
-// pinLocal pins page k of ns, a page of the local tier, for a named read:
-// a page being evicted is waited for (then it is gone, or kept and
-// pinned). pinned is false when the page is not tracked by this engine's
-// cache (written by another process: never this engine's victim) or is
-// gone.
-func (t *tier) pinLocal(ctx context.Context, ns string, k evict.Key) (pinned bool, err error) {
-	pc := t.e.pc
-	for {
-		if pc.pol.Pin(ns, k) {
-			return true, nil
-		}
-		if !pc.pol.Evicting(ns, k) {
-			return false, nil
-		}
-		if err := pc.waitVictim(ctx, ns, k); err != nil {
-			return false, err
-		}
-	}
 }
 
 // createLocked makes namespace n durably, as a save does, and takes its

@@ -256,7 +256,7 @@ func (t *tier) prepareDirs(ctx context.Context, n *store.Namespace, keys []layou
 }
 
 // fetchPage is the write of one fetched page's admission (it runs inside
-// pageCache.admitHeld, room reserved): under namespace n's shared lock it
+// pagecache.Cache.AdmitHeld, room reserved): under namespace n's shared lock it
 // fetches object o, the page want.Key, into a temp file beside its local
 // path, verifies it and publishes it (publishFetched); it adds it to the
 // index. fetched is called once the object's bytes are all in the temp
@@ -427,7 +427,7 @@ func (w *kickWriter) stop() {
 // fdatasync of the verified temp file, rename onto the page's path, fsync
 // of its fan-out directory (under the store's sync policy), as a save
 // publishes its pages. It runs inside the page's admission
-// (pageCache.admitHeld), whose reservation covers the file.
+// (pagecache.Cache.AdmitHeld), whose reservation covers the file.
 func (t *tier) publishFetched(sf *layout.Staged) error {
 	return sf.Commit(t.e.store.PublishOptions(true, 0))
 }

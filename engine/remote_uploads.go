@@ -7,7 +7,6 @@ import (
 	"log/slog"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -89,7 +88,7 @@ func (q uploadQueue) Room() (free, capacity int) {
 }
 
 // SetPending marks page k of ns pending in the page cache's eviction
-// policy (evict.Cache.SetPending: evicted only after every evictable page
+// policy (pagecache.Cache.SetPending: evicted only after every evictable page
 // that is not), or unmarks it: a page is marked while its upload is
 // queued, in flight or spilled to the journal, so that under pressure the
 // cache evicts the pages the object store holds (or need not hold)
@@ -97,7 +96,7 @@ func (q uploadQueue) Room() (free, capacity int) {
 // (written by another process) is not marked. See ARCHITECTURE.md, "A
 // pending upload is evicted last".
 func (q uploadQueue) SetPending(ns string, k layout.PageKey, pending bool) {
-	q.t.e.pc.pol.SetPending(ns, evict.Key(k), pending)
+	q.t.e.pc.SetPending(ns, k, pending)
 }
 
 // queueUpload hands the uploader the upload p (registered with the
@@ -288,7 +287,7 @@ func (t *tier) closeUploads(ctx context.Context) error {
 func (t *tier) markKnown(ns string, k layout.PageKey) { t.l.MarkKnown(ns, k) }
 
 // forget drops page k of ns from the known set: its local file was
-// evicted or found gone (pageCache.unindex, forgetIfGone), or the store
+// evicted or found gone (pagecache.Cache.SetOnRemoved, forgetIfGone), or the store
 // lacks it. A later save writes the page again and queues it; its upload
 // HEADs the object first (StatFirst) and sends nothing when it is stored.
 func (t *tier) forget(ns string, k layout.PageKey) { t.l.Forget(ns, k) }

@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
@@ -84,7 +83,7 @@ func storedPages(t *testing.T, e *Engine, ns string, toks []uint32) int {
 		t.Fatal(err)
 	}
 	for i, k := range chainKeys(t, toks) {
-		_, tracked := e.pc.pol.Lookup(ns, evict.Key(k))
+		_, tracked := e.pc.Tracked(ns, k)
 		if _, err := os.Lstat(n.PagePath(k)); err != nil || !tracked {
 			return i
 		}
@@ -126,12 +125,12 @@ func TestPendingUploadsEvictedLast(t *testing.T) {
 	e = openStalledTier(t, root, 5*pb, m, slog.New(slog.NewTextHandler(&syncWriter{w: &logs}, nil)), 0)
 	defer closeStalled(t, e)
 	for _, k := range chainKeys(t, P) {
-		if !e.pc.pol.Pending("p", evict.Key(k)) {
+		if !e.pc.Pending("p", k) {
 			t.Fatalf("page %s of P, replayed from the journal at New, is not pending", k)
 		}
 	}
 	for _, k := range chainKeys(t, Q) {
-		if e.pc.pol.Pending("p", evict.Key(k)) {
+		if e.pc.Pending("p", k) {
 			t.Fatalf("page %s of Q, never queued, is pending", k)
 		}
 	}
@@ -185,7 +184,7 @@ func expectStored(t *testing.T, e *Engine, when string, cs ...stored) {
 func mustAccess(t *testing.T, e *Engine, toks []uint32) int64 {
 	t.Helper()
 	keys := chainKeys(t, toks)
-	p, ok := e.pc.pol.Lookup("p", evict.Key(keys[len(keys)-1]))
+	p, ok := e.pc.Tracked("p", keys[len(keys)-1])
 	if !ok {
 		t.Fatalf("page %s not tracked", keys[len(keys)-1])
 	}
@@ -211,7 +210,7 @@ func TestSpilledUploadsStayPending(t *testing.T) {
 		t.Fatalf("%d uploads queued or in flight: none spilled, the test shows nothing", st.Queued+st.InFlight)
 	}
 	for i, k := range chainKeys(t, P) {
-		if !e.pc.pol.Pending("p", evict.Key(k)) {
+		if !e.pc.Pending("p", k) {
 			t.Fatalf("page %d of P (in flight, queued or spilled) is not pending", i)
 		}
 	}

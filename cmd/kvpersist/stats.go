@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/recency"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
@@ -129,7 +130,7 @@ func (l *limitFlags) measureCache(st *store.Store, listings []*store.Listing, no
 	for _, ls := range listings {
 		rec, err := ls.Namespace.ReadRecency()
 		var bad *string
-		if errors.Is(err, evict.ErrCheckpoint) {
+		if errors.Is(err, recency.ErrCheckpoint) {
 			msg := err.Error()
 			bad, rec = &msg, nil
 		} else if err != nil {

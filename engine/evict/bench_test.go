@@ -96,83 +96,16 @@ func BenchmarkReserveAtCapacity(b *testing.B) {
 }
 
 // BenchmarkCheckpoint: the periodic checkpoint of a namespace of 250,000
-// pages (a quarter of the million): Checkpoint (copy and sort the records)
-// plus AppendCheckpoint (encode and hash), and DecodeCheckpoint at start.
-// Bytes are the checkpoint's.
+// pages (a quarter of the million): Checkpoint copies and sorts the
+// records (engine/recency's BenchmarkEncode encodes them).
 func BenchmarkCheckpoint(b *testing.B) {
 	c, _ := benchCache(b, 1_000_000)
-	recs := c.Checkpoint("ns0", nil)
-	enc, err := AppendCheckpoint(nil, recs)
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Run("encode", func(b *testing.B) {
-		b.SetBytes(int64(len(enc)))
-		b.ReportAllocs()
-		var rbuf []Record
-		var buf []byte
-		for range b.N {
-			rbuf = c.Checkpoint("ns0", rbuf[:0])
-			if buf, err = AppendCheckpoint(buf[:0], rbuf); err != nil || len(buf) != len(enc) {
-				b.Fatalf("encoded %d bytes (%v), want %d", len(buf), err, len(enc))
-			}
-		}
-	})
-	b.Run("decode", func(b *testing.B) {
-		b.SetBytes(int64(len(enc)))
-		b.ReportAllocs()
-		for range b.N {
-			if got, err := DecodeCheckpoint(enc); err != nil || len(got) != len(recs) {
-				b.Fatalf("decoded %d records (%v)", len(got), err)
-			}
-		}
-	})
-}
-
-// BenchmarkSetPending: mark a page pending and unmark it again (an upload
-// queued after a save, then settled) in a cache of 1,000,000 pages (31,250
-// evictable leaves in 4 namespaces), reported per call (two per op). Each
-// call looks the page up and moves it in its namespace's heap, O(log n).
-// hot: the last 64 pages saved, the most recently used (the save path
-// marks a page just after committing it, its node and map entry still in
-// the CPU's cache); cold: every leaf in turn, of random recency (a settle,
-// on an uploader goroutine, long after the save).
-func BenchmarkSetPending(b *testing.B) {
-	b.Run("hot", func(b *testing.B) { benchSetPending(b, true) })
-	b.Run("cold", func(b *testing.B) { benchSetPending(b, false) })
-}
-
-func benchSetPending(b *testing.B, hot bool) {
-	const pages = 1_000_000
-	c, _ := benchCache(b, pages)
-	nss := []string{"ns0", "ns1", "ns2", "ns3"}
-	type page struct {
-		ns  string
-		key Key
-	}
-	var leaves []page
-	for i := 31; i < pages; i += 32 { // the chains' leaves: evictable, in the heaps
-		var k Key
-		binary.LittleEndian.PutUint64(k[:], uint64(i))
-		k[31] = 0x5a
-		leaves = append(leaves, page{nss[(i/32)%len(nss)], k})
-	}
-	if hot {
-		leaves = leaves[len(leaves)-64:]
-		for i, p := range leaves {
-			if !c.Touch(p.ns, p.key, 1<<41+int64(i)) {
-				b.Fatalf("page %s not tracked", p.key)
-			}
-		}
-	}
-	runtime.GC()
+	want := len(c.Checkpoint("ns0", nil))
 	b.ReportAllocs()
-	b.ResetTimer()
-	for i := range b.N {
-		p := leaves[i%len(leaves)]
-		if !c.SetPending(p.ns, p.key, true) || !c.SetPending(p.ns, p.key, false) {
-			b.Fatalf("page %s of %s not tracked", p.key, p.ns)
+	var rbuf []Record
+	for range b.N {
+		if rbuf = c.Checkpoint("ns0", rbuf[:0]); len(rbuf) != want {
+			b.Fatalf("%d records, want %d", len(rbuf), want)
 		}
 	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(2*b.N), "ns/call")
 }

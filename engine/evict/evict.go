@@ -1,9 +1,10 @@
 // Package evict is the eviction policy of kvpersist's page cache: a pure,
-// in-memory data structure (no file access, no goroutines, no clock; only
-// ReadCheckpoint reads, from a reader the caller opened) that tracks the
-// cache's pages and decides which to evict, so that the cache stays within a
-// capacity in bytes, each namespace within its optional quota, and the file
-// system above a headroom of free bytes.
+// in-memory data structure (no file access, no goroutines, no clock) that
+// tracks the cache's pages and decides which to evict, so that the cache
+// stays within a capacity in bytes, each namespace within its optional
+// quota, and the file system above a headroom of free bytes. The page
+// cache's I/O (engine/pagecache) drives it; the recency checkpoint's file
+// format is engine/recency.
 //
 // # What it tracks
 //
@@ -46,7 +47,7 @@
 // # Accounting and the bound
 //
 // Used is the sum of the allocated bytes of tracked pages (victims included
-// until Removed), Reserved the sum of the bytes still held by reservations,
+// until Removed) and of the temp files no reservation covers (SetTempBytes), Reserved the sum of the bytes still held by reservations,
 // Evicting the bytes of victims chosen but not yet Removed. Reserve succeeds
 // only if afterwards
 //
@@ -202,7 +203,8 @@ type Cache struct {
 	capacity int64
 	nss      map[string]*nsState
 	quotas   map[string]int64
-	used     int64 // allocated bytes of tracked pages (victims included)
+	used     int64 // allocated bytes of tracked pages (victims included) and of temp files (SetTempBytes)
+	temp     int64 // the part of used that is temp files
 	reserved int64
 	evicting int64
 	pages    int
@@ -215,6 +217,7 @@ type nsState struct {
 	name                     string
 	quota                    int64
 	used, reserved, evicting int64
+	temp                     int64 // the part of used that is temp files (SetTempBytes)
 	pages                    int
 	reservations             int // not yet released
 	nodes                    map[Key]*node
@@ -268,7 +271,7 @@ func (c *Cache) ns(name string, create bool) *nsState {
 
 // gc drops an empty namespace's state.
 func (c *Cache) gc(s *nsState) {
-	if len(s.nodes) == 0 && s.reservations == 0 && s.sharedIdx < 0 {
+	if len(s.nodes) == 0 && s.reservations == 0 && s.sharedIdx < 0 && s.temp == 0 {
 		delete(c.nss, s.name)
 	}
 }
@@ -932,10 +935,38 @@ func (c *Cache) SetQuota(ns string, bytes int64) error {
 	return nil
 }
 
+// SetTempBytes sets the allocated bytes of namespace ns's temp files that
+// no reservation covers (left by a process that died mid-write, until the
+// engine removes them). They count in Used, the namespace's and the
+// cache's, like pages, so Reserve and Shrink evict pages to make room for
+// them and the bound of the package doc holds over page and temp files;
+// they are never victims. bytes replaces the previous value; 0 clears it.
+// Errors: ErrInvalid for bytes outside [0, 2^53].
+func (c *Cache) SetTempBytes(ns string, bytes int64) error {
+	if bytes < 0 || bytes > MaxBytes {
+		return fmt.Errorf("%w: temp bytes of namespace %q are %d (want 0 to 2^53)", ErrInvalid, ns, bytes)
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.ns(ns, bytes > 0)
+	if s == nil {
+		return nil
+	}
+	d := bytes - s.temp
+	s.temp, s.used = bytes, s.used+d
+	c.temp, c.used = c.temp+d, c.used+d
+	c.fixShared(s)
+	c.gc(s)
+	return nil
+}
+
 // Usage is the accounting at one instant. Bytes are allocated bytes.
 type Usage struct {
 	CapacityBytes int64 `json:"capacityBytes"` // 0: unbounded
-	UsedBytes     int64 `json:"usedBytes"`     // tracked pages, victims included
+	// UsedBytes: tracked pages, victims included, and the temp files of
+	// SetTempBytes (TempBytes).
+	UsedBytes     int64 `json:"usedBytes"`
+	TempBytes     int64 `json:"tempBytes"`     // the part of UsedBytes that is temp files
 	ReservedBytes int64 `json:"reservedBytes"` // held by in-flight saves
 	EvictingBytes int64 `json:"evictingBytes"` // victims not yet Removed
 	Pages         int   `json:"pages"`
@@ -948,7 +979,8 @@ type Usage struct {
 type NamespaceUsage struct {
 	Name          string `json:"name"`
 	QuotaBytes    int64  `json:"quotaBytes"` // 0: none
-	UsedBytes     int64  `json:"usedBytes"`
+	UsedBytes     int64  `json:"usedBytes"`  // pages and temp files
+	TempBytes     int64  `json:"tempBytes"`  // the part of UsedBytes that is temp files
 	ReservedBytes int64  `json:"reservedBytes"`
 	EvictingBytes int64  `json:"evictingBytes"`
 	Pages         int    `json:"pages"`
@@ -958,11 +990,11 @@ type NamespaceUsage struct {
 func (c *Cache) Usage() Usage {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	u := Usage{CapacityBytes: c.capacity, UsedBytes: c.used, ReservedBytes: c.reserved, EvictingBytes: c.evicting, Pages: c.pages}
+	u := Usage{CapacityBytes: c.capacity, UsedBytes: c.used, TempBytes: c.temp, ReservedBytes: c.reserved, EvictingBytes: c.evicting, Pages: c.pages}
 	seen := map[string]bool{}
 	for name, s := range c.nss {
 		seen[name] = true
-		u.Namespaces = append(u.Namespaces, NamespaceUsage{Name: name, QuotaBytes: s.quota, UsedBytes: s.used,
+		u.Namespaces = append(u.Namespaces, NamespaceUsage{Name: name, QuotaBytes: s.quota, UsedBytes: s.used, TempBytes: s.temp,
 			ReservedBytes: s.reserved, EvictingBytes: s.evicting, Pages: s.pages})
 	}
 	for name, q := range c.quotas {

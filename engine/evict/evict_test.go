@@ -376,3 +376,50 @@ func TestCommitPinned(t *testing.T) {
 	}
 	r2.Release()
 }
+
+// TestTempBytesCountAsUsed: temp files left by a dead writer count in Used
+// (the cache's and their namespace's): a reservation evicts pages to make
+// room for them, Usage reports them, they are never victims, and clearing
+// them frees the room.
+func TestTempBytesCountAsUsed(t *testing.T) {
+	c, _ := New(Config{CapacityBytes: 100})
+	for i := range 4 {
+		if err := c.Add(Page{Namespace: "n", Key: key(i), Bytes: 20, Access: int64(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := c.SetTempBytes("n", 30); err != nil {
+		t.Fatal(err)
+	}
+	if u := c.Usage(); u.UsedBytes != 110 || u.TempBytes != 30 || u.Namespaces[0].TempBytes != 30 || u.Namespaces[0].UsedBytes != 110 {
+		t.Fatalf("usage %+v, want 110 used of which 30 temp", u)
+	}
+	r, err := c.Reserve(Want{Namespace: "n", Bytes: 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// 80 of pages + 30 of temp + 20 wanted: 30 over, two pages of 20.
+	if len(r.Victims) != 2 || r.Victims[0].Key != key(0) || r.Victims[1].Key != key(1) {
+		t.Fatalf("victims %v, want the two oldest pages", victimKeys(r.Victims))
+	}
+	for _, v := range r.Victims {
+		c.Removed(v.Namespace, v.Key)
+	}
+	r.Release()
+	// Temp bytes above what the pages can free: no room.
+	if err := c.SetTempBytes("n", 95); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Reserve(Want{Namespace: "n", Bytes: 20}); !errors.Is(err, ErrNoSpace) {
+		t.Fatalf("reserve with 95 temp bytes of 100: %v, want ErrNoSpace", err)
+	}
+	if err := c.SetTempBytes("n", 0); err != nil {
+		t.Fatal(err)
+	}
+	if u := c.Usage(); u.UsedBytes != 40 || u.TempBytes != 0 {
+		t.Fatalf("usage after clearing: %+v, want the two pages' 40", u)
+	}
+	if err := c.SetTempBytes("n", -1); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("negative temp bytes: %v", err)
+	}
+}

@@ -5,7 +5,8 @@ import (
 	"io"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/recency"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -30,7 +31,7 @@ type CacheStats struct {
 	// access of the readable pages, as the engine would rebuild it at
 	// start: the file's mtime (when it was written), moved forward to the
 	// recency checkpoint's record when it names the page (clamped to now:
-	// evict.Cache.ApplyCheckpoint). nil without readable pages.
+	// engine/evict's ApplyCheckpoint rule). nil without readable pages.
 	OldestAccess *time.Time `json:"oldestAccess,omitempty"`
 	NewestAccess *time.Time `json:"newestAccess,omitempty"`
 	// CheckpointPages: readable pages the recency checkpoint names (0
@@ -62,7 +63,7 @@ func (s *CacheStats) Add(o CacheStats) {
 // lstat'd again for its allocated bytes (a file gone since the listing
 // counts 0 bytes). recency is the namespace's recency checkpoint (nil:
 // none), now the clock its accesses are clamped to.
-func (l *Listing) CacheStats(recency []evict.Record, now time.Time) CacheStats {
+func (l *Listing) CacheStats(recs []recency.Record, now time.Time) CacheStats {
 	var s CacheStats
 	fsys := l.Namespace.st.fs
 	alloc := func(path string) int64 {
@@ -75,21 +76,36 @@ func (l *Listing) CacheStats(recency []evict.Record, now time.Time) CacheStats {
 		}
 		return (fi.Size() + 4095) &^ 4095 // no st_blocks: the length in 4 KiB blocks
 	}
-	// The policy's own rule for recency across a restart: Add with the
-	// mtime, then ApplyCheckpoint (parents are not needed for access).
-	pol, _ := evict.New(evict.Config{})
-	ns := l.Namespace.Name()
+	// The policy's rule for recency across a restart (engine/evict's
+	// ApplyCheckpoint): Access = max(mtime, min(recorded, now)).
+	recorded := make(map[layout.PageKey]int64, len(recs))
+	for _, r := range recs {
+		recorded[r.Key] = r.Access
+	}
 	u := l.PageUsage()
 	s.Pages, s.Unreadable, s.FileBytes, s.Tokens, s.LogicalBytes = u.Pages, u.Unreadable, u.FileBytes, u.Tokens, u.LogicalBytes
-	var keys []evict.Key
+	seen := make(map[layout.PageKey]bool, len(l.Pages))
 	for _, p := range l.Pages {
 		s.AllocatedBytes += alloc(p.Path)
 		if p.Snap == nil || p.Snap.Page == nil {
 			continue
 		}
-		k := evict.Key(p.Snap.Page.Key)
-		if pol.Add(evict.Page{Namespace: ns, Key: k, Access: p.ModTime.UnixNano()}) == nil {
-			keys = append(keys, k)
+		k := p.Snap.Page.Key
+		if seen[k] {
+			continue
+		}
+		seen[k] = true
+		access := p.ModTime.UnixNano()
+		if r, ok := recorded[k]; ok {
+			s.CheckpointPages++
+			access = max(access, min(r, now.UnixNano()))
+		}
+		at := time.Unix(0, access)
+		if s.OldestAccess == nil || at.Before(*s.OldestAccess) {
+			s.OldestAccess = &at
+		}
+		if s.NewestAccess == nil || at.After(*s.NewestAccess) {
+			s.NewestAccess = &at
 		}
 	}
 	for _, t := range l.Temps {
@@ -98,28 +114,15 @@ func (l *Listing) CacheStats(recency []evict.Record, now time.Time) CacheStats {
 			s.TempAllocatedBytes += alloc(t.Path)
 		}
 	}
-	if recency != nil {
-		s.CheckpointPages = pol.ApplyCheckpoint(ns, recency, now.UnixNano())
-	}
-	for _, k := range keys {
-		p, _ := pol.Lookup(ns, k)
-		at := time.Unix(0, p.Access)
-		if s.OldestAccess == nil || at.Before(*s.OldestAccess) {
-			s.OldestAccess = &at
-		}
-		if s.NewestAccess == nil || at.After(*s.NewestAccess) {
-			s.NewestAccess = &at
-		}
-	}
 	return s
 }
 
 // ReadRecency reads the namespace's recency checkpoint (RecencyPath,
-// engine/evict's format, read with evict.ReadCheckpoint: its size checked
+// engine/recency's format, read with recency.Read: its size checked
 // before anything is allocated). A missing file is nil, nil. Errors:
-// evict.ErrCheckpoint (a file that does not decode, or is not a regular
+// recency.ErrCheckpoint (a file that does not decode, or is not a regular
 // file), or the open's or read's error.
-func (n *Namespace) ReadRecency() ([]evict.Record, error) {
+func (n *Namespace) ReadRecency() ([]recency.Record, error) {
 	path := n.RecencyPath()
 	f, err := n.st.fs.Open(path)
 	if vfs.IsNotExist(err) {
@@ -134,9 +137,9 @@ func (n *Namespace) ReadRecency() ([]evict.Record, error) {
 		return nil, err
 	}
 	if !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%w: %s is not a regular file", evict.ErrCheckpoint, path)
+		return nil, fmt.Errorf("%w: %s is not a regular file", recency.ErrCheckpoint, path)
 	}
-	recs, err := evict.ReadCheckpoint(io.NewSectionReader(f, 0, fi.Size()), fi.Size())
+	recs, err := recency.Read(io.NewSectionReader(f, 0, fi.Size()), fi.Size())
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", path, err)
 	}

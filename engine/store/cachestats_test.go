@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvpersist/kvpersist/engine/evict"
 	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/kvpersist/kvpersist/engine/recency"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/internal/kvgen"
 )
@@ -88,11 +88,11 @@ func TestCacheStatsRecency(t *testing.T) {
 	// The checkpoint: page 0 accessed later than every mtime, page 6 in
 	// the future (clamped to now), page 3 before its mtime (ignored), and
 	// a page that is gone.
-	rec := func(k layout.PageKey, at time.Time) evict.Record {
-		return evict.Record{Key: evict.Key(k), Access: at.UnixNano()}
+	rec := func(k layout.PageKey, at time.Time) recency.Record {
+		return recency.Record{Key: k, Access: at.UnixNano()}
 	}
-	recs := []evict.Record{rec(keys[0], base.Add(50*time.Hour)), rec(keys[3], base.Add(-time.Hour)),
-		rec(keys[6], base.Add(1000*time.Hour)), {Key: evict.Key{1}, Access: base.UnixNano()}}
+	recs := []recency.Record{rec(keys[0], base.Add(50*time.Hour)), rec(keys[3], base.Add(-time.Hour)),
+		rec(keys[6], base.Add(1000*time.Hour)), {Key: layout.PageKey{1}, Access: base.UnixNano()}}
 	s = l.CacheStats(recs, now)
 	if s.CheckpointPages != 3 || !s.OldestAccess.Equal(base.Add(time.Hour)) || !s.NewestAccess.Equal(now) {
 		t.Fatalf("with a checkpoint: %d pages from it, access %v to %v; want 3, %v to %v", s.CheckpointPages, s.OldestAccess, s.NewestAccess, base.Add(time.Hour), now)

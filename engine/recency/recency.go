@@ -1,26 +1,17 @@
-package evict
-
-import (
-	"bytes"
-	"encoding/binary"
-	"errors"
-	"fmt"
-	"io"
-	"slices"
-
-	"github.com/zeebo/xxh3"
-)
-
-// The recency checkpoint: how the policy's recency survives a restart.
+// Package recency is the recency-checkpoint file format: how the page
+// cache's eviction order (engine/evict, a pure policy) survives a restart.
+// It encodes and decodes bytes and reads from a reader the caller opened;
+// it opens no file and knows nothing of the policy, so that the store and
+// the CLI read a checkpoint without linking the policy.
 //
-// The engine writes one checkpoint file per namespace, periodically and on
+// The page cache (engine/pagecache) writes one checkpoint file per namespace, periodically and on
 // Close, with the durable publish of every other file (temp, fdatasync,
 // rename, directory fsync); at start it lists the page files (readdir and
 // lstat: st_blocks and mtime, no open), takes each page's parent from the
 // checkpoint (a page's parent is a function of its key: the chain), reads
 // the header only of pages the checkpoint does not name (written since),
 // Adds them with Access = the file's mtime (when the page was written), and
-// then applies the checkpoint (ApplyCheckpoint: Access = max(mtime,
+// then applies the checkpoint (evict.Cache.ApplyCheckpoint: Access = max(mtime,
 // min(recorded, now))). A page written after the last checkpoint keeps its mtime,
 // which is later than every access the checkpoint recorded; a page the
 // checkpoint names that is gone is ignored; a checkpoint that fails to
@@ -42,78 +33,101 @@ import (
 // No record has a parent equal to its key, and the parent links have no
 // cycle: following parents from any record through the records never
 // returns to it (a parent not among the records ends the walk). N ≤
-// MaxCheckpointRecords. A reader checks, in this order, before allocating:
-// the length is at most MaxCheckpointBytes (ReadCheckpoint checks the
-// file's size before it reads; CheckCheckpointSize for a reader of its
+// MaxRecords. A reader checks, in this order, before allocating:
+// the length is at most MaxBytes (Read checks the
+// file's size before it reads; CheckSize for a reader of its
 // own) and at least 24; the magic; N ≤ (length − 24) / 72 and length = 24 +
 // 72·N exactly; the hash; then each record (keys ascending, parent ≠ key,
 // access ≥ 0); then the cycles.
+package recency
 
-// CheckpointMagic starts every checkpoint file.
-const CheckpointMagic = "KVPLRU1\n"
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+
+	"github.com/kvpersist/kvpersist/engine/layout"
+	"github.com/zeebo/xxh3"
+)
+
+// Magic starts every checkpoint file.
+const Magic = "KVPLRU1\n"
 
 // Checkpoint layout constants, in bytes.
 const (
-	checkpointHeaderBytes = 16
-	checkpointRecordBytes = 2*KeyBytes + 8
-	checkpointTrailBytes  = 8
-	// CheckpointMinBytes is the size of an empty checkpoint.
-	CheckpointMinBytes = checkpointHeaderBytes + checkpointTrailBytes
+	headerBytes = 16
+	recordBytes = 2*keyBytes + 8
+	trailBytes  = 8
+	// MinBytes is the size of an empty checkpoint.
+	MinBytes = headerBytes + trailBytes
 )
 
-// MaxCheckpointRecords bounds a checkpoint's records (pages of one
-// namespace): 2^23 = 8,388,608, a 604 MB file (MaxCheckpointBytes) and
+// MaxRecords bounds a checkpoint's records (pages of one
+// namespace): 2^23 = 8,388,608, a 604 MB file (MaxBytes) and
 // about 0.7 GB of decoded records. It bounds what a restart reads into
 // memory, whatever the file claims; a namespace with more tracked pages is
-// not checkpointed (AppendCheckpoint refuses it), and its restart orders
+// not checkpointed (Append refuses it), and its restart orders
 // the pages by their mtimes alone.
-const MaxCheckpointRecords = 1 << 23
+const MaxRecords = 1 << 23
 
-// MaxCheckpointBytes is the size of a checkpoint of MaxCheckpointRecords
+// MaxBytes is the size of a checkpoint of MaxRecords
 // records, the largest a reader accepts: 603,979,800 bytes.
-const MaxCheckpointBytes = CheckpointMinBytes + MaxCheckpointRecords*checkpointRecordBytes
+const MaxBytes = MinBytes + MaxRecords*recordBytes
 
 // ErrCheckpoint: a checkpoint does not decode (wrong magic, length, hash,
 // order or value; too large; a parent cycle). The error names what is
 // wrong.
-var ErrCheckpoint = errors.New("evict: bad recency checkpoint")
+var ErrCheckpoint = errors.New("recency: bad recency checkpoint")
+
+// ErrInvalid: Append was given records that break the format's rules
+// (order, access, parent, count). The error names the record.
+var ErrInvalid = errors.New("recency: invalid record")
+
+// keyBytes is a page key's length in bytes (layout.PageKey).
+const keyBytes = 32
+
+// keyLess reports whether a sorts before b, bytewise.
+func keyLess(a, b layout.PageKey) bool { return bytes.Compare(a[:], b[:]) < 0 }
 
 // Record is one page's recency (and chain link) in a checkpoint.
 type Record struct {
-	Key Key
+	Key layout.PageKey
 	// Parent is the previous page of the chain when HasParent (encoded as
 	// 32 zero bytes when not: no SHA-256 chain key is all zero).
-	Parent    Key
+	Parent    layout.PageKey
 	HasParent bool
 	Access    int64 // last access, unix nanoseconds, ≥ 0
 }
 
-// CheckpointBytes is the encoded size of a checkpoint of n records.
-func CheckpointBytes(n int) int64 {
-	return CheckpointMinBytes + int64(n)*checkpointRecordBytes
+// Bytes is the encoded size of a checkpoint of n records.
+func Bytes(n int) int64 {
+	return MinBytes + int64(n)*recordBytes
 }
 
-// CheckCheckpointSize checks a checkpoint file's size in bytes (from fstat)
-// before a reader allocates for it: more than MaxCheckpointBytes, or less
-// than CheckpointMinBytes, is ErrCheckpoint.
-func CheckCheckpointSize(sizeBytes int64) error {
-	if sizeBytes > MaxCheckpointBytes {
-		return fmt.Errorf("%w: %d bytes, more than the %d of %d records (MaxCheckpointRecords)", ErrCheckpoint, sizeBytes, int64(MaxCheckpointBytes), MaxCheckpointRecords)
+// CheckSize checks a checkpoint file's size in bytes (from fstat)
+// before a reader allocates for it: more than MaxBytes, or less
+// than MinBytes, is ErrCheckpoint.
+func CheckSize(sizeBytes int64) error {
+	if sizeBytes > MaxBytes {
+		return fmt.Errorf("%w: %d bytes, more than the %d of %d records (MaxRecords)", ErrCheckpoint, sizeBytes, int64(MaxBytes), MaxRecords)
 	}
-	if sizeBytes < CheckpointMinBytes {
-		return fmt.Errorf("%w: %d bytes, shorter than the %d of an empty checkpoint", ErrCheckpoint, sizeBytes, CheckpointMinBytes)
+	if sizeBytes < MinBytes {
+		return fmt.Errorf("%w: %d bytes, shorter than the %d of an empty checkpoint", ErrCheckpoint, sizeBytes, MinBytes)
 	}
 	return nil
 }
 
-// ReadCheckpoint reads and decodes a whole checkpoint of sizeBytes bytes
+// Read reads and decodes a whole checkpoint of sizeBytes bytes
 // (the file's size from fstat) from r, which the caller opened (the
-// package itself opens no file). The size is checked (CheckCheckpointSize)
+// package itself opens no file). The size is checked (CheckSize)
 // before anything is allocated or read; r must then hold exactly sizeBytes
 // bytes. Errors: ErrCheckpoint (too large, too short, a size that differs
-// from what r holds, or DecodeCheckpoint's), or r's read error.
-func ReadCheckpoint(r io.Reader, sizeBytes int64) ([]Record, error) {
-	if err := CheckCheckpointSize(sizeBytes); err != nil {
+// from what r holds, or Decode's), or r's read error.
+func Read(r io.Reader, sizeBytes int64) ([]Record, error) {
+	if err := CheckSize(sizeBytes); err != nil {
 		return nil, err
 	}
 	b := make([]byte, sizeBytes+1) // one more: a file longer than its size is refused
@@ -124,20 +138,20 @@ func ReadCheckpoint(r io.Reader, sizeBytes int64) ([]Record, error) {
 			return nil, fmt.Errorf("%w: %d bytes read, the file's size is %d", ErrCheckpoint, n, sizeBytes)
 		}
 	case err != nil:
-		return nil, fmt.Errorf("evict: reading the recency checkpoint: %w", err)
+		return nil, fmt.Errorf("recency: reading the checkpoint: %w", err)
 	default:
 		return nil, fmt.Errorf("%w: more than the file's size of %d bytes to read", ErrCheckpoint, sizeBytes)
 	}
-	return DecodeCheckpoint(b[:n])
+	return Decode(b[:n])
 }
 
-// AppendCheckpoint appends the checkpoint of recs to dst. recs must be
+// Append appends the checkpoint of recs to dst. recs must be
 // sorted by key, strictly ascending, with Access ≥ 0, no parent cycle, and
-// at most MaxCheckpointRecords of them (Cache.Checkpoint returns them so,
+// at most MaxRecords of them (Cache.Checkpoint returns them so,
 // below that count); otherwise ErrInvalid and dst unchanged.
-func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
-	if len(recs) > MaxCheckpointRecords {
-		return dst, fmt.Errorf("%w: %d checkpoint records, more than MaxCheckpointRecords (%d)", ErrInvalid, len(recs), MaxCheckpointRecords)
+func Append(dst []byte, recs []Record) ([]byte, error) {
+	if len(recs) > MaxRecords {
+		return dst, fmt.Errorf("%w: %d checkpoint records, more than MaxRecords (%d)", ErrInvalid, len(recs), MaxRecords)
 	}
 	for i, r := range recs {
 		if r.Access < 0 {
@@ -146,7 +160,7 @@ func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
 		if i > 0 && !keyLess(recs[i-1].Key, r.Key) {
 			return dst, fmt.Errorf("%w: checkpoint record %d (%s) is not after record %d (%s)", ErrInvalid, i, r.Key, i-1, recs[i-1].Key)
 		}
-		if r.HasParent && (r.Parent == r.Key || r.Parent == (Key{})) {
+		if r.HasParent && (r.Parent == r.Key || r.Parent == (layout.PageKey{})) {
 			return dst, fmt.Errorf("%w: checkpoint record %d (%s) has parent %s (its own key, or all zero)", ErrInvalid, i, r.Key, r.Parent)
 		}
 	}
@@ -154,12 +168,12 @@ func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
 		return dst, fmt.Errorf("%w: checkpoint record %d (%s) is its own ancestor (a parent cycle)", ErrInvalid, i, recs[i].Key)
 	}
 	start := len(dst)
-	dst = slices.Grow(dst, int(CheckpointBytes(len(recs))))
-	dst = append(dst, CheckpointMagic...)
+	dst = slices.Grow(dst, int(Bytes(len(recs))))
+	dst = append(dst, Magic...)
 	dst = binary.LittleEndian.AppendUint64(dst, uint64(len(recs)))
 	for _, r := range recs {
 		dst = append(dst, r.Key[:]...)
-		var parent Key
+		var parent layout.PageKey
 		if r.HasParent {
 			parent = r.Parent
 		}
@@ -169,34 +183,34 @@ func AppendCheckpoint(dst []byte, recs []Record) ([]byte, error) {
 	return binary.LittleEndian.AppendUint64(dst, xxh3.Hash(dst[start:])), nil
 }
 
-// DecodeCheckpoint decodes and validates a whole checkpoint file (see the
+// Decode decodes and validates a whole checkpoint file (see the
 // format above). Errors wrap ErrCheckpoint and name the first problem.
-func DecodeCheckpoint(b []byte) ([]Record, error) {
-	if err := CheckCheckpointSize(int64(len(b))); err != nil {
+func Decode(b []byte) ([]Record, error) {
+	if err := CheckSize(int64(len(b))); err != nil {
 		return nil, err
 	}
-	if !bytes.Equal(b[:8], []byte(CheckpointMagic)) {
-		return nil, fmt.Errorf("%w: magic %q, want %q", ErrCheckpoint, b[:8], CheckpointMagic)
+	if !bytes.Equal(b[:8], []byte(Magic)) {
+		return nil, fmt.Errorf("%w: magic %q, want %q", ErrCheckpoint, b[:8], Magic)
 	}
 	n := binary.LittleEndian.Uint64(b[8:16])
-	if limit := uint64(len(b)-CheckpointMinBytes) / checkpointRecordBytes; n > limit {
+	if limit := uint64(len(b)-MinBytes) / recordBytes; n > limit {
 		return nil, fmt.Errorf("%w: %d records do not fit in %d bytes", ErrCheckpoint, n, len(b))
 	}
-	if want := CheckpointBytes(int(n)); int64(len(b)) != want {
+	if want := Bytes(int(n)); int64(len(b)) != want {
 		return nil, fmt.Errorf("%w: %d bytes for %d records, want exactly %d", ErrCheckpoint, len(b), n, want)
 	}
-	body := len(b) - checkpointTrailBytes
+	body := len(b) - trailBytes
 	if got, want := xxh3.Hash(b[:body]), binary.LittleEndian.Uint64(b[body:]); got != want {
 		return nil, fmt.Errorf("%w: hash %016x, stored %016x", ErrCheckpoint, got, want)
 	}
 	recs := make([]Record, n)
 	for i := range recs {
-		off := checkpointHeaderBytes + i*checkpointRecordBytes
+		off := headerBytes + i*recordBytes
 		r := &recs[i]
-		copy(r.Key[:], b[off:off+KeyBytes])
-		copy(r.Parent[:], b[off+KeyBytes:off+2*KeyBytes])
-		r.HasParent = r.Parent != Key{}
-		r.Access = int64(binary.LittleEndian.Uint64(b[off+2*KeyBytes:]))
+		copy(r.Key[:], b[off:off+keyBytes])
+		copy(r.Parent[:], b[off+keyBytes:off+2*keyBytes])
+		r.HasParent = r.Parent != layout.PageKey{}
+		r.Access = int64(binary.LittleEndian.Uint64(b[off+2*keyBytes:]))
 		if r.Access < 0 {
 			return nil, fmt.Errorf("%w: record %d (%s) has access %d < 0", ErrCheckpoint, i, r.Key, r.Access)
 		}
@@ -228,7 +242,7 @@ func parentCycle(recs []Record) (int, bool) {
 	for i := range recs {
 		prefix[i] = binary.BigEndian.Uint64(recs[i].Key[:8])
 	}
-	find := func(k *Key) int {
+	find := func(k *layout.PageKey) int {
 		p := binary.BigEndian.Uint64(k[:8])
 		i, _ := slices.BinarySearch(prefix, p)
 		for ; i < len(recs) && prefix[i] == p; i++ {
@@ -262,58 +276,4 @@ func parentCycle(recs []Record) (int, bool) {
 		}
 	}
 	return 0, false
-}
-
-// Checkpoint appends the recency and parent of every tracked page of
-// namespace ns to dst, sorted by key (victims included: their unlink may
-// still fail). A negative access (a caller's clock before 1970) is recorded
-// as 0. A page whose parent is all zero bytes (impossible for a SHA-256
-// chain) would be recorded without one.
-func (c *Cache) Checkpoint(ns string, dst []Record) []Record {
-	c.mu.Lock()
-	start := len(dst)
-	if s := c.ns(ns, false); s != nil {
-		dst = slices.Grow(dst, s.pages)
-		for _, n := range s.nodes {
-			if n.present {
-				dst = append(dst, Record{Key: n.key, Parent: n.parent, HasParent: n.hasParent && n.parent != Key{}, Access: max(n.access, 0)})
-			}
-		}
-	}
-	c.mu.Unlock()
-	slices.SortFunc(dst[start:], func(a, b Record) int { return bytes.Compare(a.Key[:], b.Key[:]) })
-	return dst
-}
-
-// ApplyCheckpoint moves the recency of namespace ns's tracked pages forward
-// to the checkpoint's, clamped to nowNanos, the caller's clock at the
-// restart (unix nanoseconds): Access = max(current, min(recorded,
-// nowNanos)). The clamp is for a checkpoint written while the clock ran
-// ahead: its accesses, in the future of the restarted process, would
-// otherwise keep their pages newer than every later touch for as long as
-// the clock takes to catch up; clamped, they count as touched at the
-// restart and later touches pass them. Records of pages not tracked are
-// ignored; the records' parents are not used (a page's parent is set by
-// Add, which refuses cycles; DecodeCheckpoint refuses a file with one). It
-// returns how many pages it matched.
-func (c *Cache) ApplyCheckpoint(ns string, recs []Record, nowNanos int64) int {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	s := c.ns(ns, false)
-	if s == nil {
-		return 0
-	}
-	matched := 0
-	for _, r := range recs {
-		n := s.nodes[r.Key]
-		if n == nil || !n.present {
-			continue
-		}
-		matched++
-		if at := min(r.Access, nowNanos); at > n.access {
-			n.access = at
-			c.fix(s, n)
-		}
-	}
-	return matched
 }
