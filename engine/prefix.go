@@ -97,6 +97,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		adm := &pageAdmission{pc: e.pc}
 		cfg.Admission = adm
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
+		if err == nil { // announced while the reservation holds the pages
+			e.chainStored(r.Namespace, r.Identity, r.PageTokens, r.Tokens, res.Prefix.Keys, res.Prefix.Failed)
+		}
 		adm.settle(err)
 		if err == nil {
 			stored := res.Prefix.Stored() // without the pages that failed
@@ -203,6 +206,11 @@ func (e *Engine) dropCorrupt(ctx context.Context, cfg *jobs.Config, ns string, k
 	wctx, cancel := context.WithTimeout(ctx, corruptPageWait)
 	defer cancel()
 	removed, err := jobs.RemoveCorruptPage(wctx, cfg, ns, key)
+	if removed {
+		if s := e.sink(); s != nil {
+			s.Removed(ns, key)
+		}
+	}
 	if err != nil {
 		e.log.Warn(msg, "namespace", ns, "key", key.String(), "removed", removed, "err", err)
 		if !removed {
@@ -328,6 +336,9 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	}
 	var err error
 	res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	if err == nil && w.Layout == layout.Pages {
+		e.chainStored(w.Namespace, w.Identity, w.PageTokens, w.Tokens, adm.keys, nil)
+	}
 	adm.settle(err)
 	if err != nil {
 		return err

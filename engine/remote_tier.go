@@ -368,6 +368,9 @@ func (t *tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if err != nil {
 		return 0, err
 	}
+	if s := t.e.sink(); s != nil { // before the index: Sink.Stored
+		s.Stored(n.Name(), *want)
+	}
 	t.e.pages.Add(n.Name(), want.Key)
 	t.markKnown(n.Name(), want.Key)
 	return o.Size, nil
