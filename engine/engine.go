@@ -354,7 +354,9 @@ func New(cfg Config) (*Engine, error) {
 			_ = e.pc.Close()
 			return nil, err
 		}
-		e.pc.SetOnRemoved(e.tier.Forget)
+	}
+	e.pc.SetOnRemoved(e.pageRemoved) // once e.tier is set: it reads it (events.go)
+	if e.tier != nil {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"syscall"
 	"time"
 
@@ -97,6 +98,9 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		adm := &pageAdmission{pc: e.pc}
 		cfg.Admission = adm
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
+		if err == nil { // announced while the reservation holds the pages
+			e.chainStored(r.Namespace, r.Identity, r.PageTokens, r.Tokens, res.Prefix.Keys, res.Prefix.Failed)
+		}
 		adm.settle(err)
 		if err == nil {
 			stored := res.Prefix.Stored() // without the pages that failed
@@ -203,6 +207,11 @@ func (e *Engine) dropCorrupt(ctx context.Context, cfg *jobs.Config, ns string, k
 	wctx, cancel := context.WithTimeout(ctx, corruptPageWait)
 	defer cancel()
 	removed, err := jobs.RemoveCorruptPage(wctx, cfg, ns, key)
+	if removed {
+		if s := e.sink(); s != nil {
+			s.Removed(ns, key)
+		}
+	}
 	if err != nil {
 		e.log.Warn(msg, "namespace", ns, "key", key.String(), "removed", removed, "err", err)
 		if !removed {
@@ -242,6 +251,11 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	}
 	path, fsys := n.PagePath(key), e.store.FS()
 	gone := func() bool {
+		// A fan-out that is a symlink or no directory holds no page of
+		// ns, whatever a path through it finds.
+		if errors.Is(n.Store().CheckRealDir(filepath.Dir(path)), store.ErrNamespace) {
+			return true
+		}
 		_, err := fsys.Lstat(path)
 		// ENOTDIR: its fan-out directory is not one (a stray file).
 		return vfs.IsNotExist(err) || errors.Is(err, syscall.ENOTDIR)
@@ -323,6 +337,9 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	}
 	var err error
 	res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	if err == nil && w.Layout == layout.Pages {
+		e.chainStored(w.Namespace, w.Identity, w.PageTokens, w.Tokens, adm.keys, nil)
+	}
 	adm.settle(err)
 	if err != nil {
 		return err

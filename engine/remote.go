@@ -85,7 +85,7 @@ var (
 // engine's logger and metrics, and the engine's repairs as callbacks.
 func (e *Engine) openTier() error {
 	t, err := tier.New(*e.cfg.Remote, tier.Deps{Store: e.store, Index: e.pages, Cache: e.pc,
-		Log: e.logSafe, Metrics: e.cfg.Metrics,
+		Log: e.logSafe, Metrics: e.cfg.Metrics, OnFetched: e.pageFetched,
 		RemoveCorruptPage: e.removeCorruptPage, ForgetIfGone: e.forgetIfGone})
 	if err != nil {
 		return fmt.Errorf("%w: Remote: %w", ErrConfig, err)

@@ -89,20 +89,24 @@ type Config struct {
 }
 
 // DurablePages remembers, per namespace (by name) and page key, the
-// vfs.FileID of a page file whose name was made durable: the page's
+// vfs.FileID of a page file whose name was made durable (the page's
 // directory entry and its fan-out directory's entry in pages/ fsynced
-// after an lstat that gave that FileID. A prefix save (SavePrefix, a
-// layout.Pages write) that finds a stored page with the same FileID skips
-// its directory's fsync; it marks every page whose name it made durable
-// once it has succeeded. The rule and why it is safe: ARCHITECTURE.md,
+// after an lstat that gave that FileID), and the sum of the header the
+// file holds. A prefix save (SavePrefix, a layout.Pages write) that
+// finds a stored page with the same FileID skips its directory's fsync;
+// when the header sum is also that of the header the save would write, it
+// reuses the file without reading it (the FileID changes with any write
+// to the file). It marks every page whose name it made durable once it
+// has succeeded. The rule and why it is safe: ARCHITECTURE.md,
 // "Known-durable pages". engine/pageindex.Index implements it. Both
 // methods must be safe for concurrent use.
 type DurablePages interface {
-	// DurableID is the FileID marked for key in namespace ns, or the
-	// zero FileID.
-	DurableID(ns string, key layout.PageKey) vfs.FileID
-	// MarkDurable marks keys[i] with ids[i] (a zero id forgets the mark).
-	MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID)
+	// DurableMark is the FileID and header sum marked for key in
+	// namespace ns, or zero values.
+	DurableMark(ns string, key layout.PageKey) (vfs.FileID, uint64)
+	// MarkDurable marks keys[i] with ids[i] and header sum headers[i]
+	// (a zero id forgets the mark).
+	MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID, headers []uint64)
 }
 
 func (c *Config) fs() vfs.FS {

@@ -2,6 +2,7 @@ package jobs
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -13,6 +14,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
+	"github.com/zeebo/xxh3"
 )
 
 // SavePrefix stores the token pages of req.Tokens in the prefix cache of
@@ -22,17 +24,21 @@ import (
 // write: its file is reused when its header verifies and is the header
 // this save would write apart from the tensor hashes (so it holds this
 // key, parent, identity, token ids, dtypes and shapes: one read of the
-// header, storedPage); any other file under the page's name is rewritten.
+// header, storedPage; not even that for a file cfg.Durable marked with
+// the same FileID and header, see DurablePages); any other file under the
+// page's name is rewritten.
 // Each new page is gathered (zero-copy where the view allows), hashed and
 // written as a single file (layout.FormatPage) to a temp file, then
 // fdatasynced and renamed by the save's syncers (as blocks are); then
-// every fan-out directory holding a page of the save, pages/ and the
-// namespace directory are fsynced (those of reused pages while the new pages are written), except
-// the directory of a reused page that cfg.Durable knows durable with the
+// every fan-out directory holding a page of the save, pages/, the
+// namespace directory and the root are fsynced (those of reused pages
+// while the new pages are written, the others at the end), except the
+// directory of a reused page that cfg.Durable knows durable with the
 // FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
 // "Known-durable pages"); on success every page is marked there. When
 // SavePrefix returns nil, every page of the tokens is durable under its
-// key.
+// key, except those of PrefixResult.Failed (a stray entry at a fan-out
+// directory's or a page's path: those pages alone are not stored).
 //
 // On error (including ctx's) no temp file is left; pages already renamed
 // stay (each is complete and valid on its own, and reachable by a lookup
@@ -66,7 +72,8 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	}
 	// The namespace directory (never a symlink); room for the new pages
 	// (cfg.Admission); the directory, durably (the root synced in any
-	// case, as for Write); then its lock, shared: collect may not sweep
+	// case, as for Write, but with the save's other directories at the
+	// end: savePages); then its lock, shared: collect may not sweep
 	// meanwhile.
 	if err := ns.Check(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
@@ -74,9 +81,10 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	if err := ps.admit(ctx, cfg, ns); err != nil {
 		return nil, m, err
 	}
-	if err := ns.Create(); err != nil {
+	if err := ns.CreateLeavingRoot(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
+	ps.syncRoot = true
 	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
@@ -106,41 +114,134 @@ type Admission interface {
 }
 
 // pageSave is a page save laid out before the disk is touched: the pages'
-// keys and parents in chain order and each page's file (planPage).
+// keys and parents in chain order and each page's planned header
+// (pageHead); the full plan of a page's file (planPage) is made when the
+// page is to be written (plan).
 type pageSave struct {
+	ns            *store.Namespace
 	identity      string
 	p             int
 	tokens        []uint32
+	tensors       []TensorSpec
 	keys, parents []layout.PageKey
-	pages         []*plannedPage
+	heads         []pageHead
+	pages         []*plannedPage // full plans, made by plan
+	// syncRoot: savePages fsyncs the root with its other directories
+	// (the namespace was made by store.Namespace.CreateLeavingRoot).
+	syncRoot bool
+}
+
+// pageHead is a page file's header as planned (hash placeholders), its
+// data start and size and the sum of its tensors' bytes: what a save
+// needs of a page it may reuse.
+type pageHead struct {
+	js              []byte
+	dataStart, size int64
+	tensorBytes     int64
+}
+
+// pageTemplate is the planned header of every page of one token count:
+// page i's header is pre + its "page" metadata (layout.Page.MetaJSON) +
+// post, as Header.Encode writes it (the page metadata is the only part
+// of a page header that differs between pages of one save and token
+// count). end is the data region's length in bytes.
+type pageTemplate struct {
+	pre, post   []byte
+	end         int64
+	tensorBytes int64
 }
 
 // planPageSave keys the pages of tokens (identity, p tokens per page) and
-// lays out each page file of tensors (checked by the caller, itemsizes
-// resolved) in ns. Errors: ErrInvalidRequest (identity, page size, a view
-// that cannot be sliced).
+// plans each page's header for tensors (checked by the caller, itemsizes
+// resolved) in ns: the first page of each token count fully (planPage),
+// the others from its header (pageTemplate). Errors: ErrInvalidRequest
+// (identity, page size, a view that cannot be sliced).
 func planPageSave(ns *store.Namespace, identity string, p int, tokens []uint32, tensors []TensorSpec) (*pageSave, error) {
 	keys, _, err := layout.PageChain(identity, p, tokens)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrInvalidRequest, err)
 	}
-	ps := &pageSave{identity: identity, p: p, tokens: tokens, keys: keys,
-		parents: make([]layout.PageKey, len(keys)), pages: make([]*plannedPage, len(keys))}
+	ps := &pageSave{ns: ns, identity: identity, p: p, tokens: tokens, tensors: tensors, keys: keys,
+		parents: make([]layout.PageKey, len(keys)), heads: make([]pageHead, len(keys)), pages: make([]*plannedPage, len(keys))}
 	ps.parents[0] = layout.PageRoot(identity, p)
 	copy(ps.parents[1:], keys)
-	for i, key := range keys {
-		lo, hi := i*p, min(len(tokens), (i+1)*p)
-		page := &layout.Page{Key: key, Parent: ps.parents[i], Identity: identity, PageTokens: p, Tokens: tokens[lo:hi]}
-		// Each page its own shapes: its sliced views keep them.
-		shapes := make([][]int, len(tensors))
-		for t, ts := range tensors {
-			shapes[t] = make([]int, len(ts.View.Shape))
+	templates := map[int]*pageTemplate{} // by token count; nil: none
+	for i := range keys {
+		page, _ := ps.page(i)
+		n := len(page.Tokens)
+		if tpl := templates[n]; tpl != nil {
+			var ok bool
+			if ps.heads[i], ok = tpl.head(page.MetaJSON()); ok {
+				continue
+			}
 		}
-		if ps.pages[i], err = planPage(tensors, shapes, page, lo, ns.PagePath(key)); err != nil {
+		pl, err := ps.plan(i)
+		if err != nil {
 			return nil, err
+		}
+		if _, seen := templates[n]; !seen {
+			templates[n] = newPageTemplate(pl)
 		}
 	}
 	return ps, nil
+}
+
+// page is page i of ps as its header's "page" metadata describes it, and
+// the index of its first token.
+func (ps *pageSave) page(i int) (*layout.Page, int) {
+	lo, hi := i*ps.p, min(len(ps.tokens), (i+1)*ps.p)
+	return &layout.Page{Key: ps.keys[i], Parent: ps.parents[i], Identity: ps.identity, PageTokens: ps.p, Tokens: ps.tokens[lo:hi]}, lo
+}
+
+// plan returns the full plan of page i's file (planPage), made once; its
+// header must be the one planned for the page (ps.heads[i], set here when
+// not yet).
+func (ps *pageSave) plan(i int) (*plannedPage, error) {
+	if pl := ps.pages[i]; pl != nil {
+		return pl, nil
+	}
+	page, lo := ps.page(i)
+	// Each page its own shapes: its sliced views keep them.
+	shapes := make([][]int, len(ps.tensors))
+	for t, ts := range ps.tensors {
+		shapes[t] = make([]int, len(ts.View.Shape))
+	}
+	pl, err := planPage(ps.tensors, shapes, page, lo, ps.ns.PagePath(ps.keys[i]))
+	if err != nil {
+		return nil, err
+	}
+	hd := pageHead{js: pl.js, dataStart: pl.dataStart, size: pl.size, tensorBytes: pl.tensorBytes}
+	if old := ps.heads[i]; old.js == nil {
+		ps.heads[i] = hd
+	} else if !bytes.Equal(old.js, hd.js) || old.dataStart != hd.dataStart || old.size != hd.size || old.tensorBytes != hd.tensorBytes {
+		return nil, fmt.Errorf("jobs: save page %s: its header differs from the one planned for it", pl.ws.Path)
+	}
+	ps.pages[i] = pl
+	return pl, nil
+}
+
+// newPageTemplate cuts the header of pl (a page's full plan) around its
+// "page" metadata; nil when that metadata is not found in it exactly once
+// (the pages of its token count are then each planned fully).
+func newPageTemplate(pl *plannedPage) *pageTemplate {
+	meta := pl.ws.Meta["page"]
+	at := bytes.Index(pl.js, meta)
+	if len(meta) == 0 || at < 0 || bytes.Contains(pl.js[at+1:], meta) {
+		return nil
+	}
+	return &pageTemplate{pre: pl.js[:at], post: pl.js[at+len(meta):], end: pl.size - pl.dataStart, tensorBytes: pl.tensorBytes}
+}
+
+// head is the planned header of the page whose "page" metadata is meta;
+// ok is false when the header would be too long (planPage reports it).
+func (tpl *pageTemplate) head(meta []byte) (hd pageHead, ok bool) {
+	js := make([]byte, 0, len(tpl.pre)+len(meta)+len(tpl.post))
+	js = append(append(append(js, tpl.pre...), meta...), tpl.post...)
+	if len(js) > layout.MaxHeaderLen {
+		return hd, false
+	}
+	ds := layout.AlignUp(int64(layout.PrefixLen+len(js)), layout.DataAlign)
+	return pageHead{js: js, dataStart: ds, size: ds + tpl.end, tensorBytes: tpl.tensorBytes}, true
 }
 
 // admit asks cfg.Admission (when set) for room for the save's pages.
@@ -148,9 +249,9 @@ func (ps *pageSave) admit(ctx context.Context, cfg *Config, ns *store.Namespace)
 	if cfg.Admission == nil {
 		return nil
 	}
-	sizes := make([]int64, len(ps.pages))
-	for i, pl := range ps.pages {
-		sizes[i] = pl.size
+	sizes := make([]int64, len(ps.heads))
+	for i, hd := range ps.heads {
+		sizes[i] = hd.size
 	}
 	return cfg.Admission.Admit(ctx, ns, ps.keys, ps.parents, sizes)
 }
@@ -200,7 +301,10 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 	// ids[i]: the FileID of page i's file from an lstat made before its
 	// directory's fsync (reused pages: storedPage's; new pages: after the
 	// commits), or the mark it matched; the zero FileID when unknown.
+	// sums[i]: the sum of page i's planned header (headerSum), marked
+	// with ids[i].
 	ids := make([]vfs.FileID, len(keys))
+	sums := make([]uint64, len(keys))
 	var fresh []int // positions of the pages this save publishes
 	marks := cfg.Durable
 	if !st.Durable() {
@@ -214,8 +318,8 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		if err = ctx.Err(); err != nil {
 			break
 		}
-		pl := ps.pages[i]
-		path := pl.ws.Path
+		hd := &ps.heads[i]
+		path := ns.PagePath(key)
 		dir := filepath.Dir(path)
 		if !made[dir] {
 			if err = ns.CreateFanout(dir); errors.Is(err, store.ErrNamespace) {
@@ -235,17 +339,36 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 			}
 			continue
 		}
-		m.LogicalBytes += pl.size - pl.dataStart
+		m.LogicalBytes += hd.size - hd.dataStart
+		sums[i] = headerSum(hd.js)
+		// The page's mark: a file found with its FileID was made durable
+		// under the name and not written since; with its header sum
+		// too, it holds the header this save would write (not read).
+		var markID vfs.FileID
+		var markSum uint64
+		if marks != nil {
+			markID, markSum = marks.DurableMark(ns.Name(), key)
+		}
+		holds := func(id vfs.FileID) bool {
+			return id != (vfs.FileID{}) && id == markID && markSum == sums[i]
+		}
 		var reuse, exists bool
 		var id vfs.FileID
-		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, pl, hdr); err != nil {
+		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, hd, hdr, holds); errors.Is(err, errPageIsDir) {
+			// Never replaced (it may hold anything): this page fails, the
+			// others are still written (see PrefixResult.Failed).
+			res.Failed = append(res.Failed, key)
+			res.FailedErr, err = cmp.Or(res.FailedErr, err), nil
+			m.LogicalBytes -= hd.size - hd.dataStart
+			continue
+		} else if err != nil {
 			break
 		}
 		if reuse {
 			res.PagesReused++
-			res.BytesReused += pl.size
+			res.BytesReused += hd.size
 			ids[i] = id
-			known := marks != nil && id != (vfs.FileID{}) && marks.DurableID(ns.Name(), key) == id
+			known := id != (vfs.FileID{}) && id == markID
 			switch {
 			case !st.Durable() || known:
 			case !early[dir]:
@@ -258,7 +381,7 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 				newDirs[dir] = true
 			}
 			if progress != nil {
-				progress(pl.tensorBytes)
+				progress(hd.tensorBytes)
 			}
 			continue
 		}
@@ -267,6 +390,10 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		}
 		newDirs[dir] = true
 		fresh = append(fresh, i)
+		var pl *plannedPage
+		if pl, err = ps.plan(i); err != nil {
+			break
+		}
 		tb := pl.tensorBytes
 		if err = stagePage(ctx, cfg, st, c, pl, &copied, &peak, func() { published.Add(tb) }); err != nil {
 			break
@@ -292,17 +419,21 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		// The fan-out directories, pages/ (which holds their entries)
 		// and the namespace directory (which holds pages/'s: CreatePagesDir
 		// syncs it only when it made pages/, and another process may have
-		// made it and died before its fsync) at once: each must be durable
+		// made it and died before its fsync), and for SavePrefix the root
+		// (which holds the namespace's), at once: each must be durable
 		// before the ack, in no order.
-		dirs := make([]string, 0, len(newDirs)+2)
+		dirs := make([]string, 0, len(newDirs)+3)
 		for d := range newDirs {
 			dirs = append(dirs, d)
 		}
 		slices.Sort(dirs)
 		dirs = append(dirs, pagesDir, ns.Dir())
+		if ps.syncRoot {
+			dirs = append(dirs, st.Root())
+		}
 		err = syncDirs(ctx, st, dirs, pagesDir)
 		if err == nil && marks != nil {
-			marks.MarkDurable(ns.Name(), keys, ids)
+			marks.MarkDurable(ns.Name(), keys, ids, sums)
 		}
 	}
 	res.PagesWritten = int(c.files.Load())
@@ -357,6 +488,19 @@ func planPage(ts []TensorSpec, shapes [][]int, page *layout.Page, lo int, path s
 	return pl, nil
 }
 
+// headerSum is the sum of a planned header (placeholder hashes) that a
+// page's durable mark records (DurablePages): xxh3-64, never 0 (0 means
+// unknown). Equal sums mean the stored header equals the planned one
+// apart from the tensor hashes: the mark is set only for a file found so
+// (storedPage) or written from that plan.
+func headerSum(js []byte) uint64 {
+	return max(1, xxh3.Hash(js))
+}
+
+// errPageIsDir: a directory is where a page file belongs; the save fails
+// that page alone.
+var errPageIsDir = errors.New("is a directory")
+
 // hashPlaceholder is how a planned header's tensor hash reads (planSingle).
 var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 
@@ -371,8 +515,10 @@ var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 // anything is at path (to be replaced when not reusable; a directory is an
 // error). A file that cannot be opened or read whole is not reusable. id
 // is the FileID of the lstat that found the file (vfs.IDOf), taken before
-// the file is opened.
-func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
+// the file is opened. A file whose FileID holds(id) approves is reused
+// without being opened: the caller knows it holds the planned header
+// (DurablePages).
+func storedPage(fsys vfs.FS, path string, pl *pageHead, buf []byte, holds func(vfs.FileID) bool) (reuse, exists bool, id vfs.FileID, _ []byte, err error) {
 	fi, err := fsys.Lstat(path)
 	if err != nil {
 		if vfs.IsNotExist(err) {
@@ -381,12 +527,15 @@ func storedPage(fsys vfs.FS, path string, pl *plannedPage, buf []byte) (reuse, e
 		return false, false, id, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
 	}
 	if fi.IsDir() {
-		return false, true, id, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+		return false, true, id, buf, fmt.Errorf("jobs: save prefix: page path %s: %w", path, errPageIsDir)
 	}
 	if !fi.Mode().IsRegular() || fi.Size() != pl.size {
 		return false, true, id, buf, nil
 	}
 	id = vfs.IDOf(fi)
+	if holds(id) {
+		return true, true, id, buf, nil
+	}
 	f, err := fsys.Open(path) // no symlink followed, no FIFO blocks
 	if err != nil {
 		return false, !vfs.IsNotExist(err), id, buf, nil

@@ -107,8 +107,18 @@ func buildHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error)
 	if _, err := h.TotalBytes(); err != nil {
 		return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
 	}
-	// Check the caller's metadata (reserved keys, valid JSON) now, before
-	// any byte is written: the block layout encodes only after its blocks.
+	return h, slots, nil
+}
+
+// buildCheckedHeader is buildHeader that also encodes the header once to
+// check the caller's metadata (reserved keys, valid JSON) before any byte
+// is written: the block layout encodes only after its blocks. (A page,
+// whose plan encodes it at once, planSingle, needs no such check.)
+func buildCheckedHeader(spec *writeSpec, version int) (*layout.Header, []slotIn, error) {
+	h, slots, err := buildHeader(spec, version)
+	if err != nil {
+		return nil, nil, err
+	}
 	if _, err := h.Encode(); err != nil {
 		return nil, nil, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, spec.Path, err)
 	}
@@ -170,7 +180,7 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 		}
 		spec = &writeSpec{Path: spec.Path, WriteRequest: &req}
 	}
-	h, slots, err := buildHeader(spec, version)
+	h, slots, err := buildCheckedHeader(spec, version)
 	if err != nil {
 		return nil, m, err
 	}
@@ -260,7 +270,7 @@ func planSingle(path string, h *layout.Header, slots []slotIn) (js []byte, dataS
 	}
 	js, err = h.Encode()
 	if err != nil {
-		return nil, 0, 0, fmt.Errorf("jobs: %s: %w", path, err)
+		return nil, 0, 0, fmt.Errorf("%w: %s: %w", ErrInvalidRequest, path, err)
 	}
 	if len(js) > layout.MaxHeaderLen {
 		return nil, 0, 0, fmt.Errorf("%w: %s: header of %d bytes exceeds %d", ErrInvalidRequest, path, len(js), layout.MaxHeaderLen)

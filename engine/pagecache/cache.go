@@ -1202,7 +1202,8 @@ func (pc *Cache) unlinkGroup(n *store.Namespace, vs []evict.Victim, group []int)
 				defer wg.Done()
 				for j := range work {
 					path := n.PagePath(layout.PageKey(vs[j].Key))
-					if rerr := pc.fs.Remove(path); rerr != nil && !vfs.IsNotExist(rerr) {
+					// A fan-out that is no directory holds no page of n.
+					if rerr := n.RemovePage(path); rerr != nil && !vfs.IsNotExist(rerr) && !errors.Is(rerr, store.ErrNamespace) {
 						mu.Lock()
 						err = cmpOr(err, fmt.Errorf("pagecache: evict page %s: %w", path, rerr))
 						mu.Unlock()

@@ -29,34 +29,53 @@ import (
 type Index struct {
 	mu sync.RWMutex
 	ns map[string]map[layout.PageKey]struct{}
-	// durable: per namespace, the FileID of each page file made known
+	// durable: per namespace, the mark of each page file made known
 	// durable by this process's saves (MarkDurable); a separate map, so
 	// that Lookup's set stays small. Forgotten with the key.
-	durable map[string]map[layout.PageKey]vfs.FileID
+	durable map[string]map[layout.PageKey]mark
+}
+
+// mark is a page's durable mark: the FileID of its file and the sum of
+// the header it was found to hold (or was written with).
+type mark struct {
+	id     vfs.FileID
+	header uint64
 }
 
 // New returns an empty index.
 func New() *Index {
-	return &Index{ns: map[string]map[layout.PageKey]struct{}{}, durable: map[string]map[layout.PageKey]vfs.FileID{}}
+	return &Index{ns: map[string]map[layout.PageKey]struct{}{}, durable: map[string]map[layout.PageKey]mark{}}
 }
 
 // DurableID returns the FileID recorded by MarkDurable for page key of
-// namespace ns, or the zero FileID when none is. A save compares it with
-// the lstat of the page file it finds (jobs.DurablePages): equal means the
-// file is the one that was durable under its name when it was marked, so
-// its directory need not be fsynced again.
+// namespace ns, or the zero FileID when none is.
 func (x *Index) DurableID(ns string, key layout.PageKey) vfs.FileID {
+	id, _ := x.DurableMark(ns, key)
+	return id
+}
+
+// DurableMark returns the FileID and header sum recorded by MarkDurable
+// for page key of namespace ns, or zero values when none is. A save
+// compares the FileID with the lstat of the page file it finds
+// (jobs.DurablePages): equal means the file is the one that was durable
+// under its name when it was marked, so its directory need not be
+// fsynced again; and when the header sum also equals that of the header
+// the save would write, the file holds that header, so it need not be
+// read again.
+func (x *Index) DurableMark(ns string, key layout.PageKey) (vfs.FileID, uint64) {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
-	return x.durable[ns][key]
+	m := x.durable[ns][key]
+	return m.id, m.header
 }
 
 // MarkDurable records ids[i] as the FileID of page keys[i] of namespace
-// ns, known durable: the caller has made the page's directory entry, and
+// ns, known durable, and headers[i] as the sum of the header its file
+// holds (0: unknown): the caller has made the page's directory entry, and
 // its fan-out directory's entry in pages/, durable after an lstat that
 // gave ids[i] (see ARCHITECTURE.md, "Known-durable pages"). A zero id
-// forgets the key's mark. len(ids) must equal len(keys).
-func (x *Index) MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID) {
+// forgets the key's mark. len(ids) and len(headers) must equal len(keys).
+func (x *Index) MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID, headers []uint64) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	m := x.durable[ns]
@@ -66,10 +85,10 @@ func (x *Index) MarkDurable(ns string, keys []layout.PageKey, ids []vfs.FileID) 
 			continue
 		}
 		if m == nil {
-			m = make(map[layout.PageKey]vfs.FileID, len(keys))
+			m = make(map[layout.PageKey]mark, len(keys))
 			x.durable[ns] = m
 		}
-		m[k] = ids[i]
+		m[k] = mark{id: ids[i], header: headers[i]}
 	}
 	if m != nil && len(m) == 0 {
 		delete(x.durable, ns)

@@ -169,7 +169,8 @@ func TestRemoveIfGone(t *testing.T) {
 	}
 }
 
-// TestDurableMarks: a mark is returned as recorded, per namespace; a zero
+// TestDurableMarks: a mark (FileID and header sum) is returned as
+// recorded, per namespace; a zero
 // FileID forgets it; Remove and RemoveIfGone forget a key's mark with the
 // key (a page removed and written again must earn its mark again), and
 // RemoveIfGone keeps both while the file is there.
@@ -179,15 +180,27 @@ func TestDurableMarks(t *testing.T) {
 	id1 := vfs.FileID{Dev: 8, Ino: 11, Size: 4096, CtimeNs: 1}
 	id2 := vfs.FileID{Dev: 8, Ino: 12, Size: 4096, CtimeNs: 2}
 	x.Add("a", k1, k2)
-	x.MarkDurable("a", []layout.PageKey{k1, k2}, []vfs.FileID{id1, id2})
+	x.MarkDurable("a", []layout.PageKey{k1, k2}, []vfs.FileID{id1, id2}, []uint64{101, 102})
 	if x.DurableID("a", k1) != id1 || x.DurableID("a", k2) != id2 || x.DurableID("b", k1) != (vfs.FileID{}) {
 		t.Fatalf("marks: %v %v %v", x.DurableID("a", k1), x.DurableID("a", k2), x.DurableID("b", k1))
 	}
-	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{{}})
+	if id, h := x.DurableMark("a", k2); id != id2 || h != 102 {
+		t.Fatalf("DurableMark of k2: %v %d; want %v 102", id, h, id2)
+	}
+	if id, h := x.DurableMark("b", k2); id != (vfs.FileID{}) || h != 0 {
+		t.Fatalf("DurableMark of an unmarked key: %v %d; want zero values", id, h)
+	}
+	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{{}}, []uint64{102})
 	if x.DurableID("a", k2) != (vfs.FileID{}) || x.DurableID("a", k1) != id1 {
 		t.Fatalf("a zero id did not forget only k2's mark")
 	}
-	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{id2})
+	if _, h := x.DurableMark("a", k2); h != 0 {
+		t.Fatalf("a forgotten mark kept header sum %d", h)
+	}
+	x.MarkDurable("a", []layout.PageKey{k2}, []vfs.FileID{id2}, []uint64{103})
+	if _, h := x.DurableMark("a", k2); h != 103 {
+		t.Fatalf("a new mark of k2 kept header sum %d, want 103", h)
+	}
 	x.RemoveIfGone("a", k2, func() bool { return false })
 	if x.DurableID("a", k2) != id2 {
 		t.Fatalf("RemoveIfGone of a present file forgot its mark")

@@ -121,6 +121,18 @@ func (n *Namespace) Create() error {
 	return nil
 }
 
+// CreateLeavingRoot is Create without the root's fsync when the namespace
+// directory exists already: for a writer that fsyncs the root (Root) itself
+// with its other directories, before it reports anything in the
+// namespace durable. ErrNamespace when the directory is a symlink or not a
+// directory.
+func (n *Namespace) CreateLeavingRoot() error {
+	if err := n.st.mkdirSynced(n.dir, n.st.root, true); err != nil {
+		return fmt.Errorf("store: namespace %s: %w", n.dir, err)
+	}
+	return nil
+}
+
 // CreateBlocksDir makes blocks/ if it is missing and fsyncs the namespace
 // directory when it did (under the sync policy).
 func (n *Namespace) CreateBlocksDir() error {

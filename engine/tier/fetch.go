@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"path/filepath"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -159,6 +160,15 @@ func (t *Tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *Report)
 		if !local[c] {
 			fetch = append(fetch, first+c)
 			fobjs = append(fobjs, objs[c])
+		}
+	}
+	// A fan-out path that is no directory (a stray file or symlink) fails
+	// its pages alone: the load ends at the first (a Stop naming it), so
+	// the pages before it are fetched and the rest are not.
+	for f, pos := range fetch {
+		if errors.Is(ch.NS.Store().CheckRealDir(filepath.Dir(ch.NS.PagePath(keys[pos]))), store.ErrNamespace) {
+			fetch, fobjs = fetch[:f], fobjs[:f]
+			break
 		}
 	}
 	if len(fetch) == 0 {
@@ -536,7 +546,6 @@ func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	stream := remote.NewPageStream(dst, want.Key.String(), o.Size)
 	var rd vfs.File           // read-only, of the temp file: kept for the load
 	var head *layout.Snapshot // the stream's decoded header, when it verified the page
-	var got *layout.Page      // the page as verified
 	closeRd := func() {
 		if rd != nil {
 			rd.Close()
@@ -547,7 +556,7 @@ func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
 		fetched()
 		if snap, ok := stream.Verified(); ok {
-			head, got = snap, snap.Page
+			head = snap
 			return checkWant(name, snap.Page, want)
 		}
 		// The temp file is open for writing only: verify through a
@@ -558,8 +567,7 @@ func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		}
 		closeRd()
 		rd = f
-		got, err = verifyPage(f, name, want, size)
-		return err
+		return verifyPage(f, name, want, size)
 	})
 	if kw != nil {
 		kw.stop() // before the file is closed
@@ -598,7 +606,7 @@ func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 		return 0, err
 	}
 	if t.d.OnFetched != nil {
-		t.d.OnFetched(n.Name(), got)
+		t.d.OnFetched(n.Name(), want)
 	}
 	t.d.Index.Add(n.Name(), want.Key)
 	t.markKnown(n.Name(), want.Key)
@@ -670,12 +678,12 @@ func (t *Tier) publishFetched(sf *layout.Staged) error {
 // identity, page size and token ids (want.Tokens nil: a named read's page,
 // whose manifest names keys only; its key, checked against SHA-256(parent
 // ‖ tokens), fixes them).
-func verifyPage(f vfs.File, name string, want *layout.Page, size int64) (*layout.Page, error) {
+func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
 	var pg *layout.Page
 	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
-		return nil, fmt.Errorf("%s: %w", name, err)
+		return fmt.Errorf("%s: %w", name, err)
 	}
-	return pg, checkWant(name, pg, want)
+	return checkWant(name, pg, want)
 }
 
 // checkWant: the verified page pg (object name) is exactly the page the

@@ -147,9 +147,10 @@ type Deps struct {
 	// index listing a page another engine evicted). Required.
 	ForgetIfGone func(ns string, key layout.PageKey)
 	// OnFetched, when set, is told of each page the tier fetched,
-	// verified and published (pg: the page as it verified it), inside the
-	// page's admission (its reservation holds) and before it is added to
-	// the index. It runs on a fetch worker.
+	// verified and published (pg: the page the chain expects, which it
+	// verified to be; a named read's has no token ids: its manifest names
+	// keys only), inside the page's admission (its reservation holds) and
+	// before it is added to the index. It runs on a fetch worker.
 	OnFetched func(ns string, pg *layout.Page)
 }
 
