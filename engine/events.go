@@ -138,6 +138,14 @@ func (e *Engine) chainStored(ns, identity string, pageTokens int, tokens []uint3
 	s.Stored(ns, pages...)
 }
 
+// pageFetched announces page pg of namespace ns that the tier fetched
+// and published (tier.Deps.OnFetched: before the index has it).
+func (e *Engine) pageFetched(ns string, pg *layout.Page) {
+	if s := e.sink(); s != nil {
+		s.Stored(ns, *pg)
+	}
+}
+
 // pageRemoved is the page cache's report of a page file of namespace ns
 // that it removed (an eviction) or found gone (a resync after a collect):
 // the tier forgets it, and the sink announces it. A page a load or an
@@ -145,7 +153,7 @@ func (e *Engine) chainStored(ns, identity string, pageTokens int, tokens []uint3
 // removed it and announced it.
 func (e *Engine) pageRemoved(ns string, k layout.PageKey) {
 	if e.tier != nil {
-		e.tier.forget(ns, k)
+		e.tier.Forget(ns, k)
 	}
 	if s := e.sink(); s != nil {
 		s.Removed(ns, k)

@@ -13,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/tier"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -104,8 +105,8 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		if err == nil {
 			stored := res.Prefix.Stored() // without the pages that failed
 			e.pages.Add(r.Namespace, stored...)
-			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
-				e.tier.saved(r.Namespace, stored)
+			if e.tier != nil { // write-behind: never blocks
+				e.tier.Saved(r.Namespace, stored)
 			}
 		}
 	case *LoadPrefixRequest:
@@ -113,19 +114,19 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		// load's duration (a bad request pins nothing: the load reports
 		// it) and, with the remote tier, fetches the remote pages after
 		// the local prefix, handing each to the load once published
-		// (remote_fetch.go); finish releases the pins and joins the
+		// (tier.LoadSource); Finish releases the pins and joins the
 		// fetch.
-		src := e.newLoadSource()
+		src := tier.NewLoadSource(e.pc, e.tier)
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r, src)
 		var loaded []layout.PageKey
 		if res.Prefix != nil {
 			loaded = res.Prefix.Keys
 		}
-		res.Remote = src.finish(loaded, err == nil)
+		res.Remote = src.Finish(loaded, err == nil)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
-				e.dropCorruptPage(ctx, cfg, r, src.ch.Keys, res.Prefix.Tokens)
+				e.dropCorruptPage(ctx, cfg, r, src.Chain().Keys, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
 				e.forgetIfGone(r.Namespace, *k)
@@ -263,7 +264,7 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	if gone() {
 		e.pc.RemovedBehind(ns, key)
 		if e.tier != nil {
-			e.tier.forget(ns, key)
+			e.tier.Forget(ns, key)
 		}
 	}
 }
@@ -349,8 +350,8 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	}
 	e.pages.Add(w.Namespace, adm.keys...)
 	e.pc.SetManifest(w.Namespace, w.Name, adm.keys)
-	if e.tier != nil { // the pages, then the manifest (remote_tier.go)
-		e.tier.manifestWritten(w.Ref, adm.keys)
+	if e.tier != nil { // the pages, then the manifest
+		e.tier.ManifestWritten(w.Ref, adm.keys)
 	}
 	return nil
 }
