@@ -139,7 +139,8 @@ func (e *Engine) chainStored(ns, identity string, pageTokens int, tokens []uint3
 }
 
 // pageFetched announces page pg of namespace ns that the tier fetched
-// and published (tier.Deps.OnFetched: before the index has it).
+// and published (tier.Deps.OnFetched: before the index has it, and after
+// the pages of the same fetch before it, so parents come first).
 func (e *Engine) pageFetched(ns string, pg *layout.Page) {
 	if s := e.sink(); s != nil {
 		s.Stored(ns, *pg)

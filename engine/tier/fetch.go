@@ -202,7 +202,9 @@ func (t *Tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *Report)
 // temp file, and verifies and publishes (fdatasync, rename, directory
 // fsync) while the next pages' GETs run (2×FetchPages workers). With
 // stopOnError, a page whose fetch failed stops the pages not started yet
-// too (a named read needs them all). The run's workers are joined by wait.
+// too (a named read needs them all). Each published page is announced
+// (Deps.OnFetched) in chain order, parents first (inOrder), whatever order
+// the pages complete in. The run's workers are joined by wait.
 type fetchRun struct {
 	t           *Tier
 	n           *store.Namespace
@@ -215,10 +217,11 @@ type fetchRun struct {
 	// decided[f] is closed once page f's reservation is decided (its write
 	// began, or admit failed before it); page f+1 reserves only after it,
 	// and not at all once a reservation found no room (noRoom). done[f] is
-	// closed once page f is published, or failed.
-	decided, done []chan struct{}
-	gets          chan struct{} // a token per GET in flight
-	wg            sync.WaitGroup
+	// closed once page f is published, or failed. announced[f] is closed
+	// once page f was announced, or is known not to be (see inOrder).
+	decided, done, announced []chan struct{}
+	gets                     chan struct{} // a token per GET in flight
+	wg                       sync.WaitGroup
 
 	mu     sync.Mutex
 	next   int // the next page a worker takes
@@ -237,12 +240,13 @@ type fetchRun struct {
 func (t *Tier) startFetch(ctx context.Context, n *store.Namespace, want func(int) *layout.Page, fetch []int, objs []remote.Object, keep, stopOnError bool) *fetchRun {
 	k := len(fetch)
 	fr := &fetchRun{t: t, n: n, want: want, fetch: fetch, objs: objs, keep: keep, stopOnError: stopOnError,
-		decided: make([]chan struct{}, k), done: make([]chan struct{}, k), gets: make(chan struct{}, t.fetchPages),
+		decided: make([]chan struct{}, k), done: make([]chan struct{}, k), announced: make([]chan struct{}, k), gets: make(chan struct{}, t.fetchPages),
 		errs: make([]error, k), sizes: make([]int64, k), rds: make([]vfs.File, k), heads: make([]*layout.Snapshot, k),
 		lost: make([]error, k)}
 	for f := range k {
 		fr.decided[f] = make(chan struct{})
 		fr.done[f] = make(chan struct{})
+		fr.announced[f] = make(chan struct{})
 	}
 	for range min(2*t.fetchPages, k) {
 		fr.wg.Go(func() {
@@ -268,6 +272,20 @@ func (fr *fetchRun) page(ctx context.Context, f int) {
 	var once sync.Once
 	decide := func() { once.Do(func() { close(fr.decided[f]) }) }
 	defer close(fr.done[f])
+	var onceAnnounced sync.Once
+	announced := func() { onceAnnounced.Do(func() { close(fr.announced[f]) }) }
+	defer announced() // on every path: not announced, and never will be
+	inOrder := func(announce func()) {
+		if f > 0 {
+			// Page f-1 was taken by a worker before page f and waits on
+			// nothing of a later page (its reservation and GET token came
+			// first), so it closes announced[f-1] whatever happens: no
+			// ctx here, a published page is always announced.
+			<-fr.announced[f-1]
+		}
+		announce()
+		announced()
+	}
 	fr.mu.Lock()
 	skip := fr.stopOnError && fr.failed
 	fr.mu.Unlock()
@@ -318,7 +336,7 @@ func (fr *fetchRun) page(ctx context.Context, f int) {
 		wrote = true
 		decide()
 		var err error
-		size, err = t.fetchPage(ctx, fr.n, want, fr.objs[f], release, verified)
+		size, err = t.fetchPage(ctx, fr.n, want, fr.objs[f], release, verified, inOrder)
 		return err
 	})
 	decide()
@@ -518,7 +536,13 @@ func (s *LoadSource) Finish(loaded []layout.PageKey, ok bool) *Report {
 // the load does not decode it again; it is not called for a page that did
 // not verify (or whose temp file could not be opened again: then the load
 // opens the published file).
-func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File, *layout.Snapshot)) (int64, error) {
+//
+// Once published, the page is announced (Deps.OnFetched) through inOrder,
+// which runs announce once the run's earlier pages were announced or are
+// known not to be (a router drops a page whose parent it does not know),
+// and only then added to the index, so that no eviction can be announced
+// before its BlockStored.
+func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File, *layout.Snapshot), inOrder func(announce func())) (int64, error) {
 	if t.d.Index.Has(n.Name(), want.Key) {
 		return 0, nil
 	}
@@ -605,9 +629,11 @@ func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.P
 	if err != nil {
 		return 0, err
 	}
-	if t.d.OnFetched != nil {
-		t.d.OnFetched(n.Name(), want)
-	}
+	inOrder(func() {
+		if t.d.OnFetched != nil {
+			t.d.OnFetched(n.Name(), want)
+		}
+	})
 	t.d.Index.Add(n.Name(), want.Key)
 	t.markKnown(n.Name(), want.Key)
 	return o.Size, nil

@@ -150,7 +150,8 @@ type Deps struct {
 	// verified and published (pg: the page the chain expects, which it
 	// verified to be; a named read's has no token ids: its manifest names
 	// keys only), inside the page's admission (its reservation holds) and
-	// before it is added to the index. It runs on a fetch worker.
+	// before it is added to the index. It runs on a fetch worker; the
+	// pages of one fetch are told of in chain order, parents first.
 	OnFetched func(ns string, pg *layout.Page)
 }
 

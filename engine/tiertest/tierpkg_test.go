@@ -31,6 +31,12 @@ type tierRig struct {
 
 func openTierRig(t *testing.T, root, prefix string, onFetched func(string, *layout.Page)) *tierRig {
 	t.Helper()
+	return openTierRigCfg(t, root, prefix, onFetched, nil)
+}
+
+// openTierRigCfg is openTierRig whose tier config mod may change.
+func openTierRigCfg(t *testing.T, root, prefix string, onFetched func(string, *layout.Page), mod func(*tier.Config)) *tierRig {
+	t.Helper()
 	st, err := store.Create(root, store.Options{NoSync: true})
 	if err != nil {
 		t.Fatal(err)
@@ -47,6 +53,9 @@ func openTierRig(t *testing.T, root, prefix string, onFetched func(string, *layo
 	t.Cleanup(func() { _ = pc.Close() })
 	r := &tierRig{st: st, index: index, pc: pc, jcfg: jobs.Config{Root: root, NoSync: true, Logger: log}}
 	cfg := tier.Config{Store: storeConfig(prefix), UploadBackoffMin: 20 * time.Millisecond, UploadBackoffMax: 300 * time.Millisecond}
+	if mod != nil {
+		mod(&cfg)
+	}
 	r.tr, err = tier.New(cfg, tier.Deps{Store: st, Index: index, Cache: pc, OnFetched: onFetched,
 		RemoveCorruptPage: func(ns string, k layout.PageKey) { t.Errorf("page %s of %s found corrupt", k, ns) },
 		ForgetIfGone:      func(ns string, k layout.PageKey) { t.Errorf("page %s of %s found gone", k, ns) }})
@@ -68,23 +77,37 @@ func (r *tierRig) closeTier(t *testing.T) {
 	}
 }
 
-// TestTierWithoutEngine: pages saved on root A and handed to A's tier
-// (Saved) are uploaded by Close; B's tier, on an empty root, fetches them
-// for a prefix load through its LoadSource: the load gets the saved
-// bytes, the Report counts every page, OnFetched is told of each page
-// (its parent and token ids the chain's) before it enters the index, and
-// every page is indexed and known stored afterwards.
-func TestTierWithoutEngine(t *testing.T) {
-	const n = 4 * ptoks
-	prefix := bucketPrefix(t)
-	ctx := context.Background()
-	tokens := seq(1000, n)
+// loadThrough loads tokens (whole pages) through a LoadSource of r's
+// tier, into a cache of its own, and ends the source; a load error is
+// fatal.
+func (r *tierRig) loadThrough(t *testing.T, tokens []uint32) (*jobs.PrefixResult, *tier.Report, *kv) {
+	t.Helper()
+	n := len(tokens)
+	dst := newKV(n)
+	ls := tier.NewLoadSource(r.pc, r.tr)
+	lres, _, err := jobs.LoadPrefix(context.Background(), &r.jcfg, &jobs.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, Dest: dst.specs(n), PageTokens: ptoks}, ls)
+	var loaded []layout.PageKey
+	if lres != nil {
+		loaded = lres.Keys
+	}
+	rep := ls.Finish(loaded, err == nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return lres, rep, dst
+}
 
+// uploadedByTier saves tokens' KV (whole pages) on a tier rig of its own
+// root, hands the pages to its tier and closes it, so every page is
+// uploaded under prefix; it returns the pages' keys.
+func uploadedByTier(t *testing.T, prefix string, tokens []uint32) []layout.PageKey {
+	t.Helper()
+	n := len(tokens)
 	// A's save needs no admission: A's page cache has no limit.
 	a := openTierRig(t, t.TempDir(), prefix, nil)
 	src := newKV(n)
 	src.fill(tokens)
-	res, _, err := jobs.SavePrefix(ctx, &a.jcfg, &jobs.SavePrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, Tensors: src.specs(n), PageTokens: ptoks})
+	res, _, err := jobs.SavePrefix(context.Background(), &a.jcfg, &jobs.SavePrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, Tensors: src.specs(n), PageTokens: ptoks})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -95,6 +118,21 @@ func TestTierWithoutEngine(t *testing.T) {
 	a.index.Add(ns, keys...)
 	a.tr.Saved(ns, keys)
 	a.closeTier(t)
+	return keys
+}
+
+// TestTierWithoutEngine: pages saved on root A and handed to A's tier
+// (Saved) are uploaded by Close; B's tier, on an empty root, fetches them
+// for a prefix load through its LoadSource: the load gets the saved
+// bytes, the Report counts every page, OnFetched is told of each page
+// (its parent and token ids the chain's) before it enters the index, and
+// every page is indexed and known stored afterwards.
+func TestTierWithoutEngine(t *testing.T) {
+	const n = 4 * ptoks
+	prefix := bucketPrefix(t)
+	tokens := seq(1000, n)
+
+	keys := uploadedByTier(t, prefix, tokens)
 
 	var mu sync.Mutex
 	type fetched struct {
@@ -111,17 +149,7 @@ func TestTierWithoutEngine(t *testing.T) {
 		defer mu.Unlock()
 		got[pg.Key] = fetched{pg: pg, indexed: b.index.Has(ns, pg.Key)}
 	})
-	dst := newKV(n)
-	ls := tier.NewLoadSource(b.pc, b.tr)
-	lres, _, err := jobs.LoadPrefix(ctx, &b.jcfg, &jobs.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, Dest: dst.specs(n), PageTokens: ptoks}, ls)
-	var loaded []layout.PageKey
-	if lres != nil {
-		loaded = lres.Keys
-	}
-	rep := ls.Finish(loaded, err == nil)
-	if err != nil {
-		t.Fatal(err)
-	}
+	lres, rep, dst := b.loadThrough(t, tokens)
 	if rep == nil || rep.Err != nil || rep.PagesAsked != len(keys) || rep.PagesFound != len(keys) || rep.PagesFetched != len(keys) || rep.BytesFetched <= 0 {
 		t.Fatalf("report %+v, want %d pages asked, found and fetched, no error", rep, len(keys))
 	}
