@@ -8,7 +8,7 @@
 //
 // # What it tracks
 //
-// A page (see issue 12 and ARCHITECTURE.md, "Page cache") is identified by
+// A page (see ARCHITECTURE.md, "Evict") is identified by
 // its namespace and its key (the 32-byte SHA-256 chain key); it has a parent
 // key (except the first page of a chain), its allocated bytes on disk
 // (st_blocks × 512 of its file, not its length) and its last access (unix

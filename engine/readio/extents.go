@@ -34,13 +34,10 @@ import (
 )
 
 // DefaultReadDepth is how many read requests (preads of up to ReadChunkBytes)
-// one read keeps in flight when Config.ReadDepth is 0. Measured on the
-// project's 2-core VM (bench BenchmarkReadDepth, cold 1 GiB single-file
-// restore, a loaded machine, two runs): 0.43 GB/s at depth 1, 0.71-0.98 at
-// 4, 0.78-1.06 at 8, 1.01-1.28 at 16, 1.12 at 32. Cold block restores
-// were bound by SHA-256 on the busy CPU at every depth (0.26-0.45 GB/s).
-// Deeper costs only blocked goroutines (and, for unaligned destinations,
-// one staging buffer of up to 2 MiB each).
+// one read keeps in flight when Config.ReadDepth is 0: cold reads gained up
+// to 16 in flight and no more beyond it on the project's VM
+// (BenchmarkReadDepth). Deeper costs only blocked goroutines (and, for
+// unaligned destinations, one staging buffer of up to 2 MiB each).
 const DefaultReadDepth = 16
 
 // ReadChunkBytes is the size in bytes of one read request: an extent is read
