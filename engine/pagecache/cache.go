@@ -17,6 +17,29 @@
 // pages (SetManifest); the remote tier marks pages whose upload is pending
 // (SetPending) and is told of every page file removed (SetOnRemoved).
 // Metrics go to a Sink. Every method is safe for concurrent use.
+//
+// # Several engines on one root
+//
+// Caches on one root (engines in one process or several) share one view
+// through the root's page log, <root>/.pagelog (shared.go): each appends
+// the pages it commits and unlinks, the accesses of its lookups and loads,
+// and the bytes it reserves before a save writes and releases after, and
+// reads the others' records before each reservation and every second. So
+// each cache counts and may evict every page file of the root, least
+// recently used first by the accesses of all, and counts the others'
+// writes in flight: CapacityBytes, quotas and headroom bound the root's
+// page files, D ≤ C + S × P + E with S the saves in flight of every cache
+// and C the smallest capacity. Reservations are decided under the log's
+// exclusive flock, so two caches never both take the last room. Pins do
+// not cross caches; a save checks, under the namespace's shared lock held
+// until its write ends, that the pages it reuses are still there (another
+// cache may have evicted them), and makes its admission again when one is
+// gone. A reservation of a process that died is dropped once its pid is
+// gone. At Open the log gives only the others' reservations; pages come
+// from the disk and recency from the checkpoints, which every cache writes
+// with the merged recency it holds. A page a process unlinked without its
+// record (a kill between the two, a collect) stays counted by the others
+// until it is chosen as a victim and found gone: more eviction, never less.
 package pagecache
 
 import (
@@ -25,10 +48,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -147,10 +172,18 @@ type Cache struct {
 	touches chan touch
 	kick    chan struct{}
 	sweep   chan struct{} // kicks a sweep of the temp page files (sweepTemps)
-	stop    chan struct{}
-	done    chan struct{}
-	bgCtx   context.Context // cancelled by Close: background unlinks stop waiting for locks
-	bgStop  context.CancelFunc
+	plog    *pageLog      // the root's shared page log (shared.go)
+	owner   uint64        // this cache in the page log's reservations
+	syncMu  sync.Mutex    // one syncShared at a time: records are applied in order
+
+	extMu    sync.Mutex
+	orphans  map[string]int64            // ns → temp page files of dead writers (sweepTemps)
+	otherRes map[uint64]map[string]int64 // owner → ns → bytes other caches reserved
+	plogErr  sync.Once                   // the first failure to append to it is logged
+	stop     chan struct{}
+	done     chan struct{}
+	bgCtx    context.Context // cancelled by Close: background unlinks stop waiting for locks
+	bgStop   context.CancelFunc
 
 	closeOnce sync.Once
 	closeErr  error
@@ -215,9 +248,19 @@ func Open(o Options) (*Cache, error) {
 	if fst, err := pc.fs.Statfs(st.Root()); err == nil && fst.BlockBytes > 0 {
 		pc.blkBytes = fst.BlockBytes
 	}
+	// The shared page log, created by the first append on the root, is
+	// read whole after the rebuild for the reservations of other caches'
+	// writes in flight; its pages and accesses are the disk's and the
+	// recency checkpoints' (a page a dead process unlinked without its
+	// record would come back).
+	pc.plog = newPageLog(pc.fs, st.Root())
+	pc.owner = uint64(os.Getpid())<<32 | uint64(rand.Uint32())
+	liveOwners.Store(pc.owner, true)
+	pc.orphans, pc.otherRes = map[string]int64{}, map[uint64]map[string]int64{}
 	if err := pc.rebuild(time.Now()); err != nil {
 		return nil, err
 	}
+	pc.syncShared(true)
 	pc.bgCtx, pc.bgStop = context.WithCancel(context.Background())
 	// Temp page files a crashed process left: removed or counted before
 	// the first save reserves.
@@ -467,8 +510,12 @@ func (pc *Cache) run() {
 	defer tick.Stop()
 	sweepTick := time.NewTicker(sweepEvery(pc.grace))
 	defer sweepTick.Stop()
+	sharedTick := time.NewTicker(sharedEvery)
+	defer sharedTick.Stop()
 	for {
 		select {
+		case <-sharedTick.C:
+			pc.syncShared(false)
 		case <-sweepTick.C:
 			pc.sweepTemps(pc.bgCtx, false)
 		case <-pc.sweep:
@@ -493,14 +540,22 @@ func (pc *Cache) run() {
 func (pc *Cache) applyTouch(t touch) {
 	if pc.pol.Touch(t.ns, t.key, t.at) {
 		pc.markDirty(t.ns)
+		pc.appendShared([]logRecord{{op: opAccess, ns: t.ns, key: t.key, access: t.at}})
 	}
 }
 
+// drainTouches applies the queued touches, and appends them to the page
+// log in one write.
 func (pc *Cache) drainTouches() {
+	var recs []logRecord
+	defer func() { pc.appendShared(recs) }()
 	for {
 		select {
 		case t := <-pc.touches:
-			pc.applyTouch(t)
+			if pc.pol.Touch(t.ns, t.key, t.at) {
+				pc.markDirty(t.ns)
+				recs = append(recs, logRecord{op: opAccess, ns: t.ns, key: t.key, access: t.at})
+			}
 		default:
 			return
 		}
@@ -527,6 +582,7 @@ func (pc *Cache) kickShrink() {
 // shrink evicts down to the capacity and each namespace down to its
 // quota (evict.ReasonShrink), in the background.
 func (pc *Cache) shrink() {
+	pc.syncShared(false)
 	var vs []evict.Victim
 	if pc.capacity > 0 {
 		vs, _ = pc.pol.Shrink(pc.capacity, vs)
@@ -564,6 +620,7 @@ func (pc *Cache) shrink() {
 // call's error.
 func (pc *Cache) Close() error {
 	pc.closeOnce.Do(func() {
+		defer liveOwners.Delete(pc.owner)
 		pc.bgStop()
 		close(pc.stop)
 		<-pc.done
@@ -657,6 +714,15 @@ func (pc *Cache) unlink(ctx context.Context, vs []evict.Victim) (kept int, err e
 			pc.log.Warn("kvpersist: page cache: evicted pages whose upload to the object store was pending (nothing else was evictable); they reach the store only if a save writes them again",
 				"namespace", ns, "pages", pendingEvicted-nsPendingBefore)
 		}
+		// Told to the other caches on the root before the lock goes: no
+		// save can write these pages again before the records are in.
+		var recs []logRecord
+		for _, j := range group[:end] {
+			if removed[j] {
+				recs = append(recs, logRecord{op: opRemove, ns: ns, key: vs[j].Key})
+			}
+		}
+		pc.appendShared(recs)
 		unlock()
 		pc.markDirty(ns)
 	}
@@ -935,8 +1001,31 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // page of keys is touched. Other errors: fileBytes's, write's, ctx's
 // (waiting for a victim or a lock), an unlink's.
 func (pc *Cache) Admit(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) error {
-	_, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, false)
+	_, err := pc.admitRetry(ctx, ns, keys, parents, fileBytes, write, false)
 	return err
+}
+
+// errPinLost: a page pinned for a save was unlinked by another cache on
+// the root before the save took the namespace's lock; the admission is
+// made again (admitRetry).
+var errPinLost = errors.New("pagecache: a reused page was evicted by another engine")
+
+// maxPinLost bounds the admissions made again for errPinLost; the last
+// one does not check (the save then writes the lost pages outside its
+// reservation).
+const maxPinLost = 4
+
+// admitRetry is admitPages, made again while it reports errPinLost.
+func (pc *Cache) admitRetry(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold bool) (held []evict.Key, err error) {
+	for attempt := 1; ; attempt++ {
+		held, err = pc.admitPages(ctx, ns, keys, parents, fileBytes, write, hold, attempt < maxPinLost)
+		if !errors.Is(err, errPinLost) {
+			return held, err
+		}
+		if uerr := pc.pol.UnpinAll(ns, held); uerr != nil {
+			pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
+		}
+	}
 }
 
 // AdmitHeld is Admit for pages that a load reads next (pages fetched from
@@ -949,12 +1038,12 @@ func (pc *Cache) Admit(ctx context.Context, ns string, keys, parents []layout.Pa
 // caller, who releases them (Unpin, or LoadPins.Hold) when the load ends;
 // they are held on every path, error included.
 func (pc *Cache) AdmitHeld(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []layout.PageKey, err error) {
-	h, err := pc.admitPages(ctx, ns, keys, parents, fileBytes, write, true)
+	h, err := pc.admitRetry(ctx, ns, keys, parents, fileBytes, write, true)
 	return pageKeys(h), err
 }
 
 // admitPages is Admit; with hold, AdmitHeld.
-func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold bool) (held []evict.Key, err error) {
+func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error, hold, checkPins bool) (held []evict.Key, err error) {
 	n, err := pc.st.Namespace(ns)
 	if err != nil {
 		return nil, err
@@ -1020,9 +1109,29 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 		// (unlink finds the manifest under the lock and pins its pages):
 		// then the room was not made, and the reservation is tried again
 		// with those pages pinned.
+		// release releases the reservation, here and in the page log.
+		release := func() {
+			r.Release()
+			pc.appendShared([]logRecord{{op: opReserved, ns: ns, owner: pc.owner, bytes: -want}})
+		}
 		rescanned := false
 		for attempt := 0; ; attempt++ {
-			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+			// Decided on the other caches' pages, accesses and
+			// reservations, and told to them, under the page log's
+			// exclusive flock.
+			lerr := pc.plog.exclusive(func() []logRecord {
+				pc.syncShared(false)
+				r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+				if err != nil {
+					return nil
+				}
+				return []logRecord{{op: opReserved, ns: ns, owner: pc.owner, bytes: want}}
+			})
+			if lerr != nil {
+				pc.plogErr.Do(func() {
+					pc.log.Warn("kvpersist: page cache: page log not appended; other engines on the root see this one's pages late", "path", pc.plog.path, "err", lerr)
+				})
+			}
 			if err != nil {
 				var nse *evict.NoSpaceError
 				// Pages pinned for a page manifest another process has
@@ -1040,27 +1149,59 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 			}
 			kept, uerr := pc.unlink(ctx, r.Victims)
 			if uerr != nil {
-				r.Release()
+				release()
 				return nil, fmt.Errorf("pagecache: making room in the page cache of namespace %s: %w", ns, uerr)
 			}
 			if kept == 0 {
 				break
 			}
-			r.Release()
+			release()
 			if attempt == maxReserveAttempts-1 {
 				return nil, fmt.Errorf("pagecache: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, evict.ErrNoSpace, maxReserveAttempts)
 			}
 		}
+		// Released in the page log in the same write as the commits
+		// (below): no other cache counts the pages twice meanwhile.
 		defer r.Release()
+	}
+	// Pins do not cross caches: another cache on the root may have
+	// unlinked a page pinned here, which the save would then write outside
+	// the reservation. Under the namespace's shared lock, held until write
+	// returns (no cache unlinks meanwhile), every pinned page is checked;
+	// one found gone makes the admission again. Taken only now: this
+	// cache's own victims are unlinked under the exclusive lock.
+	if checkPins && len(pins) > 0 {
+		if unlockNS, lerr := n.Lock(ctx, false); lerr == nil {
+			defer unlockNS()
+			for i := range ek {
+				if _, serr := pc.fs.Lstat(n.PagePath(keys[i])); pinned[i] && vfs.IsNotExist(serr) {
+					if r != nil {
+						pc.appendShared([]logRecord{{op: opReserved, ns: ns, owner: pc.owner, bytes: -want}})
+					}
+					return nil, errPinLost
+				}
+			}
+		}
 	}
 	defer func() {
 		// Every path: what is on disk now is accounted (a failed save
 		// leaves the pages it renamed).
 		now := time.Now().UnixNano()
+		var recs []logRecord
+		defer func() {
+			if r != nil {
+				recs = append(recs, logRecord{op: opReserved, ns: ns, owner: pc.owner, bytes: -want})
+			}
+			pc.appendShared(recs)
+		}()
 		for i, k := range ek {
-			if pinned[i] {
+			if _, ok := pc.pol.Lookup(ns, k); ok && pinned[i] {
 				continue
 			}
+			// A page pinned at the start that is not tracked any more was
+			// unlinked by another cache on the root (pins do not cross
+			// caches) and written again by this save: accounted again
+			// below, outside the reservation.
 			if _, ok := pc.pol.Lookup(ns, k); ok {
 				// Committed by a save beside this one.
 				if hold && pc.pol.Pin(ns, k) {
@@ -1074,6 +1215,8 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 			}
 			p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
 			switch {
+			case pinned[i]: // its pin is still held (pins)
+				serr = pc.pol.Add(p)
 			case r != nil && hold:
 				if serr = r.CommitPinned(p); serr == nil {
 					held = append(held, k)
@@ -1088,9 +1231,15 @@ func (pc *Cache) admitPages(ctx context.Context, ns string, keys, parents []layo
 			if serr != nil && !errors.Is(serr, evict.ErrExists) {
 				pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", keys[i].String(), "err", serr)
 			}
+			if serr == nil {
+				recs = append(recs, logRecord{op: opAdd, ns: ns, key: k, parent: p.Parent, hasParent: p.HasParent, bytes: p.Bytes, access: now})
+			}
 		}
 		if err == nil {
 			pc.pol.TouchAll(ns, ek, now)
+			if len(ek) > 0 {
+				recs = append(recs, logRecord{op: opAccess, ns: ns, key: ek[len(ek)-1], access: now})
+			}
 		}
 		pc.markDirty(ns)
 		pc.kickShrink() // a page longer than estimated, or one added outside a reservation
@@ -1267,6 +1416,7 @@ func (lp *LoadPins) Done(loaded []layout.PageKey, ok bool) {
 		pc.addUntracked(ns, loaded, now)
 	}
 	pc.markDirty(ns)
+	pc.appendShared([]logRecord{{op: opAccess, ns: ns, key: lk[len(lk)-1], access: now}})
 }
 
 // addUntracked accounts the pages of chain (from its first page, in order)
@@ -1382,6 +1532,7 @@ const sweepLockWait = 200 * time.Millisecond
 // sweepTemps removes and counts the temp page files of every namespace
 // (sweepNamespaceTemps). atOpen: no save of this cache is in flight yet.
 func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
+	pc.dropDeadOwners()
 	names, _, err := pc.st.Namespaces(false)
 	if err != nil {
 		return
@@ -1459,9 +1610,78 @@ func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool
 	}
 }
 
-// setTempBytes sets namespace ns's temp bytes in the policy and shrinks
-// the cache when they grew.
+// setTempBytes sets the bytes of namespace ns's temp page files whose
+// writers are dead, and accounts them (extBytes).
 func (pc *Cache) setTempBytes(ns string, bytes int64) {
+	pc.extMu.Lock()
+	if bytes > 0 {
+		pc.orphans[ns] = bytes
+	} else {
+		delete(pc.orphans, ns)
+	}
+	pc.extMu.Unlock()
+	pc.extBytes(ns)
+}
+
+// otherReserved adds delta to the bytes cache owner (another one on the
+// root) holds reserved in namespace ns, and accounts them (extBytes).
+func (pc *Cache) otherReserved(owner uint64, ns string, delta int64) {
+	pc.extMu.Lock()
+	m := pc.otherRes[owner]
+	if m == nil {
+		m = map[string]int64{}
+		pc.otherRes[owner] = m
+	}
+	if m[ns] += delta; m[ns] <= 0 {
+		delete(m, ns)
+		if len(m) == 0 {
+			delete(pc.otherRes, owner)
+		}
+	}
+	pc.extMu.Unlock()
+	pc.extBytes(ns)
+}
+
+// liveOwners are the page log owners of the caches open in this process
+// (a record of this process's pid from another owner is a dead process's
+// whose pid was reused, or a closed cache's).
+var liveOwners sync.Map
+
+// dropDeadOwners forgets the reservations of caches whose process is gone
+// (they will never release them).
+func (pc *Cache) dropDeadOwners() {
+	pc.extMu.Lock()
+	var nss []string
+	for owner, m := range pc.otherRes {
+		if pid := int(owner >> 32); pid == os.Getpid() {
+			if _, live := liveOwners.Load(owner); live {
+				continue
+			}
+		} else if syscall.Kill(pid, 0) != syscall.ESRCH {
+			continue
+		}
+		for ns := range m {
+			nss = append(nss, ns)
+		}
+		delete(pc.otherRes, owner)
+	}
+	pc.extMu.Unlock()
+	for _, ns := range nss {
+		pc.extBytes(ns)
+	}
+}
+
+// extBytes gives the policy namespace ns's bytes that are not its pages
+// nor its reservations: temp page files of dead writers and the other
+// caches' reservations (evict.Cache.SetTempBytes), and shrinks the cache
+// when they grew.
+func (pc *Cache) extBytes(ns string) {
+	pc.extMu.Lock()
+	defer pc.extMu.Unlock()
+	bytes := pc.orphans[ns]
+	for _, m := range pc.otherRes {
+		bytes += m[ns]
+	}
 	before := pc.pol.Usage().TempBytes
 	if err := pc.pol.SetTempBytes(ns, min(bytes, evict.MaxBytes)); err != nil {
 		pc.log.Warn("kvpersist: page cache: temp bytes not accounted", "namespace", ns, "err", err)
@@ -1479,4 +1699,89 @@ func allocated(fi os.FileInfo) int64 {
 		return a
 	}
 	return (fi.Size() + 4095) &^ 4095
+}
+
+// sharedEvery is how often the background goroutine reads the page log
+// (besides before each reservation and each shrink).
+const sharedEvery = time.Second
+
+// appendShared appends recs to the root's page log (replacing the log when
+// it grew too long). A failure is logged once: the other caches then miss
+// these records until their next resync.
+func (pc *Cache) appendShared(recs []logRecord) {
+	compact, err := pc.plog.append(recs)
+	if err == nil && compact {
+		err = pc.plog.compact()
+	}
+	if err != nil {
+		pc.plogErr.Do(func() {
+			pc.log.Warn("kvpersist: page cache: page log not appended; other engines on the root see this one's pages late", "path", pc.plog.path, "err", err)
+		})
+	}
+}
+
+// syncShared applies the page log's records appended since the last read
+// (atOpen: only the reservations, see Open):
+// the pages other caches committed are tracked (counted, and evictable
+// here), those they unlinked are forgotten, their accesses move recency
+// forward. When the log was replaced or does not check, every namespace is
+// resynced from the disk and its recency checkpoint applied.
+func (pc *Cache) syncShared(atOpen bool) {
+	pc.syncMu.Lock()
+	defer pc.syncMu.Unlock()
+	recs, resync, err := pc.plog.read()
+	if err != nil {
+		pc.plogErr.Do(func() {
+			pc.log.Warn("kvpersist: page cache: page log not read; other engines on the root are seen late", "path", pc.plog.path, "err", err)
+		})
+		return
+	}
+	added := false
+	for _, r := range recs {
+		if atOpen && r.op != opReserved {
+			continue
+		}
+		switch r.op {
+		case opAdd:
+			if _, ok := pc.pol.Lookup(r.ns, r.key); ok {
+				pc.pol.Touch(r.ns, r.key, r.access)
+				continue
+			}
+			p := evict.Page{Namespace: r.ns, Key: r.key, Parent: r.parent, HasParent: r.hasParent, Bytes: r.bytes, Access: r.access}
+			if pc.pol.Add(p) == nil {
+				added = true
+				pc.markDirty(r.ns)
+			}
+		case opRemove:
+			if pc.pol.Removed(r.ns, r.key) {
+				pc.unindex(r.ns, layout.PageKey(r.key))
+				pc.markDirty(r.ns)
+			}
+		case opAccess:
+			if pc.pol.Touch(r.ns, r.key, r.access) {
+				pc.markDirty(r.ns)
+			}
+		case opReserved:
+			if r.owner != pc.owner {
+				pc.otherReserved(r.owner, r.ns, r.bytes)
+			}
+		}
+	}
+	if resync {
+		names, _, err := pc.st.Namespaces(false)
+		if err == nil {
+			for _, ns := range names {
+				pc.Resync(ns)
+				if n, err := pc.st.Namespace(ns); err == nil {
+					if recs := pc.readCheckpoint(n); len(recs) > 0 {
+						pc.pol.ApplyCheckpoint(ns, recs, time.Now().UnixNano())
+					}
+				}
+			}
+		}
+		added = true
+	}
+	if added {
+		pc.kickShrink()
+	}
 }

@@ -362,3 +362,50 @@ func TestTempPageFilesSweptAndCounted(t *testing.T) {
 	})
 	r2.checkDisk(t)
 }
+
+// TestCachesOnOneRootShareCapacityAndRecency: two caches on one root (as
+// two engines or two processes), each with a capacity of 6 pages, save
+// distinct conversations: the root's page files stay within 6 pages, not
+// 6 each. The one that must evict chooses by the recency both made: a
+// conversation the other cache loaded last survives, the other's
+// conversation nobody used since its save goes. The other cache forgets
+// the pages evicted for it (policy and index).
+func TestCachesOnOneRootShareCapacityAndRecency(t *testing.T) {
+	probe := newRig(t, t.TempDir(), pagecache.Limits{}, nil)
+	probe.mustSave(t, "m", convTokens(pTokens, 99))
+	pb := probe.pc.Usage().UsedBytes
+
+	root := t.TempDir()
+	a := newRig(t, root, pagecache.Limits{CapacityBytes: 6 * pb}, nil)
+	b := openRig(t, root, pagecache.Options{Limits: pagecache.Limits{CapacityBytes: 6 * pb}})
+	c1 := a.mustSave(t, "p", convTokens(2*pTokens, 1))
+	c2 := a.mustSave(t, "p", convTokens(2*pTokens, 2))
+	c3 := b.mustSave(t, "p", convTokens(2*pTokens, 3))
+	pins := a.pc.PinChain("p", c1) // a load of conversation 1, by a
+	pins.Done(c1, true)
+	c4 := b.mustSave(t, "p", convTokens(2*pTokens, 4))
+	pages, temps, n, _ := testutil.PageTree(t, root)
+	if pages+temps > 6*pb || n != 6 {
+		t.Fatalf("the root holds %d pages, %d bytes (and %d of temp files); the capacity of each cache is 6 pages, %d bytes", n, pages, temps, 6*pb)
+	}
+	n0, _ := a.st.Namespace("p")
+	exists := func(k layout.PageKey) bool {
+		_, err := os.Lstat(n0.PagePath(k))
+		return err == nil
+	}
+	for _, k := range append(append(slices.Clone(c1), c3...), c4...) {
+		if !exists(k) {
+			t.Fatalf("page %s evicted; want conversation 2's, the least recently used of both caches", k)
+		}
+	}
+	if exists(c2[0]) || exists(c2[1]) {
+		t.Fatal("conversation 2, used by nobody since its save, survived")
+	}
+	if u := b.pc.Usage(); u.Pages != 6 || u.UsedBytes != pages {
+		t.Fatalf("the evicting cache's usage %+v, want the root's 6 pages, %d bytes", u, pages)
+	}
+	waitFor(t, "the other cache to forget the evicted pages", func() bool {
+		_, tracked := a.pc.Tracked("p", c2[1])
+		return !tracked && !a.index.Has("p", c2[1]) && a.pc.Usage().Pages == 6
+	})
+}
