@@ -981,7 +981,10 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // created is covered by a reservation. keys and parents are the pages in
 // chain order (parents[i] is page i's parent key); fileBytes(i) is an upper
 // bound of page i's file length in bytes; write does the I/O that
-// publishes pages of keys (it takes the namespace's shared lock itself).
+// publishes pages of keys (it takes the namespace's shared lock itself,
+// and must not take the exclusive one: Admit holds the shared lock around
+// write when it reuses pages, so that no engine on the root evicts them
+// meanwhile).
 //
 // In order: (1) the keys already tracked are pinned (they are reused, cost
 // nothing, and cannot be evicted while write runs); a key that is a victim
