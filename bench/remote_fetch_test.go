@@ -332,7 +332,7 @@ func fetchFileName(i int) string { return fmt.Sprintf("page-%04d", i) }
 
 // publishFile creates dir/name durably the way the engine publishes a
 // fetched page (layout.Stage, then Staged.Commit with the store's
-// PublishOptions(true, 0), engine/remote_tier.go publishFetched): a new
+// PublishOptions(true, 0), engine/tier publishFetched): a new
 // temp file beside it, fill, fdatasync, close, rename onto name, fsync of
 // dir (the engine syncs each page's fan-out directory after its rename).
 // On an error before the rename the temp file is removed.

@@ -181,8 +181,10 @@ func TestCacheHostilePagesEntries(t *testing.T) {
 
 		e2 := newEngine(t, Config{Root: root, Workers: 1, CapacityBytes: 64 * pageBytes(t)})
 		checkAccounting(t, e2, root)
-		if r := savePages(e2, "p", other); r.Err == nil || !strings.Contains(r.Err.Error(), "directory") {
-			t.Fatalf("a save onto a directory: %v", r.Err)
+		// The directory fails its page alone (PrefixResult.Failed).
+		if r := savePages(e2, "p", other); r.Err != nil || len(r.Prefix.Failed) != 1 || r.Prefix.Failed[0] != ok[0] ||
+			!strings.Contains(r.Prefix.FailedErr.Error(), "directory") {
+			t.Fatalf("a save onto a directory: %v, failed %v (%v)", r.Err, r.Prefix.Failed, r.Prefix.FailedErr)
 		}
 		checkAccounting(t, e2, root)
 		if err := os.Remove(dir); err != nil {

@@ -55,6 +55,8 @@ func runHelper(mode string, args []string) int {
 		return prefixWriterMain(args)
 	case "serving-soak":
 		return servingSoakMain(args)
+	case "events-evictor":
+		return eventsEvictorMain(args)
 	}
 	fmt.Fprintf(os.Stderr, "unknown helper mode %q\n", mode)
 	return 2

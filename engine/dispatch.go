@@ -400,11 +400,11 @@ func (e *Engine) execute(j *job, res *Result) {
 		var snap *layout.Snapshot
 		snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
 		if err != nil && e.tier != nil && (errors.Is(err, ErrNotFound) || errors.Is(err, ErrMissingPage)) {
-			// Read-through of a page manifest (remote_named.go): only
+			// Read-through of a page manifest (tier.ReadNamed): only
 			// when the local tier lacks the name or a page it names.
 			var held []layout.PageKey
 			var fetched bool
-			res.Remote, held, fetched = e.tier.readNamed(j.ctx, r.Ref)
+			res.Remote, held, fetched = e.tier.ReadNamed(j.ctx, r.Ref)
 			if fetched && res.Remote.Err == nil {
 				snap, res.Metrics, err = jobs.Read(j.ctx, &cfg, r)
 			}

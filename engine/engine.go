@@ -36,6 +36,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/pageindex"
 	"github.com/kvpersist/kvpersist/engine/readio"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/tier"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 	"github.com/panjf2000/ants/v2"
 )
@@ -109,7 +110,7 @@ type Config struct {
 	// store) behind the local page cache: loads fetch the pages the store
 	// holds past the local prefix (LookupRemote tells how far), saves
 	// upload their pages in the background, and Close finishes or abandons
-	// the uploads within its context. See RemoteTier and remote_tier.go.
+	// the uploads within its context. See RemoteTier and engine/tier.
 	Remote *RemoteTier
 
 	// CapacityBytes bounds the prefix page cache: the allocated bytes
@@ -200,7 +201,7 @@ type Engine struct {
 	helpersStarted atomic.Int64 // helper tasks the pool accepted (tests)
 
 	pages *pageindex.Index // the prefix cache's index (prefix.go)
-	tier  *tier            // the object-store tier; nil without Config.Remote (remote_tier.go)
+	tier  *tier.Tier       // the object-store tier; nil without Config.Remote (remote.go)
 	// tierOnce closes the tier once (Close may be called concurrently).
 	tierOnce sync.Once
 	pc       *pagecache.Cache // the bounded page cache: accounting, eviction, checkpoints
@@ -346,22 +347,25 @@ func New(cfg Config) (*Engine, error) {
 	if cfg.Workers == 1 {
 		e.jcfg.Spawn = nil // the job's own goroutine is the whole pool
 	}
-	// The tier last, after e.jcfg: newTier only opens the tier and its
+	// The tier last, after e.jcfg: openTier only opens the tier and its
 	// journal; the uploads an earlier engine left pending are resumed
 	// below, once e.tier and the page cache's onRemoved are set, and
 	// start at once (one that finds a corrupt page removes it through
 	// e.jcfg and e.tier).
 	if cfg.Remote != nil {
-		if e.tier, err = newTier(e, cfg.Remote); err != nil {
+		if err := e.openTier(); err != nil { // remote.go
 			e.pool.Release()
 			_ = e.pc.Close()
 			return nil, err
 		}
-		e.pc.SetOnRemoved(e.tier.forget)
+	}
+	e.pc.SetOnRemoved(e.pageRemoved) // once e.tier is set: it reads it (events.go)
+	e.pc.SetOnGone(e.pageGone)
+	if e.tier != nil {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e
 		// (forgetIfGone reads e.tier).
-		e.tier.resume() // the uploads an earlier engine left pending (remote_uploads.go)
+		e.tier.Resume() // the uploads an earlier engine left pending
 	}
 	if s, ok := cfg.Metrics.(UsageSink); ok {
 		s.SetUsage(e.Usage)
@@ -691,7 +695,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	// uploads finish, or are abandoned when ctx ends (the local pages stay).
 	if e.tier != nil {
 		e.tierOnce.Do(func() {
-			if terr := e.tier.close(ctx); terr != nil {
+			if terr := e.tier.Close(ctx); terr != nil {
 				err = errors.Join(err, fmt.Errorf("engine: remote tier: %w", terr))
 			}
 		})

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"slices"
 
 	"github.com/kvpersist/kvpersist/engine/events"
+	"github.com/kvpersist/kvpersist/engine/layout"
 )
 
 // engineEvents is the KV events publisher of Config.Events and the
@@ -38,12 +40,16 @@ func openEvents(cfg Config) (*engineEvents, error) {
 	return &engineEvents{pub: pub}, nil
 }
 
-// startSnapshot announces the pages on disk in the background, so that a
-// router is warm before the first request.
+// startEventsSnapshot announces the pages on disk in the background, so
+// that a router is warm before the first request, and hands the
+// publisher's drop count to an EventsMetricsSink.
 func (e *Engine) startEventsSnapshot() {
 	ev := e.ev
 	if ev == nil {
 		return
+	}
+	if s, ok := e.cfg.Metrics.(EventsMetricsSink); ok {
+		s.SetEventsDropped(func() uint64 { return ev.pub.Stats().Dropped })
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	ev.cancel, ev.done = cancel, make(chan struct{})
@@ -97,4 +103,68 @@ func (e *Engine) EventStats() (st events.Stats, ok bool) {
 		return st, false
 	}
 	return e.ev.pub.Stats(), true
+}
+
+// sink is where the engine announces its pages: the publisher, or a nil
+// interface without Config.Events.
+func (e *Engine) sink() events.Sink {
+	if e.ev == nil {
+		return nil
+	}
+	return e.ev.pub
+}
+
+// chainStored announces the pages of a chain that a save or a page
+// manifest's write made durable: keys are the chain's keys from its first
+// page (tokens' pages in order), failed the ones it could not store. The
+// chain is announced up to its first failed page (a router drops a page
+// whose parent it does not know); leaves are not announced (Sink.Stored).
+// Call it before the keys are added to the index and before the save's
+// reservation is settled, so that an eviction of a page is announced
+// after its BlockStored.
+func (e *Engine) chainStored(ns, identity string, pageTokens int, tokens []uint32, keys, failed []layout.PageKey) {
+	s := e.sink()
+	if s == nil {
+		return
+	}
+	if i := slices.IndexFunc(keys, func(k layout.PageKey) bool { return slices.Contains(failed, k) }); i >= 0 {
+		keys = keys[:i]
+	}
+	pages, err := events.ChainPages(identity, pageTokensOf(pageTokens), tokens, keys)
+	if err != nil { // the save checked both: not reached
+		e.logSafe(slog.LevelWarn, "kvpersist: events: a saved chain", "namespace", ns, "err", err)
+		return
+	}
+	s.Stored(ns, pages...)
+}
+
+// pageFetched announces page pg of namespace ns that the tier fetched
+// and published (tier.Deps.OnFetched: before the index has it).
+func (e *Engine) pageFetched(ns string, pg *layout.Page) {
+	if s := e.sink(); s != nil {
+		s.Stored(ns, *pg)
+	}
+}
+
+// pageRemoved is the page cache's report of a page file of namespace ns
+// that it removed (an eviction) or found gone (a resync after a collect):
+// the tier forgets it, and the sink announces it. A page a load or an
+// upload found gone is not reported here (forgetIfGone): another process
+// removed it and announced it.
+func (e *Engine) pageRemoved(ns string, k layout.PageKey) {
+	if e.tier != nil {
+		e.tier.Forget(ns, k)
+	}
+	if s := e.sink(); s != nil {
+		s.Removed(ns, k)
+	}
+}
+
+// pageGone is the page cache's report of a page file of namespace ns that
+// another engine on the root removed (the root's page log): the tier
+// forgets it, and nothing is announced (that engine announced it).
+func (e *Engine) pageGone(ns string, k layout.PageKey) {
+	if e.tier != nil {
+		e.tier.Forget(ns, k)
+	}
 }

@@ -62,6 +62,13 @@ type UsageSink interface {
 	SetUsage(usage func() Usage)
 }
 
+// EventsMetricsSink is a MetricsSink that also counts the KV events the
+// publisher dropped (*metrics.Recorder's kvpersist_events_dropped_total):
+// engine.New hands it the count's reader when Config.Events is set.
+type EventsMetricsSink interface {
+	SetEventsDropped(dropped func() uint64)
+}
+
 // NopMetrics is a MetricsSink that records nothing. Embed it in a sink of
 // your own to implement only the methods you need: methods added to
 // MetricsSink later then keep your sink compiling.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"syscall"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/pagecache"
 	"github.com/kvpersist/kvpersist/engine/store"
+	"github.com/kvpersist/kvpersist/engine/tier"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
@@ -96,12 +98,15 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		adm := &pageAdmission{pc: e.pc}
 		cfg.Admission = adm
 		res.Prefix, res.Metrics, err = jobs.SavePrefix(ctx, cfg, r)
+		if err == nil { // announced while the reservation holds the pages
+			e.chainStored(r.Namespace, r.Identity, r.PageTokens, r.Tokens, res.Prefix.Keys, res.Prefix.Failed)
+		}
 		adm.settle(err)
 		if err == nil {
 			stored := res.Prefix.Stored() // without the pages that failed
 			e.pages.Add(r.Namespace, stored...)
-			if e.tier != nil { // write-behind: never blocks (remote_tier.go)
-				e.tier.saved(r.Namespace, stored)
+			if e.tier != nil { // write-behind: never blocks
+				e.tier.Saved(r.Namespace, stored)
 			}
 		}
 	case *LoadPrefixRequest:
@@ -109,19 +114,19 @@ func (e *Engine) executePrefix(ctx context.Context, cfg *jobs.Config, req Reques
 		// load's duration (a bad request pins nothing: the load reports
 		// it) and, with the remote tier, fetches the remote pages after
 		// the local prefix, handing each to the load once published
-		// (remote_fetch.go); finish releases the pins and joins the
+		// (tier.LoadSource); Finish releases the pins and joins the
 		// fetch.
-		src := e.newLoadSource()
+		src := tier.NewLoadSource(e.pc, e.tier)
 		res.Prefix, res.Metrics, err = jobs.LoadPrefix(ctx, cfg, r, src)
 		var loaded []layout.PageKey
 		if res.Prefix != nil {
 			loaded = res.Prefix.Keys
 		}
-		res.Remote = src.finish(loaded, err == nil)
+		res.Remote = src.Finish(loaded, err == nil)
 		if err == nil {
 			e.pages.Add(r.Namespace, res.Prefix.Keys...)
 			if errors.Is(res.Prefix.Stop, jobs.ErrCorrupt) {
-				e.dropCorruptPage(ctx, cfg, r, src.ch.Keys, res.Prefix.Tokens)
+				e.dropCorruptPage(ctx, cfg, r, src.Chain().Keys, res.Prefix.Tokens)
 			}
 			if k := res.Prefix.Missing; k != nil {
 				e.forgetIfGone(r.Namespace, *k)
@@ -213,6 +218,11 @@ func (e *Engine) dropCorrupt(ctx context.Context, cfg *jobs.Config, ns string, k
 	wctx, cancel := context.WithTimeout(ctx, corruptPageWait)
 	defer cancel()
 	removed, err := jobs.RemoveCorruptPage(wctx, cfg, ns, key)
+	if removed {
+		if s := e.sink(); s != nil {
+			s.Removed(ns, key)
+		}
+	}
 	if err != nil {
 		e.log.Warn(msg, "namespace", ns, "key", key.String(), "removed", removed, "err", err)
 		if !removed {
@@ -252,6 +262,11 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	}
 	path, fsys := n.PagePath(key), e.store.FS()
 	gone := func() bool {
+		// A fan-out that is a symlink or no directory holds no page of
+		// ns, whatever a path through it finds.
+		if errors.Is(n.Store().CheckRealDir(filepath.Dir(path)), store.ErrNamespace) {
+			return true
+		}
 		_, err := fsys.Lstat(path)
 		// ENOTDIR: its fan-out directory is not one (a stray file).
 		return vfs.IsNotExist(err) || errors.Is(err, syscall.ENOTDIR)
@@ -260,7 +275,7 @@ func (e *Engine) forgetIfGone(ns string, key layout.PageKey) {
 	if gone() {
 		e.pc.RemovedBehind(ns, key)
 		if e.tier != nil {
-			e.tier.forget(ns, key)
+			e.tier.Forget(ns, key)
 		}
 	}
 }
@@ -333,6 +348,9 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	}
 	var err error
 	res.Header, res.Metrics, err = jobs.Write(ctx, cfg, w)
+	if err == nil && w.Layout == layout.Pages {
+		e.chainStored(w.Namespace, w.Identity, w.PageTokens, w.Tokens, adm.keys, nil)
+	}
 	adm.settle(err)
 	if err != nil {
 		return err
@@ -343,8 +361,8 @@ func (e *Engine) executeWrite(ctx context.Context, cfg *jobs.Config, w *jobs.Wri
 	}
 	e.pages.Add(w.Namespace, adm.keys...)
 	e.pc.SetManifest(w.Namespace, w.Name, adm.keys)
-	if e.tier != nil { // the pages, then the manifest (remote_tier.go)
-		e.tier.manifestWritten(w.Ref, adm.keys)
+	if e.tier != nil { // the pages, then the manifest
+		e.tier.ManifestWritten(w.Ref, adm.keys)
 	}
 	return nil
 }

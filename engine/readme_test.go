@@ -18,6 +18,7 @@ var readmeExamples = []struct{ file, section string }{
 	{"example_test.go", "Named snapshots"},
 	{"example_metrics_test.go", "Metrics"},
 	{"example_remote_test.go", "Object-store tier"},
+	{"example_events_test.go", "KV events"},
 }
 
 // TestREADMECodeIsTheExamples: each README sketch is its example's lines,

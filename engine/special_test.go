@@ -159,6 +159,23 @@ func strayFanout(t *testing.T, kind, path string) {
 	}
 }
 
+// fanoutAloneChain returns the tokens (320, Tiny's identity "tiny", 64 per
+// page) and page keys of a chain whose page i alone starts with its key's
+// two hex digits (its fan-out directory holds no other page of the chain).
+func fanoutAloneChain(i int) ([]uint32, []layout.PageKey) {
+	for seed := uint32(1); ; seed++ {
+		toks := prefixTokens(320, seed)
+		keys, _, _ := layout.PageChain("tiny", 64, toks)
+		alone := true
+		for j, k := range keys {
+			alone = alone && (j == i || k.String()[:2] != keys[i].String()[:2])
+		}
+		if alone {
+			return toks, keys
+		}
+	}
+}
+
 // TestStrayFanoutIsAPerPageFailure: a file or a symlink at pages/<xx>,
 // where the fan-out directory of page i's key belongs, is a failure of
 // that page alone: a save writes every other page (Failed lists page i,
@@ -174,21 +191,8 @@ func TestStrayFanoutIsAPerPageFailure(t *testing.T) {
 		t.Run(kind, func(t *testing.T) {
 			root := t.TempDir()
 			e := newEngine(t, Config{Root: root, Workers: 2})
-			// A chain whose page 2 alone starts with its key's two digits.
-			var toks []uint32
-			var keys []layout.PageKey
 			const i = 2
-			for seed := uint32(1); ; seed++ {
-				toks = prefixTokens(320, seed)
-				keys, _, _ = layout.PageChain("tiny", 64, toks)
-				alone := true
-				for j, k := range keys {
-					alone = alone && (j == i || k.String()[:2] != keys[i].String()[:2])
-				}
-				if alone {
-					break
-				}
-			}
+			toks, keys := fanoutAloneChain(i)
 			save := &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64}
 			load := func() (*LoadPrefixRequest, [][]byte) {
 				bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
@@ -368,5 +372,138 @@ func TestPageHeaderBombBounded(t *testing.T) {
 	}
 	if len(rep.Problems) != 1 || rep.Problems[0].Kind != jobs.ProblemUnreadable || rep.Problems[0].Path != path {
 		t.Fatalf("verify: %+v, want the bomb unreadable", rep.Problems)
+	}
+}
+
+// TestStrayFanoutSymlinkNeverAccounted: a symlink at pages/<xx> of
+// namespace p that leads to the same fan-out directory of namespace q,
+// which holds page i of the same chain, fails page i of p's save; the page
+// cache must not account q's page as p's (it would be p's to evict, and
+// its unlink, through the symlink, would remove q's page). p then shrunk
+// to nothing leaves q's page on disk.
+func TestStrayFanoutSymlinkNeverAccounted(t *testing.T) {
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 320, true)
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2, CapacityBytes: 1 << 30})
+	const i = 2
+	toks, keys := fanoutAloneChain(i)
+	save := func(ns string) Result {
+		return mustDo(t, e, &SavePrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
+	}
+	save("q")
+	qPage := testutil.PagePath(filepath.Join(root, "q"), keys[i])
+	pDir := filepath.Join(root, "p")
+	if err := os.MkdirAll(filepath.Join(pDir, layout.PagesDirName), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	fan := filepath.Dir(testutil.PagePath(pDir, keys[i]))
+	if err := os.Symlink(filepath.Dir(qPage), fan); err != nil {
+		t.Fatal(err)
+	}
+	if r := save("p"); len(r.Prefix.Failed) != 1 || r.Prefix.Failed[0] != keys[i] {
+		t.Fatalf("save to p: failed %v (%v), want page %d", r.Prefix.Failed, r.Prefix.FailedErr, i)
+	}
+	nsPages := func(ns string) int {
+		for _, u := range e.Usage().Namespaces {
+			if u.Name == ns {
+				return u.Pages
+			}
+		}
+		return 0
+	}
+	// shrinkAway sets p's quota to 1 byte and waits until p accounts no page.
+	shrinkAway := func() {
+		t.Helper()
+		if err := e.SetQuota("p", 1); err != nil {
+			t.Fatal(err)
+		}
+		for deadline := time.Now().Add(20 * time.Second); nsPages("p") > 0; {
+			if time.Now().After(deadline) {
+				t.Fatalf("p still accounts %d pages", nsPages("p"))
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	if got := nsPages("p"); got != len(keys)-1 {
+		t.Errorf("p accounts %d pages, want the %d it stored", got, len(keys)-1)
+	}
+	shrinkAway()
+	if _, err := os.Lstat(qPage); err != nil {
+		t.Fatalf("q's page %d after p was shrunk: %v", i, err)
+	}
+	if got := nsPages("q"); got != len(keys) {
+		t.Fatalf("q accounts %d pages, want %d", got, len(keys))
+	}
+
+	// p's pages stored and indexed, then its fan-out directory replaced
+	// by the symlink: a load ends at page i, Lookup forgets it, and a
+	// shrink of p leaves q's page.
+	if err := e.SetQuota("p", 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(fan); err != nil {
+		t.Fatal(err)
+	}
+	save("p")
+	if got, _ := e.Lookup("p", "tiny", 64, toks); got != 320 {
+		t.Fatalf("Lookup after p's full save: %d", got)
+	}
+	if err := os.RemoveAll(fan); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(filepath.Dir(qPage), fan); err != nil {
+		t.Fatal(err)
+	}
+	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
+	r := e.Do(bg, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
+	if r.Err != nil || r.Prefix.Tokens != i*64 || r.Prefix.Stop == nil {
+		t.Fatalf("load through the symlink: %+v, err %v", r.Prefix, r.Err)
+	}
+	checkLoaded(t, c, bufs, 320, i*64)
+	if got, _ := e.Lookup("p", "tiny", 64, toks); got != i*64 {
+		t.Errorf("Lookup after the load: %d, want %d", got, i*64)
+	}
+	shrinkAway()
+	if _, err := os.Lstat(qPage); err != nil {
+		t.Fatalf("q's page %d after p was shrunk again: %v", i, err)
+	}
+}
+
+// TestDirectoryAtPagePathIsAPerPageFailure: a directory where page i's
+// file belongs (pages/<xx>/<key>) fails page i alone, as a stray fan-out
+// does: a save writes every other page (Failed lists page i, FailedErr
+// names the path) instead of failing whole, and a load ends at page i.
+func TestDirectoryAtPagePathIsAPerPageFailure(t *testing.T) {
+	m := kvgen.Tiny
+	c, _ := cacheOf(m, 320, true)
+	root := t.TempDir()
+	e := newEngine(t, Config{Root: root, Workers: 2})
+	const i = 2
+	toks, keys := fanoutAloneChain(i)
+	path := testutil.PagePath(filepath.Join(root, "p"), keys[i])
+	if err := os.MkdirAll(path, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	inside := filepath.Join(path, "not-kvpersists")
+	if err := os.WriteFile(inside, []byte("kept"), 0o640); err != nil {
+		t.Fatal(err)
+	}
+	r := e.Do(bg, &SavePrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Tensors: kvTensors(c), PageTokens: 64})
+	if r.Err != nil || r.Prefix.PagesWritten != len(keys)-1 || len(r.Prefix.Failed) != 1 || r.Prefix.Failed[0] != keys[i] ||
+		r.Prefix.FailedErr == nil || !strings.Contains(r.Prefix.FailedErr.Error(), path) {
+		t.Fatalf("save: %+v, err %v; want %d pages written and page %d failed naming %s", r.Prefix, r.Err, len(keys)-1, i, path)
+	}
+	if got, err := e.Lookup("p", "tiny", 64, toks); err != nil || got != i*64 {
+		t.Fatalf("Lookup: %d %v, want %d", got, err, i*64)
+	}
+	bufs, dest := paddedDest(m, 320, func(n int) []byte { return make([]byte, n) })
+	r = e.Do(bg, &LoadPrefixRequest{Namespace: "p", Identity: "tiny", Tokens: toks, Dest: dest, PageTokens: 64})
+	if r.Err != nil || r.Prefix.Tokens != i*64 || r.Prefix.Stop == nil {
+		t.Fatalf("load: %+v, err %v; want the first %d tokens and a Stop", r.Prefix, r.Err, i*64)
+	}
+	checkLoaded(t, c, bufs, 320, i*64)
+	if b, err := os.ReadFile(inside); err != nil || string(b) != "kept" {
+		t.Fatalf("the file in the directory at %s: %q %v", path, b, err)
 	}
 }

@@ -206,7 +206,7 @@ func TestSpilledUploadsStayPending(t *testing.T) {
 	P, Q, R := convTokens(0, 4*cP, 1), convTokens(0, cP, 2), convTokens(0, cP, 3)
 	e := openStalledTier(t, root, 0, nil, nil, 1)
 	mustSavePages(t, e, "p", P)
-	if st := e.tier.up.Stats(); st.Queued+st.InFlight >= 4 {
+	if st := e.tier.UploaderStats(); st.Queued+st.InFlight >= 4 {
 		t.Fatalf("%d uploads queued or in flight: none spilled, the test shows nothing", st.Queued+st.InFlight)
 	}
 	for i, k := range chainKeys(t, P) {

@@ -48,7 +48,8 @@ type PrefixResult struct {
 	// Failed, for a save: the keys of the pages it could not store
 	// because their fan-out directory's path (pages/<xx>) is not a
 	// directory (a stray file or symlink there, never replaced nor
-	// followed), a per-page failure: the save's other pages are written
+	// followed), or a directory is at the page file's path (never
+	// replaced), a per-page failure: the save's other pages are written
 	// and counted, and Keys still lists every page. FailedErr names the
 	// first such path. Both nil when every page was stored.
 	Failed    []layout.PageKey

@@ -2,6 +2,7 @@ package jobs
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -36,7 +37,8 @@ import (
 // FileID the save's lstat found (see DurablePages; ARCHITECTURE.md,
 // "Known-durable pages"); on success every page is marked there. When
 // SavePrefix returns nil, every page of the tokens is durable under its
-// key.
+// key, except those of PrefixResult.Failed (a stray entry at a fan-out
+// directory's or a page's path: those pages alone are not stored).
 //
 // On error (including ctx's) no temp file is left; pages already renamed
 // stay (each is complete and valid on its own, and reachable by a lookup
@@ -389,7 +391,14 @@ func savePages(ctx context.Context, cfg *Config, ns *store.Namespace, ps *pageSa
 		}
 		var reuse, exists bool
 		var id vfs.FileID
-		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, hd, hdr, holds); err != nil {
+		if reuse, exists, id, hdr, err = storedPage(st.FS(), path, hd, hdr, holds); errors.Is(err, errPageIsDir) {
+			// Never replaced (it may hold anything): this page fails, the
+			// others are still written (see PrefixResult.Failed).
+			res.Failed = append(res.Failed, key)
+			res.FailedErr, err = cmp.Or(res.FailedErr, err), nil
+			m.LogicalBytes -= hd.size - hd.dataStart
+			continue
+		} else if err != nil {
 			break
 		}
 		if reuse {
@@ -525,6 +534,10 @@ func headerSum(js []byte) uint64 {
 	return max(1, xxh3.Hash(js))
 }
 
+// errPageIsDir: a directory is where a page file belongs; the save fails
+// that page alone.
+var errPageIsDir = errors.New("is a directory")
+
 // hashPlaceholder is how a planned header's tensor hash reads (planSingle).
 var hashPlaceholder = []byte(`"hash":"0000000000000000"`)
 
@@ -551,7 +564,7 @@ func storedPage(fsys vfs.FS, path string, pl *pageHead, buf []byte, holds func(v
 		return false, false, id, buf, fmt.Errorf("jobs: save prefix: stat page %s: %w", path, err)
 	}
 	if fi.IsDir() {
-		return false, true, id, buf, fmt.Errorf("jobs: save prefix: page path %s is a directory", path)
+		return false, true, id, buf, fmt.Errorf("jobs: save prefix: page path %s: %w", path, errPageIsDir)
 	}
 	if !fi.Mode().IsRegular() || fi.Size() != pl.size {
 		return false, true, id, buf, nil

@@ -125,6 +125,7 @@ type Recorder struct {
 	evBytes    [evict.ReasonShrink + 1]atomic.Int64
 	refused    [evict.ReasonShrink + 1]atomic.Uint64
 	usage      atomic.Pointer[func() evict.Usage] // nil: no cache gauges
+	evDropped  atomic.Pointer[func() uint64]      // nil: no KV events counter
 	maxNS      int
 
 	// The object-store tier (see RemoteOp).
@@ -214,6 +215,21 @@ func (r *Recorder) SetUsage(usage func() evict.Usage) {
 		return
 	}
 	r.usage.Store(&usage)
+}
+
+// SetEventsDropped sets what kvpersist_events_dropped_total reads at each
+// scrape: the KV events the publisher dropped, its queue full (nil: no
+// such counter). engine.New calls it when the Recorder is its
+// Config.Metrics and Config.Events is set. A nil Recorder ignores it.
+func (r *Recorder) SetEventsDropped(dropped func() uint64) {
+	if r == nil {
+		return
+	}
+	if dropped == nil {
+		r.evDropped.Store(nil)
+		return
+	}
+	r.evDropped.Store(&dropped)
 }
 
 // observe adds one duration to h (whose buckets are r's).
@@ -408,13 +424,15 @@ var (
 		"Pages the page cache evicted while their upload to the object store was pending (nothing else was evictable).", nil, nil)
 	descUploadRetried = prometheus.NewDesc("kvpersist_remote_upload_failed_attempts_total",
 		"Upload attempts to the object store that failed and are retried (unreachable, server error, credentials or bucket refused).", nil, nil)
+	descEventsDropped = prometheus.NewDesc("kvpersist_events_dropped_total",
+		"KV events dropped, the publisher's queue full (a router misses them until a snapshot).", nil, nil)
 )
 
 // Describe implements prometheus.Collector.
 func (r *Recorder) Describe(ch chan<- *prometheus.Desc) {
 	for _, d := range []*prometheus.Desc{descJobs, descLatency, descWritten, descReused, descRead, descReadDirect, descReadAsync, descLookup,
 		descEvPages, descEvBytes, descRefused, descCapacity, descReserved, descUsed, descPages, descQuota,
-		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted, descUploadRetried} {
+		descRemoteOps, descRemoteLatency, descRemoteBytes, descRemoteLookup, descUploadQueue, descUploadEvicted, descUploadRetried, descEventsDropped} {
 		ch <- d
 	}
 }
@@ -459,6 +477,9 @@ func (r *Recorder) Collect(ch chan<- prometheus.Metric) {
 	}
 	if r.remoteUsed.Load() {
 		r.collectRemote(ch, emit)
+	}
+	if d := r.evDropped.Load(); d != nil {
+		emit(descEventsDropped, prometheus.CounterValue, float64((*d)()))
 	}
 	usage := r.usage.Load()
 	if usage == nil {

@@ -365,3 +365,32 @@ kvpersist_cache_quota_bytes{namespace="e"} 1.048576e+06
 		t.Fatalf("MaxNamespaces -1: %v", err)
 	}
 }
+
+// TestEventsDropped: kvpersist_events_dropped_total reads the publisher's
+// drop count at each scrape once it is set, and is absent without it.
+func TestEventsDropped(t *testing.T) {
+	r, err := New(Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := prometheus.NewRegistry()
+	reg.MustRegister(r)
+	if n, err := testutil.GatherAndCount(reg, "kvpersist_events_dropped_total"); err != nil || n != 0 {
+		t.Fatalf("without events: %d series, %v", n, err)
+	}
+	var dropped uint64 = 7
+	r.SetEventsDropped(func() uint64 { return dropped })
+	want := `# HELP kvpersist_events_dropped_total KV events dropped, the publisher's queue full (a router misses them until a snapshot).
+# TYPE kvpersist_events_dropped_total counter
+kvpersist_events_dropped_total 7
+`
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(want), "kvpersist_events_dropped_total"); err != nil {
+		t.Fatal(err)
+	}
+	dropped = 9
+	if err := testutil.GatherAndCompare(reg, strings.NewReader(strings.Replace(want, " 7\n", " 9\n", 1)), "kvpersist_events_dropped_total"); err != nil {
+		t.Fatal(err)
+	}
+	var nilRec *Recorder
+	nilRec.SetEventsDropped(func() uint64 { return 1 }) // ignored, no panic
+}

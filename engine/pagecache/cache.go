@@ -207,6 +207,9 @@ type Cache struct {
 	// onRemoved, when set (SetOnRemoved), is told of every page file the
 	// cache removed or found gone (unindex).
 	onRemoved atomic.Pointer[func(ns string, k layout.PageKey)]
+	// onGone, when set (SetOnGone), is told of every page file another
+	// cache on the root removed (its page log record).
+	onGone atomic.Pointer[func(ns string, k layout.PageKey)]
 }
 
 // unindex drops page k of namespace ns, whose file is gone, from the
@@ -278,7 +281,8 @@ func Open(o Options) (*Cache, error) {
 }
 
 // SetOnRemoved sets f (nil: none) to be told of every page file the cache
-// removes (evicts) or finds gone, after the policy and the index forgot it.
+// removes (evicts) or finds gone (not another cache's, from the page log:
+// SetOnGone), after the policy and the index forgot it.
 // f runs on the goroutine that removed the page (a save's, a load's or the
 // background one), possibly several at once; it must not call back into
 // the cache's eviction.
@@ -288,6 +292,19 @@ func (pc *Cache) SetOnRemoved(f func(ns string, k layout.PageKey)) {
 		return
 	}
 	pc.onRemoved.Store(&f)
+}
+
+// SetOnGone sets f (nil: none) to be told of every page file another
+// cache on the root removed, once the page log tells it and the policy
+// and the index forgot it: unlike SetOnRemoved's, not this cache's
+// removal (the other cache reported it). f runs on the goroutine that
+// read the page log; it must not call back into the cache's eviction.
+func (pc *Cache) SetOnGone(f func(ns string, k layout.PageKey)) {
+	if f == nil {
+		pc.onGone.Store(nil)
+		return
+	}
+	pc.onGone.Store(&f)
 }
 
 // Usage returns the accounting (allocated bytes of page files: capacity,
@@ -1375,7 +1392,8 @@ func (pc *Cache) unlinkGroup(n *store.Namespace, vs []evict.Victim, group []int)
 				defer wg.Done()
 				for j := range work {
 					path := n.PagePath(layout.PageKey(vs[j].Key))
-					if rerr := pc.fs.Remove(path); rerr != nil && !vfs.IsNotExist(rerr) {
+					// A fan-out that is no directory holds no page of n.
+					if rerr := n.RemovePage(path); rerr != nil && !vfs.IsNotExist(rerr) && !errors.Is(rerr, store.ErrNamespace) {
 						mu.Lock()
 						err = cmpOr(err, fmt.Errorf("pagecache: evict page %s: %w", path, rerr))
 						mu.Unlock()
@@ -1819,8 +1837,13 @@ func (pc *Cache) syncShared(atOpen bool) {
 				pc.markDirty(r.ns)
 			}
 		case opRemove:
+			// The other cache removed it and told its onRemoved: here
+			// it is only forgotten (onGone).
 			if pc.pol.Removed(r.ns, r.key) {
-				pc.unindex(r.ns, layout.PageKey(r.key))
+				pc.index.Remove(r.ns, layout.PageKey(r.key))
+				if f := pc.onGone.Load(); f != nil {
+					(*f)(r.ns, layout.PageKey(r.key))
+				}
 				pc.markDirty(r.ns)
 			}
 		case opAccess:

@@ -2,6 +2,7 @@ package store
 
 import (
 	"fmt"
+	"path/filepath"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -39,10 +40,16 @@ type PageFile struct {
 }
 
 // StatPage lstats the page file at path (a Page's Path, or PagePath):
-// a regular file's allocated bytes and mtime. Errors: fs.ErrNotExist
-// when it is gone, ErrNamespace when it is not a regular file, or the
-// lstat's error.
+// a regular file's allocated bytes and mtime. Its fan-out directory must
+// be a real directory: through a symlink there the file is not this
+// namespace's, and accounting it would make it this namespace's to evict
+// (an unlink through the symlink). Errors: fs.ErrNotExist when it is
+// gone, ErrNamespace when it or its fan-out directory is not what it
+// should be (CheckRealDir), or the lstat's error.
 func (n *Namespace) StatPage(path string) (PageFile, error) {
+	if err := n.st.CheckRealDir(filepath.Dir(path)); err != nil {
+		return PageFile{}, err
+	}
 	fi, err := n.st.fs.Lstat(path)
 	if err != nil {
 		return PageFile{}, err
@@ -55,6 +62,18 @@ func (n *Namespace) StatPage(path string) (PageFile, error) {
 		a = (fi.Size() + 4095) &^ 4095
 	}
 	return PageFile{AllocatedBytes: a, ModTime: fi.ModTime()}, nil
+}
+
+// RemovePage unlinks the page file at path (PagePath). A fan-out
+// directory that is a symlink or not a directory holds no page of this
+// namespace: nothing is removed (no unlink through the symlink) and the
+// error is ErrNamespace. Else the unlink's error (fs.ErrNotExist when the
+// file is gone).
+func (n *Namespace) RemovePage(path string) error {
+	if err := n.st.CheckRealDir(filepath.Dir(path)); err != nil {
+		return err
+	}
+	return n.st.fs.Remove(path)
 }
 
 func decodePage(fsys vfs.FS, path string) (*layout.Snapshot, error) {

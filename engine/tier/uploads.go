@@ -1,4 +1,4 @@
-package engine
+package tier
 
 import (
 	"context"
@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics/labels"
 	"github.com/kvpersist/kvpersist/engine/remote"
@@ -30,9 +31,9 @@ import (
 var errSourceChanged = errors.New("engine: the local file changed since it was queued for upload")
 
 // openUploads opens the tier's uploads.Ledger (newTier, once t.up is set).
-func (t *tier) openUploads(rc *RemoteTier) error {
+func (t *Tier) openUploads(rc *Config) error {
 	l, err := uploads.Open(uploads.Config{
-		Store: t.e.store, Queue: uploadQueue{t}, Log: t.e.logSafe,
+		Store: t.d.Store, Queue: uploadQueue{t}, Log: t.d.Log,
 		RetryBase: rc.UploadBackoffMax, KnownPages: rc.KnownPages, KnownAge: t.refreshAge,
 	})
 	t.l = l
@@ -42,7 +43,7 @@ func (t *tier) openUploads(rc *RemoteTier) error {
 // uploadQueue is the tier as the uploads.Ledger's Queue: object names,
 // local paths, the uploader, local page manifests and the page cache's
 // pending marks.
-type uploadQueue struct{ t *tier }
+type uploadQueue struct{ t *Tier }
 
 func (q uploadQueue) Name(u uploads.Upload) (string, error) {
 	if u.IsManifest() {
@@ -53,9 +54,9 @@ func (q uploadQueue) Name(u uploads.Upload) (string, error) {
 
 func (q uploadQueue) Path(u uploads.Upload) (string, error) {
 	if u.IsManifest() {
-		return q.t.e.Path(Ref{Namespace: u.NS, Name: u.Manifest})
+		return q.t.manifestPath(u.NS, u.Manifest)
 	}
-	n, err := q.t.e.store.Namespace(u.NS)
+	n, err := q.t.d.Store.Namespace(u.NS)
 	if err != nil {
 		return "", err
 	}
@@ -72,14 +73,14 @@ func (q uploadQueue) Submit(p *uploads.Pending) error {
 		if m := t.metrics(); m != nil {
 			m.Remote(labels.RemoteUpload, labels.RemoteError, 0, 0)
 		}
-		t.e.logSafe(slog.LevelWarn, "kvpersist: not queued for upload", "file", p.Path, "err", err)
+		t.d.Log(slog.LevelWarn, "kvpersist: not queued for upload", "file", p.Path, "err", err)
 	}
 	t.queueDepth()
 	return err
 }
 
 func (q uploadQueue) ManifestPages(ns, name string) ([]layout.PageKey, error) {
-	return q.t.localPageManifest(Ref{Namespace: ns, Name: name})
+	return q.t.localPageManifest(ns, name)
 }
 
 func (q uploadQueue) Room() (free, capacity int) {
@@ -96,7 +97,7 @@ func (q uploadQueue) Room() (free, capacity int) {
 // (written by another process) is not marked. See ARCHITECTURE.md, "A
 // pending upload is evicted last".
 func (q uploadQueue) SetPending(ns string, k layout.PageKey, pending bool) {
-	q.t.e.pc.SetPending(ns, k, pending)
+	q.t.d.Cache.SetPending(ns, k, pending)
 }
 
 // queueUpload hands the uploader the upload p (registered with the
@@ -120,8 +121,8 @@ func (q uploadQueue) SetPending(ns string, k layout.PageKey, pending bool) {
 // remote GC (manifestReady): a listable manifest never names a page the
 // store lacks, nor one a collector may delete before the manifest
 // protects it.
-func (t *tier) queueUpload(p *uploads.Pending) error {
-	fsys := t.e.store.FS()
+func (t *Tier) queueUpload(p *uploads.Pending) error {
+	fsys := t.d.Store.FS()
 	verify := remote.VerifyManifest(nil)
 	var wait func(context.Context) error
 	var stored func(context.Context, remote.Object) error
@@ -140,7 +141,7 @@ func (t *tier) queueUpload(p *uploads.Pending) error {
 			return t.manifestReady(ctx, p.NS, p.Keys)
 		}
 	} else {
-		// a corrupt stored page is replaced (remote_check.go)
+		// a corrupt stored page is replaced (check.go)
 		verify, stored = remote.VerifyPage(p.Key.String(), nil), t.storedPage(p.Key)
 	}
 	path, size, mtime := p.Path, p.Info.Size(), p.Info.ModTime()
@@ -161,12 +162,12 @@ func (t *tier) queueUpload(p *uploads.Pending) error {
 // manifestReady checks that every page keys names is stored (one HEAD
 // each, Concurrency in flight; a page found missing is dropped from the
 // known set, so the manifest's retry uploads it again) and refreshes each whose mtime is older
-// than the store's clock minus RemoteTier.RefreshAge (Store.Refresh: a
+// than the store's clock minus Config.RefreshAge (Store.Refresh: a
 // server-side copy onto itself, the bytes unchanged), so that remote GC,
 // whose grace must be at least twice RefreshAge, keeps it until the
 // manifest is listable (ARCHITECTURE.md, "Remote garbage collection and
 // its clocks").
-func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageKey) error {
+func (t *Tier) manifestReady(ctx context.Context, ns string, keys []layout.PageKey) error {
 	for _, k := range keys {
 		name, err := t.st.PageName(ns, k.String())
 		if err != nil {
@@ -177,7 +178,7 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 			// Known stored, but gone (remote gc deleted it as unreferenced
 			// past its grace): forgotten, so that the manifest's retry
 			// queues it again instead of skipping it as known.
-			t.forget(ns, k)
+			t.Forget(ns, k)
 		}
 		if err != nil {
 			return err
@@ -193,12 +194,12 @@ func (t *tier) manifestReady(ctx context.Context, ns string, keys []layout.PageK
 
 // localPageManifest decodes the local page manifest of ref and returns
 // the keys it names.
-func (t *tier) localPageManifest(ref Ref) ([]layout.PageKey, error) {
-	path, err := t.e.Path(ref)
+func (t *Tier) localPageManifest(ns, name string) ([]layout.PageKey, error) {
+	path, err := t.manifestPath(ns, name)
 	if err != nil {
 		return nil, err
 	}
-	f, err := t.e.store.FS().Open(path)
+	f, err := t.d.Store.FS().Open(path)
 	if err != nil {
 		return nil, err
 	}
@@ -217,7 +218,7 @@ func (t *tier) localPageManifest(ref Ref) ([]layout.PageKey, error) {
 // scheduled again or left listed; a page uploaded is known stored), then
 // the metrics are fed and a corrupt local page is removed. It runs on an
 // uploader goroutine.
-func (t *tier) uploaded(r remote.UploadResult) {
+func (t *Tier) uploaded(r remote.UploadResult) {
 	p := t.l.Done(r.Name, r.Err)
 	var d time.Duration
 	if p != nil && !p.Started().IsZero() {
@@ -229,17 +230,17 @@ func (t *tier) uploaded(r remote.UploadResult) {
 		res = labels.RemoteAbandoned
 	case errors.Is(r.Err, remote.ErrSourceCorrupt):
 		res = labels.RemoteCorrupt
-		t.e.logSafe(slog.LevelError, "kvpersist: local file corrupt: not uploaded", "object", r.Name, "err", r.Err)
+		t.d.Log(slog.LevelError, "kvpersist: local file corrupt: not uploaded", "object", r.Name, "err", r.Err)
 		if p != nil && !p.IsManifest() {
-			t.e.removeCorruptPage(p.NS, p.Key)
+			t.d.RemoveCorruptPage(p.NS, p.Key)
 		}
 	case r.Err != nil:
 		res = labels.RemoteError
-		t.e.logSafe(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
+		t.d.Log(slog.LevelWarn, "kvpersist: upload failed", "object", r.Name, "attempts", r.Attempts, "err", r.Err)
 	case !r.Created:
 		res = labels.RemoteExisted
 	case r.Replaced:
-		t.e.logSafe(slog.LevelWarn, "kvpersist: replaced a stored page object that did not verify", "object", r.Name)
+		t.d.Log(slog.LevelWarn, "kvpersist: replaced a stored page object that did not verify", "object", r.Name)
 	}
 	if m := t.metrics(); m != nil {
 		m.Remote(labels.RemoteUpload, res, r.Bytes, d)
@@ -247,29 +248,30 @@ func (t *tier) uploaded(r remote.UploadResult) {
 	t.queueDepth()
 }
 
-// saved queues the uploads of the pages of a durable save (keys, in
+// Saved queues the uploads of the pages of a durable save (keys, in
 // chain order), except those known stored remotely or already queued,
 // and returns once their queued records are durable (uploads.Ledger.
 // EnqueuePages); it never waits for an upload. Pages are queued in chain
 // order, so a page is created before its descendants unless a retry
 // reorders them (harmless: a lookup walks the chain and stops at the
 // first page the store lacks).
-func (t *tier) saved(ns string, keys []layout.PageKey) {
+func (t *Tier) Saved(ns string, keys []layout.PageKey) {
 	t.l.EnqueuePages(ns, keys)
 	t.queueDepth()
 }
 
-// manifestWritten queues the upload of a page manifest (a named snapshot
+// ManifestWritten queues the upload of a page manifest (a named snapshot
 // in the Pages layout) after the pages it names (uploads.Ledger.
 // EnqueueManifest; queueUpload says what its upload waits for).
-func (t *tier) manifestWritten(ref Ref, keys []layout.PageKey) {
+func (t *Tier) ManifestWritten(ref jobs.Ref, keys []layout.PageKey) {
 	t.l.EnqueueManifest(ref.Namespace, ref.Name, keys)
 	t.queueDepth()
 }
 
-// resume queues again the uploads the journals list (New, once e.tier is
-// set: one that finds a corrupt page removes it through e).
-func (t *tier) resume() {
+// Resume queues again the uploads the journals list, once the engine can
+// take the tier's callbacks (one that finds a corrupt page removes it
+// through Deps.RemoveCorruptPage, which may call Forget).
+func (t *Tier) Resume() {
 	t.l.Resume()
 	t.queueDepth()
 }
@@ -278,26 +280,21 @@ func (t *tier) resume() {
 // manifest retries queued at once, the uploader closed within ctx (an
 // abandoned upload keeps its queued record), then the journals written,
 // synced and compacted.
-func (t *tier) closeUploads(ctx context.Context) error {
+func (t *Tier) closeUploads(ctx context.Context) error {
 	return t.l.Close(ctx, t.up.Close)
 }
 
 // markKnown records page k of ns as stored remotely (at most
-// RemoteTier.KnownPages entries).
-func (t *tier) markKnown(ns string, k layout.PageKey) { t.l.MarkKnown(ns, k) }
+// Config.KnownPages entries).
+func (t *Tier) markKnown(ns string, k layout.PageKey) { t.l.MarkKnown(ns, k) }
 
-// forget drops page k of ns from the known set: its local file was
-// evicted or found gone (pagecache.Cache.SetOnRemoved, forgetIfGone), or the store
-// lacks it. A later save writes the page again and queues it; its upload
-// HEADs the object first (StatFirst) and sends nothing when it is stored.
-func (t *tier) forget(ns string, k layout.PageKey) { t.l.Forget(ns, k) }
+// Forget drops page k of ns from the known set: its local file was
+// evicted or found gone (the page cache's onRemoved, the engine's
+// forgetIfGone), or the store lacks it. A later save writes the page
+// again and queues it; its upload HEADs the object first (StatFirst) and
+// sends nothing when it is stored.
+func (t *Tier) Forget(ns string, k layout.PageKey) { t.l.Forget(ns, k) }
 
-// RemoteKnownPages returns how many pages the engine remembers as stored
-// in the object store (at most RemoteTier.KnownPages); 0 without a remote
-// tier.
-func (e *Engine) RemoteKnownPages() int {
-	if e.tier == nil {
-		return 0
-	}
-	return e.tier.l.KnownPages()
-}
+// KnownPages returns how many pages the tier remembers as stored in the
+// object store (at most Config.KnownPages).
+func (t *Tier) KnownPages() int { return t.l.KnownPages() }

@@ -1,4 +1,4 @@
-package engine
+package tier
 
 import (
 	"context"
@@ -6,26 +6,26 @@ import (
 	"fmt"
 	"log/slog"
 
+	"github.com/kvpersist/kvpersist/engine/jobs"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/remote"
-	"github.com/kvpersist/kvpersist/engine/store"
 	"github.com/kvpersist/kvpersist/engine/vfs"
 )
 
-// Named reads through the object-store tier (issue 15): a ReadRequest of a
+// Named reads through the object-store tier: a ReadRequest of a
 // page manifest (layout Pages) whose manifest or pages exist only in the
 // bucket. See ARCHITECTURE.md, "Remote tier", "Read-through (named read)".
 
-// readNamed runs when a ReadRequest of ref on an engine with a remote tier
-// failed because the name or a page it names is missing locally
-// (ErrNotFound, ErrMissingPage), on the read's worker; a local read that
-// succeeds costs the tier nothing. When the local manifest is missing it fetches
+// ReadNamed runs when a ReadRequest of ref on an engine with a remote
+// tier failed because the name or a page it names is missing locally
+// (engine.ErrNotFound, jobs.ErrMissingPage), on the read's worker; a local
+// read that succeeds costs the tier nothing. When the local manifest is missing it fetches
 // the remote one (Store.FetchManifest: at most remote.MaxManifestBytes,
 // verified by remote.VerifyManifest, into memory); when the manifest
 // (local or fetched) is a page manifest, every page it names that the
 // local index lacks (or lists though its file is gone) is looked up and,
 // when the store holds them all, fetched by the tier's one fetcher, the
-// LoadPrefix read-through's (lookup, fetchRun: remote_fetch.go;
+// LoadPrefix read-through's (lookup, fetchRun: fetch.go;
 // pagecache.Cache.AdmitHeld around fetchPage: room reserved first,
 // verified against the manifest's key chain, published atomically, committed
 // pinned; the manifest's pages already local are pinned first). Only when
@@ -38,14 +38,14 @@ import (
 // written locally meanwhile: the caller reads again. held are the pins of
 // the manifest's pages (fetched, or local before): the caller releases
 // them when that read ends. rep says what the tier did; rep.Err is its first
-// failure (errors.Is ErrRemoteCorrupt for an object that failed
+// failure (errors.Is remote.ErrCorrupt for an object that failed
 // verification), and the read then fails as it would locally (the
 // manifest not found, or ErrMissingPage) with rep.Err joined to its error.
 // A manifest of another layout, or any local decoding error, is left to
 // the read.
-func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held []layout.PageKey, fetched bool) {
-	rep = &RemoteReport{}
-	n, err := t.e.store.Namespace(ref.Namespace)
+func (t *Tier) ReadNamed(ctx context.Context, ref jobs.Ref) (rep *Report, held []layout.PageKey, fetched bool) {
+	rep = &Report{}
+	n, err := t.d.Store.Namespace(ref.Namespace)
 	if err != nil {
 		return rep, nil, false
 	}
@@ -53,7 +53,7 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 	if err != nil {
 		return rep, nil, false
 	}
-	fsys := t.e.store.FS()
+	fsys := t.d.Store.FS()
 	var body []byte // the fetched manifest, published once its pages are local
 	var pl *layout.PageList
 	if _, lerr := fsys.Lstat(path); lerr == nil {
@@ -81,7 +81,7 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 		}
 		if err != nil {
 			rep.Err = fmt.Errorf("engine: remote manifest %s: %w", name, err)
-			t.e.logSafe(slog.LevelWarn, "kvpersist: remote manifest not fetched", "object", name, "err", err)
+			t.d.Log(slog.LevelWarn, "kvpersist: remote manifest not fetched", "object", name, "err", err)
 			return rep, nil, false
 		}
 		body, pl = b, snap.Pages
@@ -98,25 +98,25 @@ func (t *tier) readNamed(ctx context.Context, ref Ref) (rep *RemoteReport, held 
 }
 
 // fetchNamedPages fetches the pages of pl that the local index lacks or
-// whose file is gone (readNamed), through the tier's one fetcher: lookup
+// whose file is gone (ReadNamed), through the tier's one fetcher: lookup
 // of them all, then a fetchRun that stops at the first failure. Nothing
 // is fetched unless the store holds every one of them (a missing page is
 // ErrMissingPage, found by the lookup). The pages of pl already local are
 // pinned first (held, as a LoadPrefix pins its local prefix), so the room
 // made for the fetched pages is never theirs: the read needs them too.
-func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *RemoteReport) (held []layout.PageKey, err error) {
-	n, err := t.e.store.Namespace(ns)
+func (t *Tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageList, rep *Report) (held []layout.PageKey, err error) {
+	n, err := t.d.Store.Namespace(ns)
 	if err != nil {
 		return nil, err
 	}
 	var fetch []int // positions in pl.Keys
 	for i, k := range pl.Keys {
-		if t.e.pages.Has(ns, k) {
-			pinned, err := t.e.pc.PinStored(ctx, ns, k)
+		if t.d.Index.Has(ns, k) {
+			pinned, err := t.d.Cache.PinStored(ctx, ns, k)
 			if err != nil {
 				return held, err
 			}
-			if _, err := t.e.store.FS().Lstat(n.PagePath(k)); err == nil {
+			if _, err := t.d.Store.FS().Lstat(n.PagePath(k)); err == nil {
 				if pinned {
 					held = append(held, k)
 				}
@@ -126,9 +126,9 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 			// root has evicted since (the read failed on it): it is
 			// forgotten and fetched like a page never stored here.
 			if pinned {
-				t.e.pc.Unpin(ns, k)
+				t.d.Cache.Unpin(ns, k)
 			}
-			t.e.forgetIfGone(ns, k)
+			t.d.ForgetIfGone(ns, k)
 		}
 		fetch = append(fetch, i)
 	}
@@ -142,7 +142,7 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 	for a, pos := range fetch {
 		if a >= len(objs) || objs[a].Name == "" {
 			name, _ := t.st.PageName(ns, pl.Keys[pos].String())
-			return held, fmt.Errorf("%w: page %s is in neither tier", ErrMissingPage, name)
+			return held, fmt.Errorf("%w: page %s is in neither tier", jobs.ErrMissingPage, name)
 		}
 		rep.PagesFound++
 		t.markKnown(ns, pl.Keys[pos])
@@ -174,8 +174,8 @@ func (t *tier) fetchNamedPages(ctx context.Context, ns string, pl *layout.PageLi
 // write publishes under the shared lock, so a name written meanwhile
 // (by another engine on the root; one of this engine waits for the read)
 // is newer than the remote manifest and is never replaced by it.
-func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body []byte, pl *layout.PageList) error {
-	n, err := t.e.store.Namespace(ref.Namespace)
+func (t *Tier) publishManifest(ctx context.Context, ref jobs.Ref, path string, body []byte, pl *layout.PageList) error {
+	n, err := t.d.Store.Namespace(ref.Namespace)
 	if err != nil {
 		return err
 	}
@@ -187,25 +187,16 @@ func (t *tier) publishManifest(ctx context.Context, ref Ref, path string, body [
 		return err
 	}
 	defer unlock()
-	fsys := t.e.store.FS()
+	fsys := t.d.Store.FS()
 	if _, err := fsys.Lstat(path); !vfs.IsNotExist(err) {
 		return err // nil: the name exists now, written meanwhile
 	}
-	err = layout.Publish(fsys, path, t.e.store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
+	err = layout.Publish(fsys, path, t.d.Store.PublishOptions(true, int64(len(body))), func(f vfs.File) error {
 		return layout.WriteFull(f, body, 0)
 	})
 	if err != nil {
 		return err
 	}
-	t.e.pc.SetManifest(ref.Namespace, ref.Name, pl.Keys)
+	t.d.Cache.SetManifest(ref.Namespace, ref.Name, pl.Keys)
 	return nil
-}
-
-// createLocked makes namespace n durably, as a save does, and takes its
-// lock shared (no collect of another process sweeps meanwhile).
-func createLocked(ctx context.Context, n *store.Namespace) (unlock func(), err error) {
-	if err := n.Create(); err != nil {
-		return nil, err
-	}
-	return n.Lock(ctx, false)
 }

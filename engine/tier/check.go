@@ -1,4 +1,4 @@
-package engine
+package tier
 
 import (
 	"context"
@@ -11,36 +11,24 @@ import (
 	"github.com/kvpersist/kvpersist/engine/remote"
 )
 
-// Sentinels of the remote tier's check at New (and of failed uploads, in
-// Close's error and the log), re-exported for errors.Is.
-var (
-	// ErrRemoteCredentials: the object store refused the credentials (an
-	// unknown access key, a wrong secret key, an expired token).
-	ErrRemoteCredentials = remote.ErrCredentials
-	// ErrRemoteNoBucket: the bucket does not exist.
-	ErrRemoteNoBucket = remote.ErrNoBucket
-	// ErrRemoteAccessDenied: the store denied the credentials a request
-	// (a missing permission on the bucket).
-	ErrRemoteAccessDenied = remote.ErrAccessDenied
-)
-
 // remoteCheckBudget bounds the remote tier's check at New: a store that
 // does not answer within it (down, unreachable) is logged, not fatal.
 const remoteCheckBudget = 5 * time.Second
 
 // checkRemote asks the store, once at New, whether it takes the
-// credentials and holds the bucket: a refusal (ErrRemoteCredentials,
-// ErrRemoteNoBucket, ErrRemoteAccessDenied) fails New, since no upload or
-// fetch could ever succeed; a store that does not answer is logged and
-// the tier starts (its uploads retry, its fetches miss).
-func (e *Engine) checkRemote(st *remote.Store) error {
+// credentials and holds the bucket: a refusal (remote.ErrCredentials,
+// ErrNoBucket, ErrAccessDenied) fails New, since no upload or fetch could
+// ever succeed; a store that does not answer is logged and the tier
+// starts (its uploads retry, its fetches miss).
+func (t *Tier) checkRemote() error {
+	st := t.st
 	ctx, cancel := context.WithTimeout(context.Background(), remoteCheckBudget)
 	defer cancel()
 	err := st.Check(ctx)
 	if err == nil || errors.Is(err, remote.ErrCredentials) || errors.Is(err, remote.ErrNoBucket) || errors.Is(err, remote.ErrAccessDenied) {
 		return err
 	}
-	e.logSafe(slog.LevelWarn, "kvpersist: remote tier: the object store did not answer its check at start; uploads retry until it does", "bucket", st.Bucket(), "err", err)
+	t.d.Log(slog.LevelWarn, "kvpersist: remote tier: the object store did not answer its check at start; uploads retry until it does", "bucket", st.Bucket(), "err", err)
 	return nil
 }
 
@@ -51,12 +39,12 @@ const retryLogEvery = time.Minute
 // uploadRetried returns the uploader's OnRetry: each failed attempt
 // counts in RemoteUploadRetried, and one line per retryLogEvery at most
 // says which upload failed and why, with how many were not logged since.
-func (e *Engine) uploadRetried() func(name string, attempts int, err error) {
+func (t *Tier) uploadRetried() func(name string, attempts int, err error) {
 	var mu sync.Mutex
 	var last time.Time
 	var quiet int
 	return func(name string, attempts int, err error) {
-		if m := e.cfg.Metrics; m != nil {
+		if m := t.metrics(); m != nil {
 			m.RemoteUploadRetried()
 		}
 		mu.Lock()
@@ -69,7 +57,7 @@ func (e *Engine) uploadRetried() func(name string, attempts int, err error) {
 		n := quiet
 		last, quiet = now, 0
 		mu.Unlock()
-		e.logSafe(slog.LevelWarn, "kvpersist: upload to the object store failed; retrying", "object", name, "attempts", attempts, "err", err, "failedAttemptsNotLogged", n)
+		t.d.Log(slog.LevelWarn, "kvpersist: upload to the object store failed; retrying", "object", name, "attempts", attempts, "err", err, "failedAttemptsNotLogged", n)
 	}
 }
 
@@ -78,9 +66,9 @@ func (e *Engine) uploadRetried() func(name string, attempts int, err error) {
 // and checked (remote.Store.CheckStoredPage); one that does not verify is
 // replaced by the local page (which the upload verifies first), a good
 // one (another writer's bytes of the same page) is kept. A page the tier
-// knows stored is not uploaded again until RemoteTier.RefreshAge has
+// knows stored is not uploaded again until Config.RefreshAge has
 // passed, so that is when a save of it repairs its object at the latest.
-func (t *tier) storedPage(k layout.PageKey) func(context.Context, remote.Object) error {
+func (t *Tier) storedPage(k layout.PageKey) func(context.Context, remote.Object) error {
 	key := k.String()
 	return func(ctx context.Context, o remote.Object) error { return t.st.CheckStoredPage(ctx, o, key) }
 }

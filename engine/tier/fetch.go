@@ -1,12 +1,16 @@
-package engine
+package tier
 
 import (
 	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"path/filepath"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/jobs"
@@ -20,7 +24,7 @@ import (
 
 // The object-store tier's one fetcher: the existence check (lookup) and
 // the fetch pipeline (fetchRun) serve prefix loads (readThrough, through
-// the load's jobs.PageSource: loadSource) and named reads of page
+// the load's jobs.PageSource: LoadSource) and named reads of page
 // manifests (fetchNamedPages) alike. See ARCHITECTURE.md, "Read-through".
 
 // lookup is the tier's one existence check: it asks the store about the
@@ -35,7 +39,7 @@ import (
 // len(ask) when it stopped early or failed. Every round trip counts in
 // rep.PagesAsked and in the metrics (RemoteLookup latency and outcome,
 // pages hit and missed).
-func (t *tier) lookup(ctx context.Context, ns string, keys []layout.PageKey, ask []int, rep *RemoteReport) (objs []remote.Object, err error) {
+func (t *Tier) lookup(ctx context.Context, ns string, keys []layout.PageKey, ask []int, rep *Report) (objs []remote.Object, err error) {
 	for w := 0; w < len(ask); w += t.window {
 		part := ask[w:min(len(ask), w+t.window)]
 		names := make([]string, len(part))
@@ -83,14 +87,14 @@ func (t *tier) lookup(ctx context.Context, ns string, keys []layout.PageKey, ask
 // store's HEAD said of cands[c] (size, ETag), the zero Object for a local
 // one. The remote candidates are marked known stored. A lookup error is
 // rep.Err (the candidates are those before the round trip that failed).
-func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *RemoteReport) (start int, cands []layout.PageKey, local []bool, objs []remote.Object) {
-	for start < len(keys) && t.e.pages.Has(ns, keys[start]) {
+func (t *Tier) remoteCandidates(ctx context.Context, ns string, keys []layout.PageKey, rep *Report) (start int, cands []layout.PageKey, local []bool, objs []remote.Object) {
+	for start < len(keys) && t.d.Index.Has(ns, keys[start]) {
 		start++
 	}
 	isLocal := make([]bool, len(keys))
 	var ask []int
 	for i := start; i < len(keys); i++ {
-		if isLocal[i] = t.e.pages.Has(ns, keys[i]); !isLocal[i] {
+		if isLocal[i] = t.d.Index.Has(ns, keys[i]); !isLocal[i] {
 			ask = append(ask, i)
 		}
 	}
@@ -120,22 +124,33 @@ func (t *tier) remoteCandidates(ctx context.Context, ns string, keys []layout.Pa
 	return start, cands, local, objs
 }
 
+// RemotePages returns how many pages of the chain keys of namespace ns
+// follow its local prefix (per the index) in the local tier and the store
+// together, up to the first the store lacks (remoteCandidates; what
+// engine.LookupRemote counts). err is the lookup's: the pages counted are
+// then those before the round trip that failed.
+func (t *Tier) RemotePages(ctx context.Context, ns string, keys []layout.PageKey) (int, error) {
+	var rep Report
+	_, cands, _, _ := t.remoteCandidates(ctx, ns, keys, &rep)
+	return len(cands), rep.Err
+}
+
 // readThrough starts the fetch of the pages of a prefix load's chain ch
 // (checked and keyed by the load, jobs.LoadPrefix) after the local prefix
 // that the store holds: remoteCandidates, then, for those not local, the
 // namespace's directories (prepareDirs) and a fetchRun that keeps each
-// published page's descriptor for the load (loadSource hands them over in
+// published page's descriptor for the load (LoadSource hands them over in
 // chain order). It returns nil when nothing is to be fetched (every page
 // local, none remote, or the lookup or the directories failed: rep.Err).
 // Each fetched page is verified against the key chain the prompt implies
 // and its tensor hashes, and enters the bounded page cache as a save's
 // pages do, pinned for the load (see fetchRun). The prefix the load can
 // see ends at the first page that is missing remotely, finds no room,
-// fails to fetch or fails verification (reported in the RemoteReport,
+// fails to fetch or fails verification (reported in the Report,
 // never an error of the load).
-func (t *tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *RemoteReport) *fetchRun {
+func (t *Tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *Report) *fetchRun {
 	ns, keys := ch.NS.Name(), ch.Keys
-	if t.e.pages.Present(ns, keys) == len(keys) {
+	if t.d.Index.Present(ns, keys) == len(keys) {
 		return nil // every page is local
 	}
 	first, cands, local, objs := t.remoteCandidates(ctx, ns, keys, rep)
@@ -145,6 +160,15 @@ func (t *tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *RemoteR
 		if !local[c] {
 			fetch = append(fetch, first+c)
 			fobjs = append(fobjs, objs[c])
+		}
+	}
+	// A fan-out path that is no directory (a stray file or symlink) fails
+	// its pages alone: the load ends at the first (a Stop naming it), so
+	// the pages before it are fetched and the rest are not.
+	for f, pos := range fetch {
+		if errors.Is(ch.NS.Store().CheckRealDir(filepath.Dir(ch.NS.PagePath(keys[pos]))), store.ErrNamespace) {
+			fetch, fobjs = fetch[:f], fobjs[:f]
+			break
 		}
 	}
 	if len(fetch) == 0 {
@@ -180,7 +204,7 @@ func (t *tier) readThrough(ctx context.Context, ch *jobs.PageChain, rep *RemoteR
 // stopOnError, a page whose fetch failed stops the pages not started yet
 // too (a named read needs them all). The run's workers are joined by wait.
 type fetchRun struct {
-	t           *tier
+	t           *Tier
 	n           *store.Namespace
 	want        func(pos int) *layout.Page
 	fetch       []int
@@ -210,7 +234,7 @@ type fetchRun struct {
 
 // startFetch starts a fetchRun (see fetchRun; want, fetch, objs, keep,
 // stopOnError as there).
-func (t *tier) startFetch(ctx context.Context, n *store.Namespace, want func(int) *layout.Page, fetch []int, objs []remote.Object, keep, stopOnError bool) *fetchRun {
+func (t *Tier) startFetch(ctx context.Context, n *store.Namespace, want func(int) *layout.Page, fetch []int, objs []remote.Object, keep, stopOnError bool) *fetchRun {
 	k := len(fetch)
 	fr := &fetchRun{t: t, n: n, want: want, fetch: fetch, objs: objs, keep: keep, stopOnError: stopOnError,
 		decided: make([]chan struct{}, k), done: make([]chan struct{}, k), gets: make(chan struct{}, t.fetchPages),
@@ -280,7 +304,7 @@ func (fr *fetchRun) page(ctx context.Context, f int) {
 		}
 	}
 	var size int64
-	h, err := t.e.pc.AdmitHeld(ctx, fr.n, []layout.PageKey{want.Key}, []layout.PageKey{want.Parent}, fileBytes, func() error {
+	h, err := t.d.Cache.AdmitHeld(ctx, fr.n, []layout.PageKey{want.Key}, []layout.PageKey{want.Parent}, fileBytes, func() error {
 		// The GET token is taken before the next page may reserve, so
 		// pages take tokens in chain order.
 		select {
@@ -335,7 +359,7 @@ var errNotPublished = errors.New("engine: fetched page not published")
 // the pins taken for the caller (every page committed; the caller releases
 // them when its read ends) and the first failure, naming the page (nil when
 // every page was fetched, or found local meanwhile).
-func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []layout.PageKey, first error) {
+func (fr *fetchRun) wait(rep *Report, keys []layout.PageKey) (held []layout.PageKey, first error) {
 	fr.wg.Wait()
 	t, ns := fr.t, fr.n.Name()
 	notFetched := 0
@@ -352,7 +376,7 @@ func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []layou
 			if first == nil {
 				first = fmt.Errorf("engine: remote page %d (%s) of namespace %s: %w", pos, keys[pos], ns, err)
 			}
-			t.e.logSafe(slog.LevelWarn, "kvpersist: remote page not fetched", "namespace", ns, "page", keys[pos].String(), "err", err)
+			t.d.Log(slog.LevelWarn, "kvpersist: remote page not fetched", "namespace", ns, "page", keys[pos].String(), "err", err)
 			continue
 		}
 		if fr.sizes[f] > 0 {
@@ -361,7 +385,7 @@ func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []layou
 		}
 	}
 	if notFetched > 0 {
-		t.e.logSafe(slog.LevelWarn, "kvpersist: remote pages not fetched after a page that failed or found no room", "namespace", ns, "pages", notFetched)
+		t.d.Log(slog.LevelWarn, "kvpersist: remote pages not fetched after a page that failed or found no room", "namespace", ns, "pages", notFetched)
 	}
 	return fr.held, first
 }
@@ -370,39 +394,42 @@ func (fr *fetchRun) wait(rep *RemoteReport, keys []layout.PageKey) (held []layou
 // named read, after one that failed); never sent.
 var errNotFetched = errors.New("engine: not fetched: an earlier page of the chain found no room or failed")
 
-// loadSource is the jobs.PageSource of one prefix load: the local page
+// LoadSource is the jobs.PageSource of one prefix load: the local page
 // files, and with a remote tier the pages its readThrough fetches, each
 // handed over once published (verified: not hashed again), while later
 // pages are still being fetched. It holds the load's pins: the stored
 // pages of the chain pinned at Start, extended as the load reaches local
 // pages past them, and the fetched pages pinned at their commit; finish
 // releases them once the load has returned.
-type loadSource struct {
-	e    *Engine
+type LoadSource struct {
+	t    *Tier // nil without a remote tier
+	pc   *pagecache.Cache
 	ch   *jobs.PageChain
 	pins *pagecache.LoadPins
-	rep  *RemoteReport // nil without a remote tier
-	fr   *fetchRun     // nil when nothing is fetched
-	at   map[int]int   // position in the chain -> index in fr.fetch
+	rep  *Report     // nil without a remote tier
+	fr   *fetchRun   // nil when nothing is fetched
+	at   map[int]int // position in the chain -> index in fr.fetch
 }
 
-func (e *Engine) newLoadSource() *loadSource {
-	s := &loadSource{e: e}
-	if e.tier != nil {
-		s.rep = &RemoteReport{}
+// NewLoadSource is the page source of one prefix load on page cache pc,
+// reading through t (nil: local pages only).
+func NewLoadSource(pc *pagecache.Cache, t *Tier) *LoadSource {
+	s := &LoadSource{t: t, pc: pc}
+	if t != nil {
+		s.rep = &Report{}
 	}
 	return s
 }
 
 // Start pins the stored pages of the chain (a bad request never gets
 // here: it pins nothing) and starts the read-through.
-func (s *loadSource) Start(ctx context.Context, ch *jobs.PageChain) {
+func (s *LoadSource) Start(ctx context.Context, ch *jobs.PageChain) {
 	s.ch = ch
-	s.pins = s.e.pc.PinChain(ch.NS.Name(), ch.Keys)
-	if s.e.tier == nil {
+	s.pins = s.pc.PinChain(ch.NS.Name(), ch.Keys)
+	if s.t == nil {
 		return
 	}
-	if s.fr = s.e.tier.readThrough(ctx, ch, s.rep); s.fr != nil {
+	if s.fr = s.t.readThrough(ctx, ch, s.rep); s.fr != nil {
 		s.at = make(map[int]int, len(s.fr.fetch))
 		for f, pos := range s.fr.fetch {
 			s.at[pos] = f
@@ -413,7 +440,7 @@ func (s *loadSource) Start(ctx context.Context, ch *jobs.PageChain) {
 // Page hands over page i: a fetched page once its fetch ended (its
 // descriptor when published; why not, when it verified and its publish
 // failed; else the local file), a local one at once.
-func (s *loadSource) Page(ctx context.Context, i int, wait bool) (jobs.SourcePage, bool) {
+func (s *LoadSource) Page(ctx context.Context, i int, wait bool) (jobs.SourcePage, bool) {
 	f, fetched := s.at[i]
 	if !fetched {
 		if i >= s.pins.Pinned() {
@@ -443,12 +470,15 @@ func (s *loadSource) Page(ctx context.Context, i int, wait bool) (jobs.SourcePag
 	return jobs.SourcePage{File: rd, Head: head, Verified: true}, true
 }
 
-// finish ends the load's use of the source, once the load returned
+// Chain is the chain Start was given (nil before).
+func (s *LoadSource) Chain() *jobs.PageChain { return s.ch }
+
+// Finish ends the load's use of the source, once the load returned
 // (loaded: the keys it loaded; ok: it succeeded): it joins the fetch
 // workers, counts what they did in the report, and releases every pin
 // (after a successful load touching the pages loaded). It returns the
-// load's RemoteReport (nil without a remote tier).
-func (s *loadSource) finish(loaded []layout.PageKey, ok bool) *RemoteReport {
+// load's Report (nil without a remote tier).
+func (s *LoadSource) Finish(loaded []layout.PageKey, ok bool) *Report {
 	if s.fr != nil {
 		held, err := s.fr.wait(s.rep, s.ch.Keys)
 		if s.rep.Err == nil {
@@ -460,4 +490,213 @@ func (s *loadSource) finish(loaded []layout.PageKey, ok bool) *RemoteReport {
 		s.pins.Done(loaded, ok)
 	}
 	return s.rep
+}
+
+// fetchPage is the write of one fetched page's admission (it runs inside
+// pagecache.Cache.AdmitHeld, room reserved): under namespace n's shared lock it
+// fetches object o, the page want.Key, into a temp file beside its local
+// path, verifies it and publishes it (publishFetched); it adds it to the
+// index. fetched is called once the object's bytes are all in the temp
+// file (the network part is over; the fetchRun's GET token is given back).
+// The page is verified from the bytes as they arrive (remote.PageStream:
+// header, key, every tensor's xxh3-64, its size) and against the chain
+// (checkWant), so it is not read back; when the stream cannot prove it
+// (bytes out of order: ranged GETs or a range retried; or a check fails)
+// it is verified by reading the temp file back (verifyPage), which names
+// what is wrong. The temp file's writeback is started every
+// writebackBytes (kickWriter), so the fdatasync of the publish finds
+// little left to write. A page that a save published since the lookup is
+// not fetched (0 bytes, no error); one published meanwhile by a save is
+// simply replaced by the same bytes (same key, same content).
+//
+// With verified non-nil, once the page's bytes verified and before its
+// publish, verified is given a read-only descriptor of its temp file (the
+// verification's own when it read the file back; the rename keeps it the
+// same file), kept by the fetchRun to hand over to the load once the page
+// is published (LoadSource), and the header the stream decoded from the
+// bytes it wrote (nil when the page was verified by reading it back), so
+// the load does not decode it again; it is not called for a page that did
+// not verify (or whose temp file could not be opened again: then the load
+// opens the published file).
+func (t *Tier) fetchPage(ctx context.Context, n *store.Namespace, want *layout.Page, o remote.Object, fetched func(), verified func(vfs.File, *layout.Snapshot)) (int64, error) {
+	if t.d.Index.Has(n.Name(), want.Key) {
+		return 0, nil
+	}
+	unlock, err := n.Lock(ctx, false)
+	if err != nil {
+		return 0, err
+	}
+	defer unlock()
+	start := time.Now()
+	name := o.Name
+	path := n.PagePath(want.Key)
+	fsys := t.d.Store.FS()
+	sf, err := layout.Stage(fsys, path, 0)
+	if err != nil {
+		return 0, err
+	}
+	// The writeback kicks only when the publish will fdatasync (the
+	// store's sync policy, as a save's StartWriteback).
+	var dst io.WriterAt = sf.File
+	var kw *kickWriter
+	if t.d.Store.Durable() {
+		kw = newKickWriter(sf.File)
+		dst = kw
+	}
+	stream := remote.NewPageStream(dst, want.Key.String(), o.Size)
+	var rd vfs.File           // read-only, of the temp file: kept for the load
+	var head *layout.Snapshot // the stream's decoded header, when it verified the page
+	closeRd := func() {
+		if rd != nil {
+			rd.Close()
+			rd = nil
+		}
+	}
+	defer closeRd() // unless handed to verified
+	err = t.st.FetchObject(ctx, o, stream, func(_ io.ReaderAt, size int64) error {
+		fetched()
+		if snap, ok := stream.Verified(); ok {
+			head = snap
+			return checkWant(name, snap.Page, want)
+		}
+		// The temp file is open for writing only: verify through a
+		// read-only descriptor of it.
+		f, err := fsys.Open(sf.Tmp)
+		if err != nil {
+			return err
+		}
+		closeRd()
+		rd = f
+		return verifyPage(f, name, want, size)
+	})
+	if kw != nil {
+		kw.stop() // before the file is closed
+	}
+	if err == nil && verified != nil {
+		if rd == nil {
+			if f, oerr := fsys.Open(sf.Tmp); oerr == nil { // else the load opens the published file
+				rd = f
+			}
+		}
+		if rd != nil {
+			verified(rd, head)
+			rd = nil
+		}
+	}
+	if err == nil {
+		err = t.publishFetched(sf)
+	} else {
+		sf.Abort()
+	}
+	res := labels.RemoteOK
+	switch {
+	case errors.Is(err, remote.ErrCorrupt):
+		res = labels.RemoteCorrupt
+	case err != nil:
+		res = labels.RemoteError
+	}
+	if m := t.metrics(); m != nil {
+		var b int64
+		if err == nil {
+			b = o.Size
+		}
+		m.Remote(labels.RemoteFetch, res, b, time.Since(start))
+	}
+	if err != nil {
+		return 0, err
+	}
+	if t.d.OnFetched != nil {
+		t.d.OnFetched(n.Name(), want)
+	}
+	t.d.Index.Add(n.Name(), want.Key)
+	t.markKnown(n.Name(), want.Key)
+	return o.Size, nil
+}
+
+// writebackBytes: a fetched page's temp file has its writeback started
+// (sync_file_range) each time this many more bytes were written to it.
+const writebackBytes = 8 << 20
+
+// kickWriter writes to a fetched page's temp file and has its writeback
+// started every writebackBytes (vfs.File.StartWriteback, no durability
+// promise: the publish's fdatasync makes it durable), so the disk writes
+// while the GET still runs. sync_file_range may block when the disk's
+// queue is full, so it runs on the kickWriter's own goroutine (started by
+// newKickWriter, ended by stop), never on the GET's: a write only signals
+// it. Safe for the concurrent writes of several ranges.
+type kickWriter struct {
+	f       vfs.File
+	written atomic.Int64
+	kick    chan struct{}
+	done    chan struct{}
+}
+
+func newKickWriter(f vfs.File) *kickWriter {
+	w := &kickWriter{f: f, kick: make(chan struct{}, 1), done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		for range w.kick {
+			_ = w.f.StartWriteback(0, 0) // a hint; failures show in the fdatasync
+		}
+	}()
+	return w
+}
+
+func (w *kickWriter) WriteAt(p []byte, off int64) (int, error) {
+	n, err := w.f.WriteAt(p, off)
+	if after := w.written.Add(int64(n)); after/writebackBytes != (after-int64(n))/writebackBytes {
+		select {
+		case w.kick <- struct{}{}:
+		default: // a kick is pending: it covers these bytes too
+		}
+	}
+	return n, err
+}
+
+// stop ends the goroutine once its pending kick ran. Called once the
+// writes are over (FetchObject returned), before the file is closed.
+func (w *kickWriter) stop() {
+	close(w.kick)
+	<-w.done
+}
+
+// publishFetched is the one place a fetched page enters the local tier:
+// fdatasync of the verified temp file, rename onto the page's path, fsync
+// of its fan-out directory (under the store's sync policy), as a save
+// publishes its pages. It runs inside the page's admission
+// (pagecache.Cache.AdmitHeld), whose reservation covers the file.
+func (t *Tier) publishFetched(sf *layout.Staged) error {
+	return sf.Commit(t.d.Store.PublishOptions(true, 0))
+}
+
+// verifyPage checks a fetched page file before it may be published:
+// remote.VerifyPage (it decodes: every single-file rule, the header hash,
+// the page object, whose key must equal SHA-256(parent ‖ tokens); its key
+// is the one named; every tensor's xxh3-64 matches; it ends exactly where
+// its last tensor ends, so a short or long object fails), and it is
+// exactly the page the prompt's chain expects at its position: parent,
+// identity, page size and token ids (want.Tokens nil: a named read's page,
+// whose manifest names keys only; its key, checked against SHA-256(parent
+// ‖ tokens), fixes them).
+func verifyPage(f vfs.File, name string, want *layout.Page, size int64) error {
+	var pg *layout.Page
+	if err := remote.VerifyPage(want.Key.String(), &pg)(f, size); err != nil {
+		return fmt.Errorf("%s: %w", name, err)
+	}
+	return checkWant(name, pg, want)
+}
+
+// checkWant: the verified page pg (object name) is exactly the page the
+// prompt's chain expects at its position (want): parent, identity, page
+// size and token ids.
+func checkWant(name string, pg, want *layout.Page) error {
+	switch {
+	case pg.Parent != want.Parent:
+		return fmt.Errorf("%s: parent %s, the chain wants %s", name, pg.Parent, want.Parent)
+	case pg.Identity != want.Identity || pg.PageTokens != want.PageTokens:
+		return fmt.Errorf("%s has identity %q and %d tokens per page, the load %q and %d", name, pg.Identity, pg.PageTokens, want.Identity, want.PageTokens)
+	case want.Tokens != nil && !slices.Equal(pg.Tokens, want.Tokens): // nil: a named read (the key fixes them)
+		return fmt.Errorf("%s holds other token ids than the prompt's", name)
+	}
+	return nil
 }
