@@ -296,3 +296,74 @@ func cpLoadPartial(t *testing.T, e *engine.Engine, cache *kvgen.Cache, prompt []
 	}
 	return got
 }
+
+// TestCacheTwoProcessesShareCapacity: two processes on one root, each an
+// engine with CapacityBytes C = 24 pages, save distinct conversations (29
+// pages each, the 3 pages of their shared system prompt included) at full
+// speed. Sampled on disk while they run and after both are killed, the
+// root's page files and temp page files never exceed C by more than the
+// saves in flight of both (2 each × one page): each engine counts and
+// evicts the pages of the other (the root's page log), where each used to
+// fill C of its own.
+func TestCacheTwoProcessesShareCapacity(t *testing.T) {
+	cache := kvgen.NewCache(kvgen.Tiny, cpMaxTokens, true, nil)
+	pb := cpPageBytes(t, cache)
+	capacity := 24 * pb
+	bound := capacity + 4*pb
+	root := t.TempDir()
+	var hs []*helperProc
+	for i, convs := range [][2]string{{"0", "2"}, {"2", "4"}} {
+		h := startHelper(t, "crash-prefix", "-root", root, "-seed", strconv.Itoa(i+1),
+			"-capacity", strconv.FormatInt(capacity, 10), "-nosync", "-minconv", convs[0], "-maxconv", convs[1])
+		if l, ok := <-h.lines; !ok || l != "ready" {
+			rest, st := h.wait()
+			t.Fatalf("helper %d did not start: %q %q %v\n%s", i, l, rest, st, h.stderr.String())
+		}
+		hs = append(hs, h)
+	}
+	acks := make([]int, len(hs))
+	maxSeen := int64(0)
+	sample := func(when string) {
+		t.Helper()
+		pages, temps, n, tn := testutil.PageTree(t, root)
+		maxSeen = max(maxSeen, pages+temps)
+		if pages+temps > bound {
+			t.Fatalf("%s: %d page files of %d bytes and %d temp page files of %d bytes, above capacity %d + 4 saves × %d",
+				when, n, pages, tn, temps, capacity, pb)
+		}
+	}
+	tick := time.NewTicker(5 * time.Millisecond)
+	defer tick.Stop()
+	guard := time.After(90 * time.Second)
+	for acks[0] < 60 || acks[1] < 60 {
+		select {
+		case l, ok := <-hs[0].lines:
+			if !ok {
+				t.Fatalf("helper 0 ended: %s", hs[0].stderr.String())
+			}
+			if strings.HasPrefix(l, "ack ") {
+				acks[0]++
+			}
+		case l, ok := <-hs[1].lines:
+			if !ok {
+				t.Fatalf("helper 1 ended: %s", hs[1].stderr.String())
+			}
+			if strings.HasPrefix(l, "ack ") {
+				acks[1]++
+			}
+		case <-tick.C:
+			sample("while both save")
+		case <-guard:
+			t.Fatalf("acks %v after 90 s", acks)
+		}
+	}
+	for _, h := range hs {
+		_ = h.cmd.Process.Kill()
+		h.wait()
+	}
+	sample("after both are killed")
+	t.Logf("acks %v; at most %d bytes on disk, %.2f × the capacity", acks, maxSeen, float64(maxSeen)/float64(capacity))
+	if maxSeen < capacity-4*pb {
+		t.Fatalf("the root never came near the capacity (%d of %d bytes): the test shows nothing", maxSeen, capacity)
+	}
+}

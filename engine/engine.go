@@ -142,14 +142,18 @@ type Config struct {
 	// counted in D's accounting until then (Usage().TempBytes). A save that
 	// cannot make room (every page that could go is pinned, shared by a
 	// stored descendant, or protected by a quota) fails with ErrNoSpace,
-	// writes nothing and leaves every stored page intact. Pins (of loads, of saves' reused
-	// pages, of page manifests) are this engine's; what keeps a load of
-	// another process on the same root safe from this engine's evictions
-	// is the namespace's shared lock that load holds during its reads
-	// (evictions unlink only under the exclusive lock, as collect deletes),
-	// and a page manifest written by another process is found, under that
-	// lock, before its pages could be unlinked. See ARCHITECTURE.md,
-	// "Bounded page cache".
+	// writes nothing and leaves every stored page intact. Several engines
+	// on one root (in one process or several) share one accounting and one
+	// recency through the root's page log (engine/pagecache): the bound
+	// holds over the root's page files with S counting the saves in flight
+	// of every engine and the smallest capacity among them. Pins (of
+	// loads, of saves' reused pages, of page manifests) are this engine's;
+	// what keeps a load of another process on the same root safe from this
+	// engine's evictions is the namespace's shared lock that load holds
+	// during its reads (evictions unlink only under the exclusive lock, as
+	// collect deletes), and a page manifest written by another process is
+	// found, under that lock, before its pages could be unlinked. See
+	// ARCHITECTURE.md, "Bounded page cache".
 	CapacityBytes int64
 	// HeadroomBytes is the minimum of free bytes (statvfs f_bavail ×
 	// f_frsize) to keep on the file system holding Root, for the other
@@ -356,6 +360,7 @@ func New(cfg Config) (*Engine, error) {
 		}
 	}
 	e.pc.SetOnRemoved(e.pageRemoved) // once e.tier is set: it reads it (events.go)
+	e.pc.SetOnGone(e.pageGone)
 	if e.tier != nil {
 		// Only now, with e.tier and onRemoved set: a resumed upload that
 		// finds a corrupt page removes it at once through e

@@ -160,3 +160,12 @@ func (e *Engine) pageRemoved(ns string, k layout.PageKey) {
 		s.Removed(ns, k)
 	}
 }
+
+// pageGone is the page cache's report of a page file of namespace ns that
+// another engine on the root removed (the root's page log): the tier
+// forgets it, and nothing is announced (that engine announced it).
+func (e *Engine) pageGone(ns string, k layout.PageKey) {
+	if e.tier != nil {
+		e.tier.Forget(ns, k)
+	}
+}

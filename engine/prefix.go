@@ -151,7 +151,12 @@ type pageAdmission struct {
 }
 
 // Admit reserves room for the save's pages (see pagecache.Cache.Reserve).
+// Called again, it replaces an admission whose Confirm failed.
 func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
+	if pa.a != nil {
+		pa.a.Settle(pagecache.ErrPinLost)
+		pa.a = nil
+	}
 	a, err := pa.pc.Reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
 	if err != nil {
 		a.Release()
@@ -159,6 +164,12 @@ func (pa *pageAdmission) Admit(ctx context.Context, n *store.Namespace, keys, pa
 	}
 	pa.a, pa.keys = a, keys
 	return nil
+}
+
+// Confirm checks, under n's shared lock, that the pages the admission
+// found stored are still there (pagecache.Admission.Confirm).
+func (pa *pageAdmission) Confirm(n *store.Namespace) bool {
+	return pa.a == nil || pa.a.Confirm()
 }
 
 // settle ends the reservation once the save returned with err (nothing

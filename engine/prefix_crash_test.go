@@ -123,6 +123,7 @@ func crashPrefixMain(args []string) int {
 	nosync := fl.Bool("nosync", false, "no fsync")
 	wait := fl.Bool("wait", false, "after \"ready\", wait for a line on stdin before saving")
 	minConv := fl.Int("minconv", 0, "save only conversations from this one on")
+	maxConv := fl.Int("maxconv", cpConvs, "save only conversations before this one")
 	tempGrace := fl.Duration("tempgrace", 0, "Config.TempGrace (0: the default)")
 	if err := fl.Parse(args); err != nil {
 		return 2
@@ -148,7 +149,7 @@ func crashPrefixMain(args []string) int {
 	inFlight := 0
 	for {
 		for ; inFlight < 2; inFlight++ {
-			c, n := *minConv+rng.IntN(cpConvs-*minConv), 1+rng.IntN(cpMaxTokens)
+			c, n := *minConv+rng.IntN(*maxConv-*minConv), 1+rng.IntN(cpMaxTokens)
 			j, err := e.Submit(context.Background(), cpSave(cache, toks, c, n), engine.AckTo(acks))
 			if err != nil {
 				fmt.Fprintln(os.Stderr, err)

@@ -22,6 +22,13 @@ type recordAdmission struct {
 	fileBytes     []int64
 	nsExisted     bool // the namespace directory existed when Admit ran
 	err           error
+	unconfirmed   int // Confirm reports false this many times
+	confirms      int
+}
+
+func (a *recordAdmission) Confirm(*store.Namespace) bool {
+	a.confirms++
+	return a.confirms > a.unconfirmed
 }
 
 func (a *recordAdmission) Admit(_ context.Context, ns *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
@@ -81,6 +88,36 @@ func TestPrefixSaveAdmission(t *testing.T) {
 		before := adm.calls
 		if _, _, err := savePrefixAt(ctx, &cfg, ns, r); !errors.Is(err, jobs.ErrInvalidRequest) || adm.calls != before {
 			t.Fatalf("%s: %v, admission asked %d times", name, err, adm.calls-before)
+		}
+	}
+}
+
+// A save whose admission is not confirmed under the namespace's lock (a
+// page it found stored was evicted meanwhile) admits again and confirms
+// again, up to 4 admissions; then it goes on unconfirmed. Either way it
+// writes every page.
+func TestPrefixSaveAdmitsAgainUntilConfirmed(t *testing.T) {
+	ctx := context.Background()
+	const n, p = 600, 256
+	c := newConv(seqTokens(n, 11), pTensors, pHeads, pDim, 768)
+	req := &jobs.SavePrefixRequest{Identity: "tiny/bf16", Tokens: c.tokens, Tensors: c.views(n), PageTokens: p}
+	keys, _, _ := layout.PageChain("tiny/bf16", p, c.tokens)
+	for _, tc := range []struct{ unconfirmed, admits, confirms int }{
+		{0, 1, 1}, {2, 3, 3}, {10, 4, 3},
+	} {
+		ns := filepath.Join(t.TempDir(), "ns")
+		adm := &recordAdmission{unconfirmed: tc.unconfirmed}
+		cfg := *noSync()
+		cfg.Admission = adm
+		res, _, err := savePrefixAt(ctx, &cfg, ns, req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if adm.calls != tc.admits || adm.confirms != tc.confirms || !slices.Equal(adm.keys, keys) {
+			t.Fatalf("%d unconfirmed: %d admissions, %d confirmations, keys %v; want %d, %d, %v", tc.unconfirmed, adm.calls, adm.confirms, adm.keys, tc.admits, tc.confirms, keys)
+		}
+		if files := pageFiles(t, ns); res.PagesWritten != len(keys) || len(files) != len(keys) {
+			t.Fatalf("%d unconfirmed: %d pages written, %d files; want %d", tc.unconfirmed, res.PagesWritten, len(files), len(keys))
 		}
 	}
 }

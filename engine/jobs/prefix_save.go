@@ -74,7 +74,8 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	// (cfg.Admission); the directory, durably (the root synced in any
 	// case, as for Write, but with the save's other directories at the
 	// end: savePages); then its lock, shared: collect may not sweep
-	// meanwhile.
+	// meanwhile, and no engine evicts the pages the admission found
+	// stored (confirmed under it).
 	if err := ns.Check(); err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
 	}
@@ -88,6 +89,9 @@ func SavePrefix(ctx context.Context, cfg *Config, req *SavePrefixRequest) (*Pref
 	unlock, err := ns.Lock(ctx, false)
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: save prefix %s: %w", ns.Dir(), err)
+	}
+	if unlock, err = ps.confirm(ctx, cfg, ns, unlock); err != nil {
+		return nil, m, err
 	}
 	defer unlock()
 	res := &PrefixResult{Keys: ps.keys, Tokens: len(req.Tokens)}
@@ -109,8 +113,41 @@ type Admission interface {
 	// writes it (prefix, header, alignment and tensor data). It returns
 	// once room is made for the pages not stored yet; its error fails the
 	// save before anything is written. The caller settles what it
-	// reserved once the save has returned.
+	// reserved once the save has returned. Called again after Confirm
+	// reported false, it replaces the admission.
 	Admit(ctx context.Context, ns *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error
+	// Confirm is called once the save holds ns's shared lock, which it
+	// keeps until its write ends: it reports whether the pages Admit found
+	// stored (and reserved no room for) are still there; another engine
+	// on the root may have evicted one meanwhile. On false the save
+	// releases the lock, calls Admit again and locks again, at most
+	// maxAdmits admissions in all; after the last it goes on unconfirmed.
+	Confirm(ns *store.Namespace) bool
+}
+
+// maxAdmits bounds the admissions of one page save (Admission.Confirm).
+const maxAdmits = 4
+
+// confirm confirms ps's admission (Admission.Confirm) under ns's shared
+// lock, held by unlock: while a page the admission found stored is gone,
+// it unlocks, admits again and locks again. It returns the lock's unlock,
+// held, or an error with the lock released. A nil ps (no page save) holds
+// nothing to confirm.
+func (ps *pageSave) confirm(ctx context.Context, cfg *Config, ns *store.Namespace, unlock func()) (func(), error) {
+	if ps == nil || cfg.Admission == nil {
+		return unlock, nil
+	}
+	for attempt := 1; attempt < maxAdmits && !cfg.Admission.Confirm(ns); attempt++ {
+		unlock()
+		if err := ps.admit(ctx, cfg, ns); err != nil {
+			return nil, err
+		}
+		var err error
+		if unlock, err = ns.Lock(ctx, false); err != nil {
+			return nil, fmt.Errorf("jobs: save pages %s: %w", ns.Dir(), err)
+		}
+	}
+	return unlock, nil
 }
 
 // pageSave is a page save laid out before the disk is touched: the pages'

@@ -209,6 +209,9 @@ func write(ctx context.Context, cfg *Config, spec *writeSpec) (*layout.Header, M
 	if err != nil {
 		return nil, m, fmt.Errorf("jobs: write %s: %w", spec.Path, err)
 	}
+	if unlock, err = pages.confirm(ctx, cfg, ns, unlock); err != nil {
+		return nil, m, err
+	}
 	defer unlock()
 	if spec.Layout == layout.Single {
 		err = writeSingle(ctx, cfg, ns, spec, h, slots, &m)

@@ -41,6 +41,14 @@ const RecencyName = ".recency"
 // and never deleted by collect.
 const UploadsName = ".uploads"
 
+// PageLogName is the root's shared page log (engine/pagecache): <root>/.pagelog,
+// appended by every engine on the root with the page files it commits and
+// unlinks and the accesses of its loads, read by the others so that each
+// bounds and orders the root's page files, not only its own. Not a
+// namespace (a dot name); replaced when it grows, never deleted by
+// collect.
+const PageLogName = ".pagelog"
+
 // ValidName checks a namespace or snapshot name: 1 to 200 characters of
 // [A-Za-z0-9._-], not starting with '.' or '-', and not "blocks" or
 // "pages" (the directories of a namespace). Such a name is one path

@@ -18,6 +18,35 @@
 // pages (SetManifest); the remote tier marks pages whose upload is pending
 // (SetPending) and is told of every page file removed (SetOnRemoved).
 // Metrics go to a Sink. Every method is safe for concurrent use.
+//
+// # Several engines on one root
+//
+// Caches on one root (engines in one process or several) share one view
+// through the root's page log, <root>/.pagelog (shared.go): each appends
+// the pages it commits and unlinks, the accesses of its lookups and loads,
+// and the bytes it reserves before a save writes and releases after, and
+// reads the others' records before each reservation and every second. So
+// each cache counts and may evict every page file of the root, least
+// recently used first by the accesses of all, and counts the others'
+// writes in flight: CapacityBytes, quotas and headroom bound the root's
+// page files, D ≤ C + S × P + E with S the saves in flight of every cache
+// and C the smallest capacity. Reservations are decided under the log's
+// exclusive flock, so two caches never both take the last room. Pins do
+// not cross caches: between Reserve and the save's write another cache
+// may evict a page the admission found stored and reserved nothing for.
+// So the save, once it holds the namespace's shared lock (kept until its
+// write ends; every unlink takes the exclusive one), asks
+// Admission.Confirm whether those pages are still there; when one is gone
+// it settles the admission (ErrPinLost), unlocks and reserves again, now
+// for that page too (jobs.Admission.Confirm; AdmitHeld does the same
+// around its write). After a few failed confirmations the save goes on,
+// and Settle accounts a lost page it wrote outside the reservation. A
+// reservation of a process that died is dropped once its pid is
+// gone. At Open the log gives only the others' reservations; pages come
+// from the disk and recency from the checkpoints, which every cache writes
+// with the merged recency it holds. A page a process unlinked without its
+// record (a kill between the two, a collect) stays counted by the others
+// until it is chosen as a victim and found gone: more eviction, never less.
 package pagecache
 
 import (
@@ -26,10 +55,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"os"
 	"slices"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -148,10 +179,18 @@ type Cache struct {
 	touches chan touch
 	kick    chan struct{}
 	sweep   chan struct{} // kicks a sweep of the temp page files (sweepTemps)
-	stop    chan struct{}
-	done    chan struct{}
-	bgCtx   context.Context // cancelled by Close: background unlinks stop waiting for locks
-	bgStop  context.CancelFunc
+	plog    *pageLog      // the root's shared page log (shared.go)
+	owner   uint64        // this cache in the page log's reservations
+	syncMu  sync.Mutex    // one syncShared at a time: records are applied in order
+
+	extMu    sync.Mutex
+	orphans  map[string]int64            // ns → temp page files of dead writers (sweepTemps)
+	otherRes map[uint64]map[string]int64 // owner → ns → bytes other caches reserved
+	plogErr  sync.Once                   // the first failure to append to it is logged
+	stop     chan struct{}
+	done     chan struct{}
+	bgCtx    context.Context // cancelled by Close: background unlinks stop waiting for locks
+	bgStop   context.CancelFunc
 
 	closeOnce sync.Once
 	closeErr  error
@@ -168,6 +207,9 @@ type Cache struct {
 	// onRemoved, when set (SetOnRemoved), is told of every page file the
 	// cache removed or found gone (unindex).
 	onRemoved atomic.Pointer[func(ns string, k layout.PageKey)]
+	// onGone, when set (SetOnGone), is told of every page file another
+	// cache on the root removed (its page log record).
+	onGone atomic.Pointer[func(ns string, k layout.PageKey)]
 }
 
 // unindex drops page k of namespace ns, whose file is gone, from the
@@ -216,9 +258,19 @@ func Open(o Options) (*Cache, error) {
 	if fst, err := pc.fs.Statfs(st.Root()); err == nil && fst.BlockBytes > 0 {
 		pc.blkBytes = fst.BlockBytes
 	}
+	// The shared page log, created by the first append on the root, is
+	// read whole after the rebuild for the reservations of other caches'
+	// writes in flight; its pages and accesses are the disk's and the
+	// recency checkpoints' (a page a dead process unlinked without its
+	// record would come back).
+	pc.plog = newPageLog(pc.fs, st.Root())
+	pc.owner = uint64(os.Getpid())<<32 | uint64(rand.Uint32())
+	liveOwners.Store(pc.owner, true)
+	pc.orphans, pc.otherRes = map[string]int64{}, map[uint64]map[string]int64{}
 	if err := pc.rebuild(time.Now()); err != nil {
 		return nil, err
 	}
+	pc.syncShared(true)
 	pc.bgCtx, pc.bgStop = context.WithCancel(context.Background())
 	// Temp page files a crashed process left: removed or counted before
 	// the first save reserves.
@@ -229,7 +281,8 @@ func Open(o Options) (*Cache, error) {
 }
 
 // SetOnRemoved sets f (nil: none) to be told of every page file the cache
-// removes (evicts) or finds gone, after the policy and the index forgot it.
+// removes (evicts) or finds gone (not another cache's, from the page log:
+// SetOnGone), after the policy and the index forgot it.
 // f runs on the goroutine that removed the page (a save's, a load's or the
 // background one), possibly several at once; it must not call back into
 // the cache's eviction.
@@ -239,6 +292,19 @@ func (pc *Cache) SetOnRemoved(f func(ns string, k layout.PageKey)) {
 		return
 	}
 	pc.onRemoved.Store(&f)
+}
+
+// SetOnGone sets f (nil: none) to be told of every page file another
+// cache on the root removed, once the page log tells it and the policy
+// and the index forgot it: unlike SetOnRemoved's, not this cache's
+// removal (the other cache reported it). f runs on the goroutine that
+// read the page log; it must not call back into the cache's eviction.
+func (pc *Cache) SetOnGone(f func(ns string, k layout.PageKey)) {
+	if f == nil {
+		pc.onGone.Store(nil)
+		return
+	}
+	pc.onGone.Store(&f)
 }
 
 // Usage returns the accounting (allocated bytes of page files: capacity,
@@ -468,8 +534,12 @@ func (pc *Cache) run() {
 	defer tick.Stop()
 	sweepTick := time.NewTicker(sweepEvery(pc.grace))
 	defer sweepTick.Stop()
+	sharedTick := time.NewTicker(sharedEvery)
+	defer sharedTick.Stop()
 	for {
 		select {
+		case <-sharedTick.C:
+			pc.syncShared(false)
 		case <-sweepTick.C:
 			pc.sweepTemps(pc.bgCtx, false)
 		case <-pc.sweep:
@@ -494,14 +564,22 @@ func (pc *Cache) run() {
 func (pc *Cache) applyTouch(t touch) {
 	if pc.pol.Touch(t.ns, t.key, t.at) {
 		pc.markDirty(t.ns)
+		pc.appendShared([]logRecord{{op: opAccess, ns: t.ns, key: t.key, access: t.at}})
 	}
 }
 
+// drainTouches applies the queued touches, and appends them to the page
+// log in one write.
 func (pc *Cache) drainTouches() {
+	var recs []logRecord
+	defer func() { pc.appendShared(recs) }()
 	for {
 		select {
 		case t := <-pc.touches:
-			pc.applyTouch(t)
+			if pc.pol.Touch(t.ns, t.key, t.at) {
+				pc.markDirty(t.ns)
+				recs = append(recs, logRecord{op: opAccess, ns: t.ns, key: t.key, access: t.at})
+			}
 		default:
 			return
 		}
@@ -528,6 +606,7 @@ func (pc *Cache) kickShrink() {
 // shrink evicts down to the capacity and each namespace down to its
 // quota (evict.ReasonShrink), in the background.
 func (pc *Cache) shrink() {
+	pc.syncShared(false)
 	var vs []evict.Victim
 	if pc.capacity > 0 {
 		vs, _ = pc.pol.Shrink(pc.capacity, vs)
@@ -565,6 +644,7 @@ func (pc *Cache) shrink() {
 // call's error.
 func (pc *Cache) Close() error {
 	pc.closeOnce.Do(func() {
+		defer liveOwners.Delete(pc.owner)
 		pc.bgStop()
 		close(pc.stop)
 		<-pc.done
@@ -658,6 +738,15 @@ func (pc *Cache) unlink(ctx context.Context, vs []evict.Victim) (kept int, err e
 			pc.log.Warn("kvpersist: page cache: evicted pages whose upload to the object store was pending (nothing else was evictable); they reach the store only if a save writes them again",
 				"namespace", ns, "pages", pendingEvicted-nsPendingBefore)
 		}
+		// Told to the other caches on the root before the lock goes: no
+		// save can write these pages again before the records are in.
+		var recs []logRecord
+		for _, j := range group[:end] {
+			if removed[j] {
+				recs = append(recs, logRecord{op: opRemove, ns: ns, key: vs[j].Key})
+			}
+		}
+		pc.appendShared(recs)
 		unlock()
 		pc.markDirty(ns)
 	}
@@ -916,16 +1005,20 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // that every page file created is covered by a reservation. keys and
 // parents are the pages of namespace n in chain order (parents[i] is page
 // i's parent key); fileBytes(i) is an upper bound of page i's file length
-// in bytes. The caller then does the I/O that publishes pages of keys
-// (taking the namespace's shared lock itself) and settles the admission
-// (Admission.Settle).
+// in bytes. The caller then takes the namespace's shared lock, confirms
+// the admission under it (Admission.Confirm: the pinned pages are still
+// there), does the I/O that publishes pages of keys and settles the
+// admission (Admission.Settle).
 //
 // In order: (1) the keys already tracked are pinned (they are reused, cost
-// nothing, and cannot be evicted while the write runs); a key that is a
+// nothing, and cannot be evicted by this cache while the write runs;
+// another cache on the root may evict them: Confirm); a key that is a
 // victim whose unlink is pending is waited for (waitVictim, until ctx
 // ends) and then written again, never reused; (2) the allocated bytes
 // of the others (each length rounded up to the file system's block size)
-// are reserved, after a statvfs of the root when a headroom is set (when
+// are reserved, after a statvfs of the root when a headroom is set, on
+// the others' records read from the page log and with the reservation
+// appended to it under its exclusive flock (when
 // no room can be made, the page manifests of namespaces whose directory
 // changed are listed again, once: rescanStale, and the reservation is
 // tried again); when no room can be made the error is an
@@ -934,8 +1027,8 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // under their namespace's exclusive lock), and Reserve waits for it. Then
 // the caller writes, and (4) Settle, on every path (error, cancel, panic),
 // commits each page of keys that is not tracked and whose file exists
-// with its st_blocks, releases the rest of the reservation and drops the
-// pins; on success every page of keys is touched. On an error of Reserve
+// with its st_blocks, releases the rest of the reservation (in the page
+// log too, with the commits) and drops the pins; on success every page of keys is touched. On an error of Reserve
 // the Admission returned (never nil) holds the pins taken so far: release
 // them (Admission.Release). Other errors: fileBytes's, ctx's (waiting for
 // a victim or a lock), an unlink's.
@@ -951,6 +1044,10 @@ const manifestMtimeSlack = 100 * time.Millisecond
 // the load ends; they are held on every path, error included.
 func (pc *Cache) Reserve(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), hold bool) (*Admission, error) {
 	ns := n.Name()
+	// The other caches' unlinks are applied before the pins are taken: a
+	// page another cache evicted is not pinned, but reserved for (a save
+	// admitted again after Confirm failed needs this).
+	pc.syncShared(false)
 	ek := evictKeys(keys)
 	a := &Admission{pc: pc, n: n, keys: keys, parents: parents, ek: ek, pinned: make([]bool, len(ek)), hold: hold}
 	pinned := a.pinned
@@ -1004,9 +1101,31 @@ func (pc *Cache) Reserve(ctx context.Context, n *store.Namespace, keys, parents 
 	// (unlink finds the manifest under the lock and pins its pages):
 	// then the room was not made, and the reservation is tried again
 	// with those pages pinned.
+	// release releases a reservation that is not kept, here and in the
+	// page log.
+	release := func(r *evict.Reservation) {
+		r.Release()
+		pc.appendShared([]logRecord{{op: opReserved, ns: ns, owner: pc.owner, bytes: -want}})
+	}
 	rescanned := false
 	for attempt := 0; ; attempt++ {
-		r, err := pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+		// Decided on the other caches' pages, accesses and reservations,
+		// and told to them, under the page log's exclusive flock.
+		var r *evict.Reservation
+		var err error
+		lerr := pc.plog.exclusive(func() []logRecord {
+			pc.syncShared(false)
+			r, err = pc.pol.Reserve(evict.Want{Namespace: ns, Bytes: want, AvailBytes: avail, HeadroomBytes: pc.headroom})
+			if err != nil {
+				return nil
+			}
+			return []logRecord{{op: opReserved, ns: ns, owner: pc.owner, bytes: want}}
+		})
+		if lerr != nil {
+			pc.plogErr.Do(func() {
+				pc.log.Warn("kvpersist: page cache: page log not appended; other engines on the root see this one's pages late", "path", pc.plog.path, "err", lerr)
+			})
+		}
 		if err != nil {
 			var nse *evict.NoSpaceError
 			// Pages pinned for a page manifest another process has
@@ -1024,14 +1143,16 @@ func (pc *Cache) Reserve(ctx context.Context, n *store.Namespace, keys, parents 
 		}
 		kept, uerr := pc.unlink(ctx, r.Victims)
 		if uerr != nil {
-			r.Release()
+			release(r)
 			return a, fmt.Errorf("pagecache: making room in the page cache of namespace %s: %w", ns, uerr)
 		}
 		if kept == 0 {
-			a.r = r
+			// Released in the page log in the same write as the commits
+			// (Settle): no other cache counts the pages twice meanwhile.
+			a.r, a.want = r, want
 			return a, nil
 		}
-		r.Release()
+		release(r)
 		if attempt == maxReserveAttempts-1 {
 			return a, fmt.Errorf("pagecache: page cache of namespace %s: %w: %d attempts met pages named by page manifests of another process", ns, evict.ErrNoSpace, maxReserveAttempts)
 		}
@@ -1048,6 +1169,7 @@ type Admission struct {
 	pinned        []bool      // ek[i] was tracked and pinned by Reserve
 	pins          []evict.Key // the pins Reserve took
 	r             *evict.Reservation
+	want          int64 // r's bytes, released in the page log by Settle
 	hold          bool
 }
 
@@ -1080,11 +1202,19 @@ func (a *Admission) settle(err error) (held []evict.Key) {
 	pc, n, ns := a.pc, a.n, a.n.Name()
 	r, hold := a.r, a.hold
 	now := time.Now().UnixNano()
+	// The page log's records of this settle, appended in one write with
+	// the reservation's release.
+	var recs []logRecord
 	for i, k := range a.ek {
-		if a.pinned[i] {
+		_, tracked := pc.pol.Lookup(ns, k)
+		if tracked && a.pinned[i] {
 			continue
 		}
-		if _, ok := pc.pol.Lookup(ns, k); ok {
+		// A page pinned by Reserve that is not tracked any more was
+		// unlinked by another cache on the root (pins do not cross
+		// caches) and written again by this save after Confirm gave up:
+		// accounted again below, outside the reservation.
+		if tracked {
 			// Committed by a save beside this one.
 			if hold && pc.pol.Pin(ns, k) {
 				held = append(held, k)
@@ -1097,6 +1227,8 @@ func (a *Admission) settle(err error) (held []evict.Key) {
 		}
 		p := evict.Page{Namespace: ns, Key: k, Parent: evict.Key(a.parents[i]), HasParent: true, Bytes: pf.AllocatedBytes, Access: now}
 		switch {
+		case a.pinned[i]: // its pin is still held (a.pins)
+			serr = pc.pol.Add(p)
 		case r != nil && hold:
 			if serr = r.CommitPinned(p); serr == nil {
 				held = append(held, k)
@@ -1111,29 +1243,87 @@ func (a *Admission) settle(err error) (held []evict.Key) {
 		if serr != nil && !errors.Is(serr, evict.ErrExists) {
 			pc.log.Debug("kvpersist: page cache: page not accounted", "namespace", ns, "key", a.keys[i].String(), "err", serr)
 		}
+		if serr == nil {
+			recs = append(recs, logRecord{op: opAdd, ns: ns, key: k, parent: p.Parent, hasParent: p.HasParent, bytes: p.Bytes, access: now})
+		}
 	}
 	if err == nil {
 		pc.pol.TouchAll(ns, a.ek, now)
+		if len(a.ek) > 0 {
+			recs = append(recs, logRecord{op: opAccess, ns: ns, key: a.ek[len(a.ek)-1], access: now})
+		}
 	}
 	pc.markDirty(ns)
 	pc.kickShrink() // a page longer than estimated, or one added outside a reservation
 	if r != nil {
 		r.Release()
+		recs = append(recs, logRecord{op: opReserved, ns: ns, owner: pc.owner, bytes: -a.want})
 	}
+	pc.appendShared(recs)
 	return append(held, a.release()...)
 }
+
+// ErrPinLost settles an admission whose Confirm failed: a page it reused
+// was unlinked by another engine on the root; the caller admits again.
+var ErrPinLost = errors.New("pagecache: a reused page was evicted by another engine on the root")
+
+// Confirm reports whether every page Reserve found stored (pinned, and
+// reserved no room for) still exists. Pins do not cross caches: another
+// cache on the root may have unlinked one since, and a save that writes it
+// again would write outside its reservation. The caller holds namespace
+// n's shared lock, and keeps it until its write ends: no cache unlinks a
+// page of n meanwhile, so a true answer stays true. On false the caller
+// settles the admission (Settle(ErrPinLost)), releases the lock and
+// reserves again.
+func (a *Admission) Confirm() bool {
+	for i, k := range a.keys {
+		if !a.pinned[i] {
+			continue
+		}
+		if _, err := a.pc.fs.Lstat(a.n.PagePath(k)); vfs.IsNotExist(err) {
+			return false
+		}
+	}
+	return true
+}
+
+// maxPinLost bounds the reservations AdmitHeld makes when Confirm fails;
+// after the last, the fetch goes on unconfirmed (it then
+// writes the lost pages outside its reservation, accounted by Settle and
+// trimmed by the next shrink).
+const maxPinLost = 4
 
 // AdmitHeld reserves (with hold) room for pages of namespace n that a
 // load reads next, runs write, which publishes them, and settles (see
 // Reserve): held are the keys pinned for the caller, on every path, error
-// included. Errors: Reserve's, write's.
+// included. When Reserve found pages of keys stored, write runs under n's
+// shared lock, taken after the reservation and confirmed (Confirm): write
+// may take the shared lock itself, never the exclusive one. Errors:
+// Reserve's, write's, ctx's (waiting for the lock).
 func (pc *Cache) AdmitHeld(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes func(int) (int64, error), write func() error) (held []layout.PageKey, err error) {
-	a, err := pc.Reserve(ctx, n, keys, parents, fileBytes, true)
-	if err != nil {
-		return a.Release(), err
+	for attempt := 1; ; attempt++ {
+		var a *Admission
+		if a, err = pc.Reserve(ctx, n, keys, parents, fileBytes, true); err != nil {
+			return a.Release(), err
+		}
+		if len(a.pins) > 0 {
+			unlock, lerr := n.Lock(ctx, false)
+			if lerr != nil {
+				return a.Settle(lerr), lerr
+			}
+			if attempt < maxPinLost && !a.Confirm() {
+				lost := a.Settle(ErrPinLost)
+				unlock()
+				if uerr := pc.pol.UnpinAll(n.Name(), evictKeys(lost)); uerr != nil {
+					pc.log.Warn("kvpersist: page cache: unpin", "err", uerr)
+				}
+				continue
+			}
+			defer unlock() // after the settle below
+		}
+		defer func() { held = a.Settle(err) }()
+		return nil, write()
 	}
-	defer func() { held = a.Settle(err) }()
-	return nil, write()
 }
 
 // waitVictim waits until page k of namespace ns is no longer a victim
@@ -1310,6 +1500,7 @@ func (lp *LoadPins) Done(loaded []layout.PageKey, ok bool) {
 		pc.addUntracked(ns, loaded, now)
 	}
 	pc.markDirty(ns)
+	pc.appendShared([]logRecord{{op: opAccess, ns: ns, key: lk[len(lk)-1], access: now}})
 }
 
 // addUntracked accounts the pages of chain (from its first page, in order)
@@ -1425,6 +1616,7 @@ const sweepLockWait = 200 * time.Millisecond
 // sweepTemps removes and counts the temp page files of every namespace
 // (sweepNamespaceTemps). atOpen: no save of this cache is in flight yet.
 func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
+	pc.dropDeadOwners()
 	names, _, err := pc.st.Namespaces(false)
 	if err != nil {
 		return
@@ -1502,9 +1694,78 @@ func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool
 	}
 }
 
-// setTempBytes sets namespace ns's temp bytes in the policy and shrinks
-// the cache when they grew.
+// setTempBytes sets the bytes of namespace ns's temp page files whose
+// writers are dead, and accounts them (extBytes).
 func (pc *Cache) setTempBytes(ns string, bytes int64) {
+	pc.extMu.Lock()
+	if bytes > 0 {
+		pc.orphans[ns] = bytes
+	} else {
+		delete(pc.orphans, ns)
+	}
+	pc.extMu.Unlock()
+	pc.extBytes(ns)
+}
+
+// otherReserved adds delta to the bytes cache owner (another one on the
+// root) holds reserved in namespace ns, and accounts them (extBytes).
+func (pc *Cache) otherReserved(owner uint64, ns string, delta int64) {
+	pc.extMu.Lock()
+	m := pc.otherRes[owner]
+	if m == nil {
+		m = map[string]int64{}
+		pc.otherRes[owner] = m
+	}
+	if m[ns] += delta; m[ns] <= 0 {
+		delete(m, ns)
+		if len(m) == 0 {
+			delete(pc.otherRes, owner)
+		}
+	}
+	pc.extMu.Unlock()
+	pc.extBytes(ns)
+}
+
+// liveOwners are the page log owners of the caches open in this process
+// (a record of this process's pid from another owner is a dead process's
+// whose pid was reused, or a closed cache's).
+var liveOwners sync.Map
+
+// dropDeadOwners forgets the reservations of caches whose process is gone
+// (they will never release them).
+func (pc *Cache) dropDeadOwners() {
+	pc.extMu.Lock()
+	var nss []string
+	for owner, m := range pc.otherRes {
+		if pid := int(owner >> 32); pid == os.Getpid() {
+			if _, live := liveOwners.Load(owner); live {
+				continue
+			}
+		} else if syscall.Kill(pid, 0) != syscall.ESRCH {
+			continue
+		}
+		for ns := range m {
+			nss = append(nss, ns)
+		}
+		delete(pc.otherRes, owner)
+	}
+	pc.extMu.Unlock()
+	for _, ns := range nss {
+		pc.extBytes(ns)
+	}
+}
+
+// extBytes gives the policy namespace ns's bytes that are not its pages
+// nor its reservations: temp page files of dead writers and the other
+// caches' reservations (evict.Cache.SetTempBytes), and shrinks the cache
+// when they grew.
+func (pc *Cache) extBytes(ns string) {
+	pc.extMu.Lock()
+	defer pc.extMu.Unlock()
+	bytes := pc.orphans[ns]
+	for _, m := range pc.otherRes {
+		bytes += m[ns]
+	}
 	before := pc.pol.Usage().TempBytes
 	if err := pc.pol.SetTempBytes(ns, min(bytes, evict.MaxBytes)); err != nil {
 		pc.log.Warn("kvpersist: page cache: temp bytes not accounted", "namespace", ns, "err", err)
@@ -1522,4 +1783,94 @@ func allocated(fi os.FileInfo) int64 {
 		return a
 	}
 	return (fi.Size() + 4095) &^ 4095
+}
+
+// sharedEvery is how often the background goroutine reads the page log
+// (besides before each reservation and each shrink).
+const sharedEvery = time.Second
+
+// appendShared appends recs to the root's page log (replacing the log when
+// it grew too long). A failure is logged once: the other caches then miss
+// these records until their next resync.
+func (pc *Cache) appendShared(recs []logRecord) {
+	compact, err := pc.plog.append(recs)
+	if err == nil && compact {
+		err = pc.plog.compact()
+	}
+	if err != nil {
+		pc.plogErr.Do(func() {
+			pc.log.Warn("kvpersist: page cache: page log not appended; other engines on the root see this one's pages late", "path", pc.plog.path, "err", err)
+		})
+	}
+}
+
+// syncShared applies the page log's records appended since the last read
+// (atOpen: only the reservations, see Open):
+// the pages other caches committed are tracked (counted, and evictable
+// here), those they unlinked are forgotten, their accesses move recency
+// forward. When the log was replaced or does not check, every namespace is
+// resynced from the disk and its recency checkpoint applied.
+func (pc *Cache) syncShared(atOpen bool) {
+	pc.syncMu.Lock()
+	defer pc.syncMu.Unlock()
+	recs, resync, err := pc.plog.read()
+	if err != nil {
+		pc.plogErr.Do(func() {
+			pc.log.Warn("kvpersist: page cache: page log not read; other engines on the root are seen late", "path", pc.plog.path, "err", err)
+		})
+		return
+	}
+	added := false
+	for _, r := range recs {
+		if atOpen && r.op != opReserved {
+			continue
+		}
+		switch r.op {
+		case opAdd:
+			if _, ok := pc.pol.Lookup(r.ns, r.key); ok {
+				pc.pol.Touch(r.ns, r.key, r.access)
+				continue
+			}
+			p := evict.Page{Namespace: r.ns, Key: r.key, Parent: r.parent, HasParent: r.hasParent, Bytes: r.bytes, Access: r.access}
+			if pc.pol.Add(p) == nil {
+				added = true
+				pc.markDirty(r.ns)
+			}
+		case opRemove:
+			// The other cache removed it and told its onRemoved: here
+			// it is only forgotten (onGone).
+			if pc.pol.Removed(r.ns, r.key) {
+				pc.index.Remove(r.ns, layout.PageKey(r.key))
+				if f := pc.onGone.Load(); f != nil {
+					(*f)(r.ns, layout.PageKey(r.key))
+				}
+				pc.markDirty(r.ns)
+			}
+		case opAccess:
+			if pc.pol.Touch(r.ns, r.key, r.access) {
+				pc.markDirty(r.ns)
+			}
+		case opReserved:
+			if r.owner != pc.owner {
+				pc.otherReserved(r.owner, r.ns, r.bytes)
+			}
+		}
+	}
+	if resync {
+		names, _, err := pc.st.Namespaces(false)
+		if err == nil {
+			for _, ns := range names {
+				pc.Resync(ns)
+				if n, err := pc.st.Namespace(ns); err == nil {
+					if recs := pc.readCheckpoint(n); len(recs) > 0 {
+						pc.pol.ApplyCheckpoint(ns, recs, time.Now().UnixNano())
+					}
+				}
+			}
+		}
+		added = true
+	}
+	if added {
+		pc.kickShrink()
+	}
 }

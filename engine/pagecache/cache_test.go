@@ -98,33 +98,53 @@ func convTokens(own int, conv uint32) []uint32 {
 
 // admission is a save's jobs.Admission through Reserve, as the engine's.
 type admission struct {
-	pc *pagecache.Cache
-	a  *pagecache.Admission
+	pc     *pagecache.Cache
+	a      *pagecache.Admission
+	admits int
+	// admitted, when set, runs after the first Admit; saved runs once the
+	// save returned, before its Settle.
+	admitted, saved func()
 }
 
 func (ad *admission) Admit(ctx context.Context, n *store.Namespace, keys, parents []layout.PageKey, fileBytes []int64) error {
+	if ad.a != nil { // Confirm failed: admitted again
+		ad.a.Settle(pagecache.ErrPinLost)
+		ad.a = nil
+	}
 	a, err := ad.pc.Reserve(ctx, n, keys, parents, func(i int) (int64, error) { return fileBytes[i], nil }, false)
 	if err != nil {
 		a.Release()
 		return err
 	}
 	ad.a = a
+	if ad.admits++; ad.admits == 1 && ad.admitted != nil {
+		ad.admitted()
+	}
 	return nil
 }
+
+func (ad *admission) Confirm(*store.Namespace) bool { return ad.a == nil || ad.a.Confirm() }
 
 // save saves toks to ns through Reserve (jobs.SavePrefix's admission), as
 // the engine does, settles, and indexes the pages.
 func (r *rig) save(ns string, toks []uint32) ([]layout.PageKey, error) {
+	return r.saveWith(ns, toks, &admission{pc: r.pc})
+}
+
+// saveWith is save through adm.
+func (r *rig) saveWith(ns string, toks []uint32, adm *admission) ([]layout.PageKey, error) {
 	vs := r.kv.Views()
 	ts := make([]jobs.TensorSpec, 2*r.kv.Model.Layers)
 	for i := range ts {
 		ts[i] = jobs.TensorSpec{DType: r.kv.Model.DType, View: vs[i]}
 	}
 	ctx := context.Background()
-	adm := &admission{pc: r.pc}
 	cfg := *r.jcfg
 	cfg.Admission = adm
 	res, _, err := jobs.SavePrefix(ctx, &cfg, &jobs.SavePrefixRequest{Namespace: ns, Identity: "tiny", Tokens: toks, Tensors: ts, PageTokens: pTokens})
+	if adm.saved != nil {
+		adm.saved()
+	}
 	if adm.a != nil {
 		adm.a.Settle(err)
 	}
@@ -373,4 +393,99 @@ func TestTempPageFilesSweptAndCounted(t *testing.T) {
 		return errors.Is(err, os.ErrNotExist) && pc.Usage().TempBytes == 0
 	})
 	r2.checkDisk(t)
+}
+
+// TestCachesOnOneRootShareCapacityAndRecency: two caches on one root (as
+// two engines or two processes), each with a capacity of 6 pages, save
+// distinct conversations: the root's page files stay within 6 pages, not
+// 6 each. The one that must evict chooses by the recency both made: a
+// conversation the other cache loaded last survives, the other's
+// conversation nobody used since its save goes. The other cache forgets
+// the pages evicted for it (policy and index).
+func TestCachesOnOneRootShareCapacityAndRecency(t *testing.T) {
+	a, b, pb := twoCaches(t, 6)
+	root := a.root
+	c1 := a.mustSave(t, "p", convTokens(2*pTokens, 1))
+	c2 := a.mustSave(t, "p", convTokens(2*pTokens, 2))
+	c3 := b.mustSave(t, "p", convTokens(2*pTokens, 3))
+	pins := a.pc.PinChain("p", c1) // a load of conversation 1, by a
+	pins.Done(c1, true)
+	c4 := b.mustSave(t, "p", convTokens(2*pTokens, 4))
+	pages, temps, n, _ := testutil.PageTree(t, root)
+	if pages+temps > 6*pb || n != 6 {
+		t.Fatalf("the root holds %d pages, %d bytes (and %d of temp files); the capacity of each cache is 6 pages, %d bytes", n, pages, temps, 6*pb)
+	}
+	n0, _ := a.st.Namespace("p")
+	exists := func(k layout.PageKey) bool {
+		_, err := os.Lstat(n0.PagePath(k))
+		return err == nil
+	}
+	for _, k := range append(append(slices.Clone(c1), c3...), c4...) {
+		if !exists(k) {
+			t.Fatalf("page %s evicted; want conversation 2's, the least recently used of both caches", k)
+		}
+	}
+	if exists(c2[0]) || exists(c2[1]) {
+		t.Fatal("conversation 2, used by nobody since its save, survived")
+	}
+	if u := b.pc.Usage(); u.Pages != 6 || u.UsedBytes != pages {
+		t.Fatalf("the evicting cache's usage %+v, want the root's 6 pages, %d bytes", u, pages)
+	}
+	waitFor(t, "the other cache to forget the evicted pages", func() bool {
+		_, tracked := a.pc.Tracked("p", c2[1])
+		return !tracked && !a.index.Has("p", c2[1]) && a.pc.Usage().Pages == 6
+	})
+}
+
+// twoCaches opens two caches on one fresh root, each bounded to pages
+// pages of one full page's allocated bytes pb.
+func twoCaches(t *testing.T, pages int64) (a, b *rig, pb int64) {
+	t.Helper()
+	probe := newRig(t, t.TempDir(), pagecache.Limits{}, nil)
+	probe.mustSave(t, "m", convTokens(pTokens, 99))
+	pb = probe.pc.Usage().UsedBytes
+	root := t.TempDir()
+	a = newRig(t, root, pagecache.Limits{CapacityBytes: pages * pb}, nil)
+	b = openRig(t, root, pagecache.Options{Limits: pagecache.Limits{CapacityBytes: pages * pb}})
+	return a, b, pb
+}
+
+// A save that reuses pages another cache on the root evicts between its
+// admission and its lock finds them gone under the lock (Confirm), admits
+// again, and so writes them again inside a reservation: the root's page
+// files never exceed the capacity, not even before the settle's shrink.
+func TestSaveAdmitsAgainWhenAnotherCacheEvictsItsPins(t *testing.T) {
+	a, b, pb := twoCaches(t, 4)
+	root := a.root
+	c1 := a.mustSave(t, "p", convTokens(2*pTokens, 1))
+	var diskAtSave int64
+	adm := &admission{pc: a.pc,
+		// a pinned c1 and reserved one page: 3 of 4. b, seeing c1 and
+		// that reservation, makes room for its 2 pages by evicting c1's
+		// leaf.
+		admitted: func() { b.mustSave(t, "p", convTokens(2*pTokens, 2)) },
+		saved: func() {
+			pages, temps, _, _ := testutil.PageTree(t, root)
+			diskAtSave = pages + temps
+		},
+	}
+	grown, err := a.saveWith("p", convTokens(3*pTokens, 1), adm)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(grown) != 3 || grown[0] != c1[0] || grown[1] != c1[1] {
+		t.Fatalf("grown conversation's pages %v, want %v and one more", grown, c1)
+	}
+	if diskAtSave > 4*pb {
+		t.Fatalf("%d bytes of page files when the save returned; the capacity is %d", diskAtSave, 4*pb)
+	}
+	if adm.admits != 2 {
+		t.Fatalf("%d admissions; want 2 (the evicted page found under the lock)", adm.admits)
+	}
+	n, _ := a.st.Namespace("p")
+	for _, k := range grown {
+		if _, err := os.Lstat(n.PagePath(k)); err != nil {
+			t.Fatalf("page %s of the save: %v", k, err)
+		}
+	}
 }

@@ -451,7 +451,7 @@ func (s *Store) Namespaces(all bool) (names, skipped []string, err error) {
 	for _, e := range ents {
 		if e.IsDir() && (all || layout.ValidName("namespace", e.Name()) == nil) {
 			names = append(names, e.Name())
-		} else {
+		} else if e.Name() != layout.PageLogName && !isPageLogTemp(e.Name()) {
 			skipped = append(skipped, filepath.Join(s.root, e.Name()))
 		}
 	}
@@ -469,4 +469,10 @@ func (s *Store) AnyNamespace(name string) (*Namespace, error) {
 		return nil, fmt.Errorf("%w: %q is not a plain directory name", ErrNamespace, name)
 	}
 	return &Namespace{st: s, name: name, dir: filepath.Join(s.root, name)}, nil
+}
+
+// isPageLogTemp reports whether name is a temp file of the page log's
+// replacement (layout.TempPath of layout.PageLogName).
+func isPageLogTemp(name string) bool {
+	return layout.IsTemp(name) && strings.HasPrefix(name, "."+layout.PageLogName+".tmp-")
 }

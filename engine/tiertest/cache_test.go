@@ -5,9 +5,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"net/http"
 	"os"
 	"runtime"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -17,6 +19,7 @@ import (
 	"github.com/kvpersist/kvpersist/engine"
 	"github.com/kvpersist/kvpersist/engine/layout"
 	"github.com/kvpersist/kvpersist/engine/metrics"
+	"github.com/kvpersist/kvpersist/internal/faultproxy"
 	"github.com/kvpersist/kvpersist/internal/testutil"
 )
 
@@ -372,4 +375,86 @@ func TestFetchedPageStaysPinnedUntilLoaded(t *testing.T) {
 	}
 	checkStored(t, rootB, "X", kx, []bool{true, false})
 	checkUsageIsDisk(t, b, rootB, capacity)
+}
+
+// TestReadThroughSIGKILLKeepsTheBound: a process whose page cache holds
+// 8 pages, full, loads conversations that only the object store holds (a
+// read-through fetching FetchPages 4 pages at once, each GET slowed) and
+// is SIGKILLed mid-fetch, again and again. Each kill leaves the temp page
+// files of the fetches in flight; the next process removes those older
+// than its TempGrace at start and counts the others, so the page files
+// and temp page files together never exceed the capacity by more than
+// the admissions in flight (4 pages), however many kills there were, and
+// the reservations of a killed process do not outlive it.
+func TestReadThroughSIGKILLKeepsTheBound(t *testing.T) {
+	prefix := bucketPrefix(t)
+	rootA, rootB := t.TempDir(), t.TempDir()
+	a := newEngine(t, rootA, prefix, newRecorder(t), nil)
+	var convs [][]uint32
+	for i := range 4 {
+		c := seq(60000+10000*i, 6*ptoks)
+		save(t, a, c)
+		convs = append(convs, c)
+	}
+	closeEngine(t, a)
+	page := fullPageAlloc(t, rootA, keysOf(t, convs[0]))
+	const fetchPages = 4
+	capacity := 8 * page
+	bound := capacity + fetchPages*page
+	p := faultproxy.Start(t, srv.Endpoint)
+	p.Set(faultproxy.Rule{Kinds: faultproxy.Get, Fault: faultproxy.Delay, Delay: 20 * time.Millisecond})
+	rng := rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), 24))
+	// The cache full first: two whole loads of 6 pages each.
+	full := startChild(t, rootB, prefix, p.Endpoint, strconv.FormatInt(capacity, 10), strconv.Itoa(fetchPages), "50ms")
+	full.do("load %d %d", convs[0][0], len(convs[0]))
+	full.do("load %d %d", convs[1][0], len(convs[1]))
+	full.kill()
+	if pb, _, _, _ := testutil.PageTree(t, rootB, ns); pb < capacity-page {
+		t.Fatalf("the cache holds %d bytes after two loads, want about its capacity %d", pb, capacity)
+	}
+	tempsLeft, fetching := 0, 0
+	for round := range 12 {
+		c := startChild(t, rootB, prefix, p.Endpoint, strconv.FormatInt(capacity, 10), strconv.Itoa(fetchPages), "50ms")
+		conv := convs[round%len(convs)]
+		_, _, _, before := testutil.PageTree(t, rootB, ns)
+		stop := watchTree(t, rootB)
+		fmt.Fprintf(c.in, "load %d %d\n", conv[0], len(conv))
+		if err := c.in.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		// Killed once a fetch has a new temp file open (or after 3 s), a
+		// little later at random.
+		for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
+			if _, _, _, n := testutil.PageTree(t, rootB, ns); n > before {
+				fetching++
+				break
+			}
+		}
+		time.Sleep(time.Duration(5+rng.IntN(60)) * time.Millisecond)
+		c.kill()
+		peak := stop()
+		pb, tb, pages, temps := testutil.PageTree(t, rootB, ns)
+		tempsLeft += temps
+		if peak > bound || pb+tb > bound {
+			t.Fatalf("round %d: the page tree reached %d bytes (now %d in %d pages and %d in %d temp files), above capacity %d + %d admissions × %d",
+				round, peak, pb, pages, tb, temps, capacity, fetchPages, page)
+		}
+	}
+	t.Logf("12 kills, %d mid-fetch, left %d temp page files in all (summed over the rounds)", fetching, tempsLeft)
+	if fetching == 0 {
+		t.Fatal("no process was killed mid-fetch: the test shows nothing")
+	}
+	// The killed processes' reservations are dropped (they would otherwise
+	// fill the cache and make every later fetch a miss): a new engine
+	// fetches and loads a whole conversation.
+	b := newEngineCfg(t, rootB, prefix, newRecorder(t), func(rt *engine.RemoteTier) { rt.FetchPages = fetchPages },
+		func(c *engine.Config) { c.CapacityBytes = capacity })
+	res, kv := load(t, b, convs[2])
+	if res.Prefix.Tokens != len(convs[2]) || res.Remote.Err != nil {
+		t.Fatalf("after the kills a load got %d of %d tokens (remote report %+v)", res.Prefix.Tokens, len(convs[2]), res.Remote)
+	}
+	kv.checkLoaded(t, convs[2], len(convs[2]))
+	if pb, tb, _, _ := testutil.PageTree(t, rootB, ns); pb+tb > bound {
+		t.Fatalf("after the last load the page tree holds %d bytes, above %d", pb+tb, bound)
+	}
 }

@@ -31,22 +31,30 @@ import (
 const childEnv = "KVPERSIST_TIERTEST_CHILD"
 
 // uploaderChild opens an engine on root (args: root, endpoint, bucket,
-// prefix, access key, secret key) with the store's sync on, then runs
-// the commands read from stdin, printing "ok" after each:
+// prefix, access key, secret key, and optionally the page cache's
+// capacity in bytes, the tier's FetchPages and Config.TempGrace) with the
+// store's sync on, then runs the commands read from stdin, printing "ok"
+// after each:
 //
 //	save BASE N          saves the N tokens BASE, BASE+1, ... as a prefix
 //	write NAME BASE N    writes them as the page manifest NAME
+//	load BASE N          loads them (a read-through of what is remote)
 //
 // It never closes the engine: the test kills it.
 func uploaderChild(args []string) int {
-	if len(args) != 6 {
-		fmt.Fprintln(os.Stderr, "child: want root endpoint bucket prefix access secret")
+	if len(args) != 6 && len(args) != 9 {
+		fmt.Fprintln(os.Stderr, "child: want root endpoint bucket prefix access secret [capacity fetchpages tempgrace]")
 		return 2
 	}
 	cfg := engine.Config{Root: args[0], Logger: slog.New(slog.DiscardHandler), Remote: &engine.RemoteTier{
 		Store:            engine.RemoteConfig{Endpoint: args[1], Bucket: args[2], Prefix: args[3], AccessKey: args[4], SecretKey: args[5], MaxRetries: 1},
 		UploadBackoffMin: 20 * time.Millisecond, UploadBackoffMax: 300 * time.Millisecond,
 	}}
+	if len(args) == 9 {
+		cfg.CapacityBytes, _ = strconv.ParseInt(args[6], 10, 64)
+		cfg.Remote.FetchPages, _ = strconv.Atoi(args[7])
+		cfg.TempGrace, _ = time.ParseDuration(args[8])
+	}
 	e, err := engine.New(cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "child:", err)
@@ -62,6 +70,10 @@ func uploaderChild(args []string) int {
 			c := newKV(len(tokens) + 100)
 			c.fill(tokens)
 			res = e.Do(context.Background(), &engine.SavePrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, PageTokens: ptoks, Tensors: c.specs(len(tokens))})
+		case len(f) == 3 && f[0] == "load":
+			tokens := childTokens(f[1], f[2])
+			c := newKV(len(tokens) + 100)
+			res = e.Do(context.Background(), &engine.LoadPrefixRequest{Namespace: ns, Identity: ident, Tokens: tokens, PageTokens: ptoks, Dest: c.specs(len(tokens))})
 		case len(f) == 4 && f[0] == "write":
 			tokens := childTokens(f[2], f[3])
 			c := newKV(len(tokens))
@@ -100,9 +112,9 @@ type child struct {
 
 // startChild starts an uploaderChild on root whose store is endpoint. It
 // is killed at the test's end if the test did not kill it.
-func startChild(t *testing.T, root, prefix, endpoint string) *child {
+func startChild(t *testing.T, root, prefix, endpoint string, extra ...string) *child {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], root, endpoint, srv.Bucket, prefix, srv.AccessKey, srv.SecretKey)
+	cmd := exec.Command(os.Args[0], append([]string{root, endpoint, srv.Bucket, prefix, srv.AccessKey, srv.SecretKey}, extra...)...)
 	cmd.Env = append(os.Environ(), childEnv+"=1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	c := &child{t: t, cmd: cmd, err: &bytes.Buffer{}}
