@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/kvpersist/kvpersist/engine/layout"
@@ -139,6 +140,35 @@ func (e *Engine) LookupRemote(ctx context.Context, namespace, identity string, p
 		}
 	}
 	return PrefixHit{Local: local, Total: total}, rerr
+}
+
+// StatRemote is Stat through both tiers, so a caller on an engine that
+// lacks a snapshot the object store holds can still allocate destination
+// buffers before reading it: when the name is local it returns Stat's
+// answer; when it is missing locally and the engine has a remote tier, it
+// fetches the remote manifest (at most remote.MaxManifestBytes, into
+// memory), verifies it and returns its header, publishing nothing
+// locally. A ReadRequest of ref then reads through: it fetches the pages
+// the manifest names and publishes the manifest. Without a remote tier it
+// is Stat. It runs on the calling goroutine and costs a HEAD and a GET
+// when the name is only remote.
+//
+// Errors: those of Stat; ErrNotFound when neither tier holds the name;
+// otherwise the store's, wrapped (errors.Is ErrRemoteCorrupt for a
+// manifest that failed verification, or a *remote.OpError).
+func (e *Engine) StatRemote(ctx context.Context, ref Ref) (*Snapshot, error) {
+	snap, err := e.Stat(ref)
+	if e.tier == nil || !errors.Is(err, ErrNotFound) {
+		return snap, err
+	}
+	rsnap, rerr := e.tier.RemoteManifest(ctx, ref.Namespace, ref.Name)
+	if errors.Is(rerr, remote.ErrNotFound) {
+		return nil, err
+	}
+	if rerr != nil {
+		return nil, fmt.Errorf("engine: remote manifest of %s: %w", ref, rerr)
+	}
+	return rsnap, nil
 }
 
 // RemoteKnownPages returns how many pages the engine remembers as stored

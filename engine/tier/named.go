@@ -97,6 +97,23 @@ func (t *Tier) ReadNamed(ctx context.Context, ref jobs.Ref) (rep *Report, held [
 	return rep, held, true // published, or the name written meanwhile: read again
 }
 
+// RemoteManifest fetches and verifies the remote manifest of snapshot
+// name in namespace ns (Store.FetchManifest: at most
+// remote.MaxManifestBytes, verified by remote.VerifyManifest, into
+// memory) and returns it decoded; it publishes and records nothing
+// locally (a ReadRequest's read-through does that, ReadNamed). Errors:
+// remote.ErrNotFound when the store lacks it, remote.ErrBadName for an
+// invalid namespace or name, remote.ErrCorrupt, ErrTooLarge, ctx's or the
+// store's.
+func (t *Tier) RemoteManifest(ctx context.Context, ns, name string) (*layout.Snapshot, error) {
+	obj, err := t.st.ManifestName(ns, name)
+	if err != nil {
+		return nil, err
+	}
+	_, snap, err := t.st.FetchManifest(ctx, obj)
+	return snap, err
+}
+
 // fetchNamedPages fetches the pages of pl that the local index lacks or
 // whose file is gone (ReadNamed), through the tier's one fetcher: lookup
 // of them all, then a fetchRun that stops at the first failure. Nothing
