@@ -54,11 +54,16 @@ bench:
 ## soak: long concurrency soak and crash (SIGKILL) runs. First the serving
 ## loop at capacity under random SIGKILLs for SOAK_DURATION (its closing
 ## line gives the figures: kills, turns, evictions, pages verified), then
-## the other soak, crash and two-process tests in their long variants.
+## two processes sharing one root's capacity under random SIGKILLs for
+## SOAK_DURATION (its closing line: kills, saves, samples, the largest
+## on-disk total against the bound), then the other soak, crash and
+## two-process tests in their long variants.
 SOAK_DURATION ?= 5m
+SOAK_TIMED = ^(TestServingSoakSIGKILL|TestTwoProcessCapacitySoakSIGKILL)$$
 soak:
 	KVPERSIST_SOAK=long KVPERSIST_SOAK_DURATION=$(SOAK_DURATION) $(GO) test -race -timeout 60m -count=1 -v -run '^TestServingSoakSIGKILL$$' ./engine/
-	KVPERSIST_SOAK=long $(GO) test -race -timeout 60m -count=1 -skip '^TestServingSoakSIGKILL$$' -run 'Soak|Crash|TwoProcess' ./...
+	KVPERSIST_SOAK=long KVPERSIST_SOAK_DURATION=$(SOAK_DURATION) $(GO) test -race -timeout 60m -count=1 -v -run '^TestTwoProcessCapacitySoakSIGKILL$$' ./engine/
+	KVPERSIST_SOAK=long $(GO) test -race -timeout 60m -count=1 -skip '$(SOAK_TIMED)' -run 'Soak|Crash|TwoProcess' ./...
 
 ## fuzz: every fuzz target for FUZZTIME each.
 fuzz:

@@ -41,8 +41,9 @@
 // for that page too (jobs.Admission.Confirm; AdmitHeld does the same
 // around its write). After a few failed confirmations the save goes on,
 // and Settle accounts a lost page it wrote outside the reservation. A
-// reservation of a process that died is dropped once its pid is
-// gone. At Open the log gives only the others' reservations; pages come
+// reservation of a process that died is dropped once its pid is gone and
+// a sweep, under the namespace's exclusive lock, has counted the temp
+// page files and the unrecorded page files it left. At Open the log gives only the others' reservations; pages come
 // from the disk and recency from the checkpoints, which every cache writes
 // with the merged recency it holds. A page a process unlinked without its
 // record (a kill between the two, a collect) stays counted by the others
@@ -1616,7 +1617,7 @@ const sweepLockWait = 200 * time.Millisecond
 // sweepTemps removes and counts the temp page files of every namespace
 // (sweepNamespaceTemps). atOpen: no save of this cache is in flight yet.
 func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
-	pc.dropDeadOwners()
+	dead := pc.deadOwners()
 	names, _, err := pc.st.Namespaces(false)
 	if err != nil {
 		return
@@ -1625,7 +1626,11 @@ func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
 		if ctx.Err() != nil {
 			return
 		}
-		pc.sweepNamespaceTemps(ctx, ns, atOpen)
+		pc.sweepNamespaceTemps(ctx, ns, atOpen, dead[ns])
+		delete(dead, ns)
+	}
+	for ns, owners := range dead {
+		pc.dropOwners(ns, owners) // the namespace is gone, and its files
 	}
 }
 
@@ -1642,13 +1647,20 @@ func (pc *Cache) sweepTemps(ctx context.Context, atOpen bool) {
 // flight, counted twice until the next sweep: more eviction, never less);
 // later, the count is left as it was until the next sweep (the cache's own
 // writes in flight are covered by their reservations).
-func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool) {
+//
+// dead are the owners of reservations in ns whose process is gone
+// (deadOwners). Their reservations stay counted until a sweep holds the
+// exclusive lock: then their temp page files are counted here and the
+// page files they renamed into place without a page log record (killed
+// between the two) are added by Resync, and only then are the
+// reservations dropped, so that no moment counts neither.
+func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool, dead []uint64) {
 	n, err := pc.st.Namespace(ns)
 	if err != nil {
 		return
 	}
 	l, err := n.ListPages()
-	if err != nil || len(l.Temps) == 0 {
+	if err != nil || (len(l.Temps) == 0 && len(dead) == 0) {
 		if err == nil {
 			pc.setTempBytes(ns, 0)
 		}
@@ -1689,6 +1701,10 @@ func (pc *Cache) sweepNamespaceTemps(ctx context.Context, ns string, atOpen bool
 		left += allocated(fi)
 	}
 	pc.setTempBytes(ns, left)
+	if len(dead) > 0 {
+		pc.Resync(ns)
+		pc.dropOwners(ns, dead)
+	}
 	if removed > 0 {
 		pc.log.Info("kvpersist: page cache: removed temp page files left by a write that did not finish", "namespace", ns, "files", removed)
 	}
@@ -1731,11 +1747,12 @@ func (pc *Cache) otherReserved(owner uint64, ns string, delta int64) {
 // whose pid was reused, or a closed cache's).
 var liveOwners sync.Map
 
-// dropDeadOwners forgets the reservations of caches whose process is gone
-// (they will never release them).
-func (pc *Cache) dropDeadOwners() {
+// deadOwners are, per namespace, the other caches holding reservations
+// counted here whose process is gone (they will never release them).
+func (pc *Cache) deadOwners() map[string][]uint64 {
 	pc.extMu.Lock()
-	var nss []string
+	defer pc.extMu.Unlock()
+	dead := map[string][]uint64{}
 	for owner, m := range pc.otherRes {
 		if pid := int(owner >> 32); pid == os.Getpid() {
 			if _, live := liveOwners.Load(owner); live {
@@ -1745,14 +1762,24 @@ func (pc *Cache) dropDeadOwners() {
 			continue
 		}
 		for ns := range m {
-			nss = append(nss, ns)
+			dead[ns] = append(dead[ns], owner)
 		}
-		delete(pc.otherRes, owner)
+	}
+	return dead
+}
+
+// dropOwners forgets the reservations of owners in namespace ns.
+func (pc *Cache) dropOwners(ns string, owners []uint64) {
+	pc.extMu.Lock()
+	for _, owner := range owners {
+		if m := pc.otherRes[owner]; m != nil {
+			if delete(m, ns); len(m) == 0 {
+				delete(pc.otherRes, owner)
+			}
+		}
 	}
 	pc.extMu.Unlock()
-	for _, ns := range nss {
-		pc.extBytes(ns)
-	}
+	pc.extBytes(ns)
 }
 
 // extBytes gives the policy namespace ns's bytes that are not its pages

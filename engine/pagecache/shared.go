@@ -37,7 +37,9 @@ import (
 // before it creates a file, and their release after it committed the
 // pages; the others count them (with the temp page files of dead writers:
 // evict.Cache.SetTempBytes) until released, or until the owner's process
-// is found gone (a sweep, kill(pid, 0)). So each cache's used bytes are
+// is found gone (a sweep, kill(pid, 0)) and a sweep holding the
+// namespace's exclusive lock has counted the temp page files it left and
+// added the page files it renamed without a record. So each cache's used bytes are
 // the root's page files and the others' writes in flight, and its Reserve
 // keeps them with its own reservations within its capacity: the page files
 // of the root stay within D ≤ C + S × P + E, S counting the saves in
