@@ -15,8 +15,8 @@ import (
 // docBudgets are the size limits, in bytes, of the documents a newcomer
 // reads first. Detail goes to docs/ (formats, operating, performance).
 var docBudgets = map[string]int64{
-	"README.md":       20 << 10,
-	"ARCHITECTURE.md": 40 << 10,
+	"README.md":       20_000,
+	"ARCHITECTURE.md": 40_000,
 }
 
 func TestDocSizes(t *testing.T) {
