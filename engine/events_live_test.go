@@ -20,6 +20,15 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 )
 
+// liveBatch is an EventBatch [ts, events, dp_rank] as the tests decode it
+// (own types), its events left raw.
+type liveBatch struct {
+	_      struct{} `msgpack:",array"`
+	TS     float64
+	Events []msgpack.RawMessage
+	Rank   int
+}
+
 // liveStored is a BlockStored as the tests decode it (own types, vLLM's
 // positional form).
 type liveStored struct {
@@ -67,12 +76,7 @@ func (l *eventLog) add(t *testing.T, m zmq4.Msg) {
 		t.Fatalf("message of %d frames", len(m.Frames))
 	}
 	l.seqs = append(l.seqs, binary.BigEndian.Uint64(m.Frames[1]))
-	var b struct {
-		_      struct{} `msgpack:",array"`
-		TS     float64
-		Events []msgpack.RawMessage
-		Rank   int
-	}
+	var b liveBatch
 	if err := msgpack.Unmarshal(m.Frames[2], &b); err != nil {
 		t.Fatal(err)
 	}

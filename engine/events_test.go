@@ -31,27 +31,12 @@ func freeAddr(t *testing.T) string {
 // types, vLLM's positional form) into hash → tokens.
 func storedHashes(t *testing.T, payload []byte, into map[uint64][]uint32) {
 	t.Helper()
-	var b struct {
-		_      struct{} `msgpack:",array"`
-		TS     float64
-		Events []msgpack.RawMessage
-		Rank   int
-	}
+	var b liveBatch
 	if err := msgpack.Unmarshal(payload, &b); err != nil {
 		t.Fatal(err)
 	}
 	for _, raw := range b.Events {
-		var ev struct {
-			_         struct{} `msgpack:",array"`
-			Tag       string
-			Hashes    []uint64
-			Parent    *uint64
-			Tokens    []uint32
-			BlockSize int
-			LoraID    *int
-			Medium    *string
-			LoraName  *string
-		}
+		var ev liveStored
 		if err := msgpack.Unmarshal(raw, &ev); err != nil || ev.Tag != "BlockStored" {
 			t.Fatalf("event %q: %v", ev.Tag, err)
 		}
