@@ -19,6 +19,25 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
+// openRefusingDirect opens path with O_DIRECT through a fault FS set as
+// cfg.FS, whose first direct ReadAt then fails with EINVAL (the refusal
+// some file systems give); the source is closed at the test's end.
+func openRefusingDirect(t *testing.T, cfg *readio.Config, path string) (*readio.Source, *testutil.FaultFS) {
+	t.Helper()
+	ffs := testutil.NewFaultFS(nil)
+	cfg.FS = ffs
+	src, err := readio.OpenSource(cfg, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { src.Close() })
+	if !src.Direct() {
+		t.Fatal("source not opened with O_DIRECT")
+	}
+	ffs.Inject(testutil.Fault{Op: testutil.OpReadAt, Nth: 1, Err: syscall.EINVAL})
+	return src, ffs
+}
+
 // randomFile writes n random bytes to dir/name, evicts it from the page
 // cache and returns them.
 func randomFile(t *testing.T, rng *rand.Rand, dir, name string, n int) (string, []byte) {
@@ -183,17 +202,8 @@ func TestReadFallsBackWhenDirectReadRefused(t *testing.T) {
 	dir := testutil.DirectDir(t)
 	rng := rand.New(rand.NewPCG(9, 10))
 	path, data := randomFile(t, rng, dir, "f", 2*readio.ReadChunkBytes+4096)
-	ffs := testutil.NewFaultFS(nil)
-	cfg := &readio.Config{FS: ffs}
-	src, err := readio.OpenSource(cfg, path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	if !src.Direct() {
-		t.Fatal("source not opened with O_DIRECT")
-	}
-	ffs.Inject(testutil.Fault{Op: testutil.OpReadAt, Nth: 1, Err: syscall.EINVAL})
+	cfg := &readio.Config{}
+	src, ffs := openRefusingDirect(t, cfg, path)
 	x := []readio.Extent{{Src: src, Dst: make([]byte, len(data)), Group: -1, Verify: readio.VerifySHA256, SHA256: sha256.Sum256(data)}}
 	errs, st, err := readio.Read(context.Background(), cfg, x, nil)
 	if err != nil || errs[0] != nil || !bytes.Equal(x[0].Dst, data) {

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"syscall"
 	"testing"
 
 	"github.com/kvpersist/kvpersist/engine/gather"
@@ -206,17 +205,8 @@ func TestReadViewFallsBack(t *testing.T) {
 	dir := testutil.DirectDir(t)
 	rng := rand.New(rand.NewPCG(25, 26))
 	path, data := randomFile(t, rng, dir, "f", 3*readio.ReadChunkBytes)
-	ffs := testutil.NewFaultFS(nil)
-	cfg := &readio.Config{FS: ffs, ReadDepth: 1}
-	src, err := readio.OpenSource(cfg, path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	if !src.Direct() {
-		t.Fatal("source not opened with O_DIRECT")
-	}
-	ffs.Inject(testutil.Fault{Op: testutil.OpReadAt, Nth: 1, Err: syscall.EINVAL})
+	cfg := &readio.Config{ReadDepth: 1}
+	src, ffs := openRefusingDirect(t, cfg, path)
 	d := randomViewDst(rng)
 	for d.view.Bytes() > len(data) || d.view.RunElements()*2 < readio.MinRunBytes {
 		d = randomViewDst(rng)
