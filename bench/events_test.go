@@ -4,7 +4,9 @@ import (
 	"context"
 	"net"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/go-zeromq/zmq4"
 	"github.com/kvpersist/kvpersist/engine"
@@ -46,21 +48,21 @@ func BenchmarkPrefixEvents(b *testing.B) {
 	if err := sub.SetOption(zmq4.OptionSubscribe, ""); err != nil {
 		b.Fatal(err)
 	}
-	received := make(chan int)
+	var received atomic.Int64 // batches the subscriber got
+	done := make(chan struct{})
 	go func() {
-		n := 0
+		defer close(done)
 		for {
 			if _, err := sub.Recv(); err != nil {
-				received <- n
 				return
 			}
-			n++
+			received.Add(1)
 		}
 	}()
 	defer func() {
 		cancel()
 		sub.Close()
-		<-received
+		<-done
 	}()
 
 	req := savePrefixReq(w.cache, tokenIDs(prefixTokens, 1))
@@ -86,7 +88,18 @@ func BenchmarkPrefixEvents(b *testing.B) {
 	b.SetBytes(written)
 	m.report(b, written)
 	m.reportExtra(b, written)
-	if st, _ := on.EventStats(); st.Dropped > 0 {
-		b.Logf("%d events dropped", st.Dropped)
+	// The "on" side counts only if its events reached the subscriber:
+	// none dropped, and the batches sent arrive (the first may precede the
+	// subscription, as with any ZMQ subscriber that joins late).
+	st, _ := on.EventStats()
+	if st.Dropped > 0 {
+		b.Fatalf("%d events dropped", st.Dropped)
 	}
+	for deadline := time.Now().Add(10 * time.Second); received.Load() < int64(st.Batches) && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if received.Load() == 0 || st.Batches == 0 {
+		b.Fatalf("the subscriber received %d of %d batches", received.Load(), st.Batches)
+	}
+	b.ReportMetric(float64(received.Load())/float64(st.Batches), "received/sent")
 }
