@@ -8,6 +8,7 @@ import (
 	"hash/crc32"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvpersist/kvpersist/engine/evict"
@@ -166,7 +167,11 @@ type pageLog struct {
 	fs   vfs.FS
 	path string
 
-	mu     sync.Mutex // serialises reads (offset, gen) and appends of this cache
+	mu sync.Mutex // serialises reads (offset, gen) and appends of this cache
+	// ready: the log was found with its header. A header, once written,
+	// stays (compaction publishes a new log with one), so appends skip
+	// ensure's read of it until an append finds none (the log deleted).
+	ready  atomic.Bool
 	gen    uint64
 	offset int64
 	buf    []byte
@@ -209,11 +214,14 @@ func (l *pageLog) append(recs []logRecord) (compact bool, err error) {
 
 // ensure creates the log when it has no header yet.
 func (l *pageLog) ensure() error {
-	_, size, err := l.header()
-	if err != nil || size >= pageLogHeader {
+	if l.ready.Load() {
+		return nil
+	}
+	if err := l.create(); err != nil {
 		return err
 	}
-	return l.create()
+	l.ready.Store(true)
+	return nil
 }
 
 // exclusive runs fn under the log's exclusive flock and appends the records
@@ -258,6 +266,7 @@ func (l *pageLog) appendHeld(recs []logRecord) (compact bool, err error) {
 		return false, err
 	}
 	if fi.Size() < pageLogHeader {
+		l.ready.Store(false) // the next append creates it again
 		return false, errors.New("pagecache: " + l.path + " has no page log header")
 	}
 	if _, err := f.Write(b); err != nil {
